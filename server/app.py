@@ -1,0 +1,92 @@
+"""The aiohttp application: routes, the one error boundary, and request metrics.
+
+Every handler raises ``server.errors`` exceptions; ``error_boundary`` is the single place
+where they (and aiohttp's own HTTP errors, and any bug) become responses: AIStore-style JSON
+on the native API, S3 XML under the S3 API (a route marks its requests with ``API_KEY``).
+HEAD replies carry no body, so the message goes into the ``Ais-Error`` header instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from server import native
+from server.config import ServerConfig
+from server.errors import RangeNotSatisfiable, StoreError
+from server.metrics import Metrics
+from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
+from server.store import Store
+
+log = logging.getLogger(__name__)
+
+def _error_response(request: web.Request, status: int, message: str, extra: dict | None = None) -> web.Response:
+    headers = dict(extra or {})
+    if request.get(API_KEY) == "s3":
+        from server import s3  # S3 errors are XML documents
+
+        return s3.error_response(request, status, message, headers)
+    if request.method == "HEAD":
+        headers["Ais-Error"] = message.encode("ascii", "backslashreplace").decode()[:512]
+        return web.Response(status=status, headers=headers)
+    body = json.dumps({"message": message, "method": request.method,
+                       "url_path": request.path, "status": status})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def error_boundary(request: web.Request, handler):
+    started = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except StoreError as e:
+        status = e.status
+        extra = {"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable) else None
+        if status >= 500:
+            log.error("%s %s: %s", request.method, request.path, e.message)
+        return _error_response(request, status, e.message, extra)
+    except web.HTTPException as e:
+        status = e.status
+        if status < 400:
+            raise
+        return _error_response(request, status, e.reason if not e.text or e.text.startswith(str(status)) else e.text)
+    except (ConnectionResetError, ConnectionError) as e:
+        status = 499  # client went away mid-response; nothing to send
+        log.debug("%s %s: client disconnected: %s", request.method, request.path, e)
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(request, 500, "internal server error")
+    finally:
+        metrics: Metrics = request.app[METRICS]
+        op = request.get(OP_KEY, "other")
+        metrics.requests.labels(op, str(status)).inc()
+        metrics.latency.labels(op).observe(time.perf_counter() - started)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    request[OP_KEY] = "metrics"
+    body = request.app[METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def build_app(config: ServerConfig, store: Store | None = None) -> web.Application:
+    store = store or Store(config.data_dirs, config.chunk_size_bytes)
+    # client_max_size caps every body read whole (JSON requests); object PUTs are streamed.
+    app = web.Application(middlewares=[error_boundary], client_max_size=config.max_json_bytes)
+    app[CONFIG] = config
+    app[STORE] = store
+    app[METRICS] = Metrics()
+    app.router.add_get("/metrics", metrics_handler)
+    native.add_routes(app)
+    from server import getbatch, s3
+
+    getbatch.add_routes(app)
+    s3.add_routes(app)  # last: it claims the root path-style namespace
+    return app

@@ -1,0 +1,56 @@
+"""The server's exception tree; the HTTP layer turns each into one status code.
+
+    StoreError                 (500, base)
+    ├── BadRequest             (400) malformed input: names, ranges, bodies, fields
+    │   └── PayloadTooLarge    (413) a body over its configured cap
+    ├── NotFound               (404) bucket, object, or shard member missing
+    ├── Conflict               (409) bucket already exists
+    ├── RangeNotSatisfiable    (416) a range outside the object
+    ├── TooManyRequests        (429) admission control refused new work
+    └── CorruptData            (500) stored bytes fail their checksum, or a shard is unreadable
+
+Handlers raise these; exactly one middleware (``server.app``) formats them as AIStore-style
+JSON (or an S3 XML error under the S3 API). Anything else is a bug and becomes a logged 500.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(StoreError):
+    status = 400
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class NotFound(StoreError):
+    status = 404
+
+
+class Conflict(StoreError):
+    status = 409
+
+
+class RangeNotSatisfiable(StoreError):
+    status = 416
+
+    def __init__(self, message: str, size: int):
+        super().__init__(message)
+        self.size = size
+
+
+class TooManyRequests(StoreError):
+    status = 429
+
+
+class CorruptData(StoreError):
+    status = 500

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one node, in a registry owned by the app (no process globals).
+
+Request metrics are labelled by operation (``get``, ``put``, ``head``, ``list``, ``getbatch``,
+``s3_get`` …). GetBatch counters reuse AIStore's names so dashboards carry over; as
+Prometheus counters they are exposed with the ``_total`` suffix (``getbatch_n_total``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("batchfs_requests", "HTTP requests by operation and status",
+                                ["op", "status"], registry=r)
+        self.latency = Histogram("batchfs_request_seconds", "Time to the end of the response",
+                                 ["op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.bytes_out = Counter("batchfs_sent_bytes", "Response body bytes sent", ["op"], registry=r)
+        self.bytes_in = Counter("batchfs_received_bytes", "Object bytes received by PUTs", registry=r)
+        # GetBatch, with AIStore's names
+        self.gb_n = Counter("getbatch_n", "GetBatch requests served", registry=r)
+        self.gb_obj_n = Counter("getbatch_obj_n", "Whole objects (or object ranges) delivered", registry=r)
+        self.gb_file_n = Counter("getbatch_file_n", "Members extracted from shards and delivered", registry=r)
+        self.gb_obj_size = Counter("getbatch_obj_size", "Bytes of objects delivered", registry=r)
+        self.gb_file_size = Counter("getbatch_file_size", "Bytes of shard members delivered", registry=r)
+        self.gb_rxwait_ns = Counter("getbatch_rxwait_ns", "Time the assembler waited for entry reads", registry=r)
+        self.gb_throttle_ns = Counter("getbatch_throttle_ns", "Time requests slept under load", registry=r)
+        self.gb_err_n = Counter("err_getbatch_n", "GetBatch requests failed (incl. 429)", registry=r)
+        self.gb_soft_err_n = Counter("err_soft_getbatch_n", "Missing entries tolerated under coer", registry=r)
+        self.gb_rejected_n = Counter("getbatch_rejected_n", "GetBatch requests refused with 429", registry=r)
+        self.gb_pending = Gauge("getbatch_pending", "GetBatch requests in progress", registry=r)
+        self.gb_buffered = Gauge("getbatch_buffered_bytes", "Bytes read ahead and not yet sent", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

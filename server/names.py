@@ -1,0 +1,77 @@
+"""Validation of bucket names, object names and byte ranges.
+
+Object names are opaque keys but must be safe to echo into TAR member names and to compare
+as paths: no empty, ``.`` or ``..`` segments, no NUL or control characters, no leading ``/``.
+Validation happens once at the API edge; the store trusts what reaches it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from server.errors import BadRequest, RangeNotSatisfiable
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+MAX_OBJNAME_BYTES = 1024
+
+
+def check_bucket(name: str) -> str:
+    if not _BUCKET_RE.match(name or "") or ".." in name:
+        raise BadRequest(f"invalid bucket name {name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
+    return name
+
+
+def check_objname(name: str) -> str:
+    if not name:
+        raise BadRequest("empty object name")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_OBJNAME_BYTES:
+        raise BadRequest(f"object name longer than {MAX_OBJNAME_BYTES} bytes")
+    if name.startswith("/"):
+        raise BadRequest(f"object name {name!r} starts with '/'")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise BadRequest(f"object name {name!r} contains a NUL or control character")
+    # a single trailing '/' (a "directory marker" object, as S3 tools create) is allowed
+    body = name[:-1] if name.endswith("/") else name
+    if not body or any(seg in ("", ".", "..") for seg in body.split("/")):
+        raise BadRequest(f"object name {name!r} has an empty, '.' or '..' segment")
+    return name
+
+
+def check_member_path(archpath: str) -> str:
+    """An archpath names a member inside a shard; it may not escape the shard's root."""
+    p = archpath[2:] if archpath.startswith("./") else archpath
+    if not p or p.startswith("/") or "\x00" in p:
+        raise BadRequest(f"invalid archpath {archpath!r}")
+    if any(seg == ".." for seg in p.split("/")):
+        raise BadRequest(f"archpath {archpath!r} escapes its shard")
+    return p
+
+
+def parse_range(header: str, size: int) -> tuple[int, int]:
+    """Parse one HTTP byte range (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``) into [start, end).
+
+    Multiple ranges are refused (400): neither the SDK nor the mount sends them.
+    """
+    h = header.strip()
+    if not h.startswith("bytes="):
+        raise BadRequest(f"invalid Range header {header!r}")
+    spec = h[6:].strip()
+    if "," in spec:
+        raise BadRequest("multiple ranges are not supported")
+    first, sep, last = spec.partition("-")
+    if not sep:
+        raise BadRequest(f"invalid Range header {header!r}")
+    if not (first.isdigit() or first == "") or not (last.isdigit() or last == "") or first == last == "":
+        raise BadRequest(f"invalid Range header {header!r}")
+    if first == "":
+        n = int(last)
+        if n == 0 or size == 0:
+            raise RangeNotSatisfiable(f"range {header!r} not satisfiable for size {size}", size)
+        return max(0, size - n), size
+    start = int(first)
+    end = int(last) + 1 if last else size
+    if last and end <= start:
+        raise BadRequest(f"invalid Range header {header!r}: last byte before first")
+    if start >= size:
+        raise RangeNotSatisfiable(f"range {header!r} not satisfiable for size {size}", size)
+    return start, min(end, size)

@@ -1,0 +1,221 @@
+"""The native AIStore-compatible API: health, buckets, objects (see reference/getbatch-wire.md).
+
+Small reads are served inline from one ``pread`` (verified against the chunk checksum);
+larger ones stream with ``sendfile`` chunk file by chunk file, so a GiB object costs no
+userspace copies and a bounded amount of memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import os
+
+import msgpack
+from aiohttp import web
+
+from server.errors import BadRequest
+from server.names import check_bucket, check_objname, parse_range
+from server.state import CONFIG, METRICS, OP_KEY, STORE, read_json
+from server.store import CKSUM_TYPE, ObjectMeta, OpenObject
+
+INLINE_READ_MAX = 256 * 1024  # below this a read is one pread on the event loop (page cache)
+PUT_INLINE_MAX = 256 * 1024  # bodies up to this are read whole and written in one thread hop
+PUT_PIECE = 1024 * 1024  # larger bodies are written in pieces of this size
+LIST_PAGE_DEFAULT = 10_000  # AIStore's default page for its own buckets
+LIST_PAGE_MAX = 10_000
+
+KNOWN_PROPS = {"name", "size", "checksum", "atime", "version", "copies", "custom", "location",
+               "chunked", "ec", "present", "provider", "bucket"}
+
+
+def _atime_text(ns: int) -> str:
+    return email.utils.formatdate(ns / 1e9, usegmt=True)
+
+
+def object_headers(meta: ObjectMeta) -> dict[str, str]:
+    h = {
+        "Ais-Checksum-Type": CKSUM_TYPE,
+        "Ais-Checksum-Value": meta.cksum,
+        "Ais-Atime": str(meta.atime_ns),
+        "Ais-Version": str(meta.version),
+        "ETag": f'"{meta.etag}"',
+        "Last-Modified": _atime_text(meta.atime_ns),
+        "Accept-Ranges": "bytes",
+    }
+    if meta.chunked:
+        h["Ais-Chunks-Count"] = str(len(meta.chunks))
+        h["Ais-Chunks-Max-Chunk-Size"] = str(meta.chunk_size)
+    return h
+
+
+def _names(request: web.Request) -> tuple[str, str]:
+    return check_bucket(request.match_info["bucket"]), check_objname(request.match_info["obj"])
+
+
+async def health(request: web.Request) -> web.Response:
+    request[OP_KEY] = "health"
+    return web.Response(text="")
+
+
+# -- buckets --------------------------------------------------------------------------------
+async def list_buckets(request: web.Request) -> web.Response:
+    request[OP_KEY] = "list_buckets"
+    store = request.app[STORE]
+    return web.json_response([{"name": b, "provider": "ais", "namespace": {"uuid": "", "name": ""}}
+                              for b in sorted(store.buckets)])
+
+
+async def bucket_post(request: web.Request) -> web.Response:
+    request[OP_KEY] = "bucket_action"
+    bucket = check_bucket(request.match_info["bucket"])
+    msg = await read_json(request)
+    action = msg.get("action") if isinstance(msg, dict) else None
+    if action != "create-bck":
+        raise BadRequest(f"unsupported bucket action {action!r}")
+    store = request.app[STORE]
+    await asyncio.to_thread(store.create_bucket, bucket)
+    return web.Response(text="")
+
+
+async def bucket_head(request: web.Request) -> web.Response:
+    request[OP_KEY] = "head_bucket"
+    bucket = check_bucket(request.match_info["bucket"])
+    request.app[STORE].require_bucket(bucket)
+    return web.Response(headers={"Ais-Bucket-Props": '{"provider":"ais"}'})
+
+
+async def bucket_delete(request: web.Request) -> web.Response:
+    request[OP_KEY] = "destroy_bucket"
+    bucket = check_bucket(request.match_info["bucket"])
+    await asyncio.to_thread(request.app[STORE].destroy_bucket, bucket)
+    return web.Response(text="")
+
+
+async def list_objects(request: web.Request) -> web.Response:
+    """``GET /v1/buckets/B`` with ``{"action":"list","value":{...}}``: one msgpack page."""
+    request[OP_KEY] = "list"
+    bucket = check_bucket(request.match_info["bucket"])
+    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
+    if not isinstance(msg, dict) or msg.get("action") not in ("list", None):
+        raise BadRequest("expected a list action in the request body")
+    value = msg.get("value") or {}
+    if not isinstance(value, dict):
+        raise BadRequest("list action value must be an object")
+    prefix = value.get("prefix") or ""
+    token = value.get("continuation_token") or value.get("start_after") or ""
+    pagesize = value.get("pagesize") or LIST_PAGE_DEFAULT
+    if not isinstance(pagesize, int) or pagesize < 0 or not isinstance(prefix, str) or not isinstance(token, str):
+        raise BadRequest("invalid list parameters")
+    store = request.app[STORE]
+    page, next_token = await asyncio.to_thread(store.list_page, bucket, prefix, token, min(pagesize, LIST_PAGE_MAX))
+    entries = [{"n": m.name, "s": m.size, "cs": m.cksum, "a": _atime_text(m.atime_ns), "v": str(m.version),
+                "c": 1, "f": 64} for m in page]
+    reply = {"UUID": value.get("uuid") or "", "ContinuationToken": next_token, "Entries": entries, "Flags": 0}
+    if request.headers.get("Accept", "").startswith("application/json"):
+        return web.json_response(reply)
+    # exactly this content type: the SDK picks its decoder by it
+    return web.Response(body=msgpack.packb(reply), headers={"Content-Type": "application/msgpack"})
+
+
+# -- objects --------------------------------------------------------------------------------
+async def put_object(request: web.Request) -> web.Response:
+    request[OP_KEY] = "put"
+    bucket, name = _names(request)
+    store = request.app[STORE]
+    writer = store.writer(bucket, name)
+    try:
+        length = request.content_length
+        if length is not None and length <= PUT_INLINE_MAX:
+            data = await request.content.readexactly(length) if length else b""
+
+            def write_all() -> ObjectMeta:
+                writer.write(data)
+                return writer.commit()
+
+            meta = await asyncio.to_thread(write_all)
+        else:
+            async for piece in request.content.iter_chunked(PUT_PIECE):
+                await asyncio.to_thread(writer.write, piece)
+            meta = await asyncio.to_thread(writer.commit)
+    except BaseException:
+        await asyncio.shield(asyncio.to_thread(writer.abort))
+        raise
+    request.app[METRICS].bytes_in.inc(meta.size)
+    return web.Response(text="", headers=object_headers(meta))
+
+
+async def head_object(request: web.Request) -> web.Response:
+    request[OP_KEY] = "head"
+    bucket, name = _names(request)
+    props = [p for p in request.query.get("props", "").split(",") if p]
+    unknown = set(props) - KNOWN_PROPS
+    if unknown:
+        raise BadRequest(f"unknown object properties: {', '.join(sorted(unknown))}")
+    meta = request.app[STORE].lookup(bucket, name)
+    headers = object_headers(meta)
+    headers.update({"Content-Length": str(meta.size), "Ais-Present": "true", "Ais-Name": name,
+                    "Ais-Bucket-Name": bucket, "Ais-Bucket-Provider": "ais",
+                    "Ais-Mirror-Copies": "1", "Content-Type": "application/octet-stream"})
+    return web.Response(headers=headers)
+
+
+async def get_object(request: web.Request) -> web.StreamResponse:
+    request[OP_KEY] = "get"
+    bucket, name = _names(request)
+    obj = request.app[STORE].open(bucket, name)
+    try:
+        return await send_object(request, obj)
+    finally:
+        obj.close()
+
+
+async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict | None = None) -> web.StreamResponse:
+    """Reply with an open object (honouring ``Range``); shared by the native and S3 GETs."""
+    meta = obj.meta
+    headers = object_headers(meta) | (extra_headers or {})
+    headers["Content-Type"] = "application/octet-stream"
+    start, end, status = 0, meta.size, 200
+    if "Range" in request.headers:
+        start, end = parse_range(request.headers["Range"], meta.size)
+        status = 206
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{meta.size}"
+    metrics = request.app[METRICS]
+    metrics.bytes_out.labels(request.get(OP_KEY, "get")).inc(end - start)
+    if end - start <= INLINE_READ_MAX:
+        return web.Response(status=status, body=obj.pread(start, end), headers=headers)
+    resp = web.StreamResponse(status=status, headers=headers)
+    resp.content_length = end - start
+    await resp.prepare(request)
+    loop = asyncio.get_running_loop()
+    transport = request.transport
+    for _, fd, off, count in obj.segments(start, end):
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client disconnected")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            await loop.sendfile(transport, f, off, count)
+    await resp.write_eof()
+    return resp
+
+
+async def delete_object(request: web.Request) -> web.Response:
+    request[OP_KEY] = "delete"
+    bucket, name = _names(request)
+    await asyncio.to_thread(request.app[STORE].delete, bucket, name)
+    return web.Response(text="")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/health", health)
+    r.add_get("/v1/buckets", list_buckets)
+    r.add_get("/v1/buckets/", list_buckets)
+    r.add_post("/v1/buckets/{bucket}", bucket_post)
+    r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
+    r.add_head("/v1/buckets/{bucket}", bucket_head)
+    r.add_delete("/v1/buckets/{bucket}", bucket_delete)
+    obj = "/v1/objects/{bucket}/{obj:.+}"
+    r.add_put(obj, put_object)
+    r.add_get(obj, get_object, allow_head=False)
+    r.add_head(obj, head_object)
+    r.add_delete(obj, delete_object)

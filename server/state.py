@@ -1,0 +1,39 @@
+"""Typed keys for what the application and each request carry, and small request helpers
+shared by the API modules (JSON bodies under a cap, operation labels)."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from server.config import ServerConfig
+from server.errors import BadRequest, PayloadTooLarge
+from server.metrics import Metrics
+from server.store import Store
+
+CONFIG = web.AppKey("config", ServerConfig)
+STORE = web.AppKey("store", Store)
+METRICS = web.AppKey("metrics", Metrics)
+
+API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
+OP_KEY = "batchfs.op"  # request key: operation label for metrics
+
+
+async def read_json(request: web.Request, *, required: bool = True):
+    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else."""
+    cap = request.app[CONFIG].max_json_bytes
+    if request.content_length is not None and request.content_length > cap:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {cap}-byte cap")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds the {cap}-byte cap") from None
+    if not raw.strip():
+        if required:
+            raise BadRequest("missing JSON request body")
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON request body: {e}") from None

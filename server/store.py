@@ -1,0 +1,477 @@
+"""The object store: buckets and objects on one or more mountpaths (data directories).
+
+Layout of each mountpath ``M``::
+
+    M/.batchfs/id                 stable mountpath id (placement survives reordering --data)
+    M/.batchfs/catalog.sqlite     buckets and the metadata of objects whose home is M
+    M/.batchfs/tmp/               PUTs in progress (removed at startup)
+    M/objs/<bucket>/<h2>/<h>.<tag>[.<i>]   object data, chunk i of one version
+
+Placement is rendezvous (HRW) hashing of ``bucket/name`` over mountpath ids: that picks the
+object's home (catalog row and chunk 0). Chunk i > 0 of a large object is placed by hashing
+``bucket/name#i``, so a large object's chunks spread over every disk. Chunk locations are
+recorded in the catalog row, so adding a mountpath never loses an object (lookups fall back
+to the other catalogs when the home has no row).
+
+Invariants:
+- A PUT writes every chunk to a temp file, fsyncs, renames to a name unique to this version
+  (the tag), fsyncs the directory, and only then commits the catalog row (SQLite WAL,
+  synchronous=FULL). The old version's files are unlinked after the commit. A crash at any
+  point leaves the old object or none visible, never a partial one; orphans are harmless.
+- Checksums are xxhash64 of the whole object (AIStore's default family, ~10 GB/s, so reads
+  of whole small objects are verified for free) plus one per chunk.
+- Listing is a merge of per-mountpath index scans (ORDER BY name LIMIT page): memory per
+  request is O(page size × mountpaths), whatever the bucket holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import io
+import itertools
+import json
+import logging
+import os
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+from server.errors import Conflict, CorruptData, NotFound
+
+log = logging.getLogger(__name__)
+
+CKSUM_TYPE = "xxhash"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS buckets(name TEXT PRIMARY KEY, created_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS objects(
+    bucket TEXT NOT NULL, name TEXT NOT NULL, size INTEGER NOT NULL, cksum TEXT NOT NULL,
+    version INTEGER NOT NULL, atime_ns INTEGER NOT NULL, chunk_size INTEGER NOT NULL,
+    tag TEXT NOT NULL, chunks TEXT NOT NULL,
+    PRIMARY KEY (bucket, name)) WITHOUT ROWID;
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    mp: str  # mountpath id
+    size: int
+    cksum: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectMeta:
+    bucket: str
+    name: str
+    size: int
+    cksum: str
+    version: int
+    atime_ns: int
+    chunk_size: int  # 0: stored as one file
+    tag: str
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_size > 0
+
+    @property
+    def etag(self) -> str:
+        return f"{self.cksum}-{self.version}"
+
+
+def _hrw(key: str, ids: list[str]) -> str:
+    """Rendezvous hashing: the id with the highest hash of (id, key) wins."""
+    return max(ids, key=lambda mp_id: xxhash.xxh64_intdigest(f"{mp_id}/{key}".encode()))
+
+
+def _row_to_meta(row) -> ObjectMeta:
+    bucket, name, size, cksum, version, atime_ns, chunk_size, tag, chunks = row
+    return ObjectMeta(bucket, name, size, cksum, version, atime_ns, chunk_size, tag,
+                      tuple(Chunk(*c) for c in json.loads(chunks)))
+
+
+class Mountpath:
+    """One data directory: its id, catalog connections and data tree."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        meta = root / ".batchfs"
+        (meta / "tmp").mkdir(parents=True, exist_ok=True)
+        for stale in (meta / "tmp").iterdir():  # PUTs interrupted by a crash
+            stale.unlink(missing_ok=True)
+        id_file = meta / "id"
+        if not id_file.exists():
+            tmp = meta / "tmp" / "id"
+            tmp.write_text(secrets.token_hex(8))
+            os.replace(tmp, id_file)
+        self.id = id_file.read_text().strip()
+        self.tmp = meta / "tmp"
+        self.objs = root / "objs"
+        self._db_path = meta / "catalog.sqlite"
+        self._local = threading.local()
+        self.write_lock = threading.Lock()
+        with self.write_lock:
+            self._wdb = self._connect()
+            self._wdb.executescript(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self._db_path, isolation_level=None, check_same_thread=False, timeout=60)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    def reader(self) -> sqlite3.Connection:
+        """A connection for this thread; WAL lets readers run beside the one writer."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = self._connect()
+        return db
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[sqlite3.Connection]:
+        with self.write_lock:
+            db = self._wdb
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def data_path(self, bucket: str, name: str, tag: str, index: int) -> Path:
+        h = xxhash.xxh64_hexdigest(name.encode())
+        return self.objs / bucket / h[:2] / f"{h}.{tag}.{index}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PutWriter:
+    """Writes one object version as chunk files; blocking, run it in a thread.
+
+    Call ``write`` with the body in pieces, then ``commit`` (durable and visible) or ``abort``.
+    """
+
+    def __init__(self, store: "Store", bucket: str, name: str):
+        self.store, self.bucket, self.name = store, bucket, name
+        self.tag = secrets.token_hex(6)
+        self._hash = xxhash.xxh64()
+        self._chunk_hash = xxhash.xxh64()
+        self._files: list[tuple[Mountpath, Path, int, str]] = []  # mp, tmp path, size, cksum
+        self._fd: int | None = None
+        self._cur_len = 0
+        self.size = 0
+
+    def _open_next(self) -> None:
+        self._close_current()
+        mp = self.store.chunk_home(self.bucket, self.name, len(self._files))
+        tmp = mp.tmp / f"{self.tag}.{len(self._files)}"
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._files.append((mp, tmp, 0, ""))
+        self._cur_len = 0
+        self._chunk_hash = xxhash.xxh64()
+
+    def _close_current(self) -> None:
+        if self._fd is None:
+            return
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        mp, tmp, _, _ = self._files[-1]
+        self._files[-1] = (mp, tmp, self._cur_len, self._chunk_hash.hexdigest())
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        self._hash.update(view)
+        self.size += len(view)
+        csize = self.store.chunk_size
+        while len(view):
+            if self._fd is None or self._cur_len == csize:
+                self._open_next()
+            n = min(len(view), csize - self._cur_len)
+            part = view[:n]
+            self._chunk_hash.update(part)
+            while len(part):
+                written = os.write(self._fd, part)
+                part = part[written:]
+            self._cur_len += n
+            view = view[n:]
+
+    def commit(self) -> ObjectMeta:
+        if not self._files:
+            self._open_next()  # an empty object is one empty file
+        self._close_current()
+        dirs = set()
+        chunks = []
+        for i, (mp, tmp, size, cksum) in enumerate(self._files):
+            final = mp.data_path(self.bucket, self.name, self.tag, i)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+            dirs.add(final.parent)
+            chunks.append(Chunk(mp.id, size, cksum))
+        for d in dirs:
+            _fsync_dir(d)
+        chunk_size = self.store.chunk_size if len(chunks) > 1 else 0
+        return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
+                                  chunk_size, self.tag, tuple(chunks))
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        for _, tmp, _, _ in self._files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+class Store:
+    """Buckets and objects over mountpaths. Methods are blocking unless noted; the HTTP layer
+    calls the cheap ones (catalog point lookups, small reads) inline and the rest in threads."""
+
+    def __init__(self, data_dirs: tuple[Path, ...] | list[Path], chunk_size: int):
+        if not data_dirs:
+            raise ValueError("at least one data directory is required")
+        self.chunk_size = chunk_size
+        self.mountpaths = [Mountpath(Path(d)) for d in data_dirs]
+        self.by_id = {mp.id: mp for mp in self.mountpaths}
+        if len(self.by_id) != len(self.mountpaths):
+            raise ValueError("two data directories are the same mountpath (same .batchfs/id)")
+        self._ids = list(self.by_id)
+        self.buckets: dict[str, int] = {}
+        for mp in self.mountpaths:
+            for name, created in mp.reader().execute("SELECT name, created_ns FROM buckets"):
+                self.buckets.setdefault(name, created)
+
+    # -- placement -------------------------------------------------------------------------
+    def home(self, bucket: str, name: str) -> Mountpath:
+        return self.by_id[_hrw(f"{bucket}/{name}", self._ids)]
+
+    def chunk_home(self, bucket: str, name: str, index: int) -> Mountpath:
+        if index == 0:
+            return self.home(bucket, name)
+        return self.by_id[_hrw(f"{bucket}/{name}#{index}", self._ids)]
+
+    # -- buckets ---------------------------------------------------------------------------
+    def create_bucket(self, bucket: str) -> None:
+        if bucket in self.buckets:
+            raise Conflict(f"bucket ais://{bucket} already exists")
+        now = time.time_ns()
+        for mp in self.mountpaths:  # replicated, like AIStore's bucket metadata
+            with mp.writer() as db:
+                db.execute("INSERT OR IGNORE INTO buckets VALUES (?, ?)", (bucket, now))
+        self.buckets[bucket] = now
+
+    def require_bucket(self, bucket: str) -> None:
+        if bucket not in self.buckets:
+            raise NotFound(f"bucket ais://{bucket} does not exist")
+
+    def destroy_bucket(self, bucket: str) -> None:
+        self.require_bucket(bucket)
+        del self.buckets[bucket]
+        for mp in self.mountpaths:
+            with mp.writer() as db:
+                db.execute("DELETE FROM buckets WHERE name = ?", (bucket,))
+                db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
+            shutil.rmtree(mp.objs / bucket, ignore_errors=True)
+
+    # -- objects ---------------------------------------------------------------------------
+    def _find(self, bucket: str, name: str) -> tuple[Mountpath, ObjectMeta] | None:
+        home = self.home(bucket, name)
+        for mp in itertools.chain([home], (m for m in self.mountpaths if m is not home)):
+            row = mp.reader().execute(
+                "SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
+            if row is not None:
+                return mp, _row_to_meta(row)
+        return None
+
+    def lookup(self, bucket: str, name: str) -> ObjectMeta:
+        """Catalog point lookup (tens of microseconds; safe to call on the event loop)."""
+        self.require_bucket(bucket)
+        found = self._find(bucket, name)
+        if found is None:
+            raise NotFound(f"ais://{bucket}/{name} does not exist")
+        return found[1]
+
+    def open(self, bucket: str, name: str) -> "OpenObject":
+        """Look up and open every chunk file of the current version.
+
+        Open descriptors keep a version readable even if a concurrent PUT or DELETE unlinks
+        its files; a version replaced between lookup and open is looked up again."""
+        for _ in range(3):
+            meta = self.lookup(bucket, name)
+            try:
+                return OpenObject(meta, self.chunk_files(meta))
+            except FileNotFoundError:
+                continue
+        raise CorruptData(f"ais://{bucket}/{name}: data files missing")
+
+    def writer(self, bucket: str, name: str) -> PutWriter:
+        self.require_bucket(bucket)
+        return PutWriter(self, bucket, name)
+
+    def put_bytes(self, bucket: str, name: str, data: bytes) -> ObjectMeta:
+        w = self.writer(bucket, name)
+        try:
+            w.write(data)
+            return w.commit()
+        except BaseException:
+            w.abort()
+            raise
+
+    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks) -> ObjectMeta:
+        home = self.home(bucket, name)
+        with home.writer() as db:
+            row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
+            old = (home, _row_to_meta(row)) if row else self._find(bucket, name)
+            version = (old[1].version if old else 0) + 1
+            meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)
+            db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
+                       (bucket, name, size, cksum, version, meta.atime_ns, chunk_size, tag,
+                        json.dumps([dataclasses.astuple(c) for c in chunks])))
+        if old is not None:
+            self._forget(*old, drop_row=old[0] is not home)
+        return meta
+
+    def _forget(self, mp: Mountpath, meta: ObjectMeta, drop_row: bool = True) -> None:
+        """Remove a version: its catalog row (if still there), then its files."""
+        if drop_row:
+            with mp.writer() as db:
+                db.execute("DELETE FROM objects WHERE bucket = ? AND name = ? AND tag = ?",
+                           (meta.bucket, meta.name, meta.tag))
+        for path, _ in self.chunk_files(meta):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def delete(self, bucket: str, name: str) -> None:
+        self.require_bucket(bucket)
+        found = self._find(bucket, name)
+        if found is None:
+            raise NotFound(f"ais://{bucket}/{name} does not exist")
+        self._forget(*found)
+
+    def chunk_files(self, meta: ObjectMeta) -> list[tuple[Path, int]]:
+        return [(self.by_id[c.mp].data_path(meta.bucket, meta.name, meta.tag, i), c.size)
+                for i, c in enumerate(meta.chunks)]
+
+    # -- listing ---------------------------------------------------------------------------
+    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[ObjectMeta], str]:
+        """Up to ``limit`` objects with names > ``after`` starting with ``prefix``, in name
+        order, and the token for the next page ('' when this is the last page)."""
+        self.require_bucket(bucket)
+        lower = max(prefix, after)
+
+        def scan(mp: Mountpath) -> Iterator[ObjectMeta]:
+            cur = mp.reader().execute(
+                "SELECT * FROM objects WHERE bucket = ? AND name >= ? ORDER BY name LIMIT ?",
+                (bucket, lower, limit + 1))
+            for row in cur:
+                if not row[1].startswith(prefix):
+                    break
+                if row[1] != after:
+                    yield _row_to_meta(row)
+
+        merged = heapq.merge(*(scan(mp) for mp in self.mountpaths), key=lambda m: m.name)
+        page = list(itertools.islice(merged, limit + 1))
+        if len(page) > limit:
+            return page[:limit], page[limit - 1].name
+        return page, ""
+
+
+class OpenObject:
+    """One object version with every chunk file open. Reads use ``os.pread``, so one open
+    object may serve concurrent readers in several threads."""
+
+    def __init__(self, meta: ObjectMeta, files: list[tuple[Path, int]]):
+        self.meta = meta
+        self.files: list[tuple[int, int]] = []  # (fd, size)
+        try:
+            for path, size in files:
+                self.files.append((os.open(path, os.O_RDONLY | os.O_CLOEXEC), size))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd, _ in self.files:
+            os.close(fd)
+        self.files = []
+
+    def __enter__(self) -> "OpenObject":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def segments(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+        """(chunk index, fd, offset in chunk, count) pieces covering object bytes [start, end)."""
+        base = 0
+        for i, (fd, size) in enumerate(self.files):
+            lo, hi = max(start, base), min(end, base + size)
+            if lo < hi:
+                yield i, fd, lo - base, hi - lo
+            base += size
+            if base >= end:
+                break
+
+    def pread(self, start: int = 0, end: int | None = None, verify: bool = True) -> bytes:
+        """Object bytes [start, end). Chunks read in full are checksum-verified."""
+        meta = self.meta
+        end = meta.size if end is None else min(end, meta.size)
+        parts = []
+        for i, fd, off, count in self.segments(start, end):
+            data = os.pread(fd, count, off)
+            if len(data) != count:
+                raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} truncated")
+            chunk = meta.chunks[i]
+            if verify and count == chunk.size and xxhash.xxh64_hexdigest(data) != chunk.cksum:
+                raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} fails its checksum")
+            parts.append(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class ObjectReader(io.RawIOBase):
+    """A seekable read-only file over an open object, for tarfile and zipfile."""
+
+    def __init__(self, obj: OpenObject):
+        super().__init__()
+        self._obj = obj
+        self._size = obj.meta.size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        end = min(self._size, self._pos + len(b))
+        if end <= self._pos:
+            return 0
+        data = self._obj.pread(self._pos, end, verify=False)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
