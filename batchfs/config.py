@@ -1,0 +1,57 @@
+"""Mount configuration: one frozen dataclass built once by the CLI and passed in.
+
+Sizes are bytes, durations seconds; the field names say so. Defaults are chosen by
+measurement on a 2-core loopback machine (see docs/mount.md) and explained where they are
+not obvious.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What to mount. ``kind`` is "ais" (our server or an AIStore cluster) or "s3"."""
+
+    kind: str
+    endpoint: str  # e.g. http://127.0.0.1:8080 (for s3: --endpoint-url)
+    bucket: str | None = None  # None: every bucket is a top-level directory (ais only)
+    prefix: str = ""  # "" or "some/prefix/" (always ends with "/")
+
+
+@dataclasses.dataclass(frozen=True)
+class MountConfig:
+    source: Source
+    mountpoint: Path
+    # Local disk cache: filled up to the quota, then reads go through WITHOUT evicting
+    # (epoch scans read everything once; LRU would evict exactly what comes next).
+    cache_dir: Path | None = None  # None: no disk cache
+    cache_quota_bytes: int = 10 * GiB
+    # Reads are fetched in chunks of this size unless the server reports its own chunk size
+    # (Ais-Chunks-Max-Chunk-Size), which then wins so range reads align with stored chunks.
+    chunk_size_bytes: int = 8 * MiB
+    # Range requests in flight per open file, and across the whole mount.
+    parallel_per_file: int = 8
+    parallel_total: int = 32
+    # Memory for read-ahead and the in-memory chunk cache, across all open files: hundreds of
+    # open files must share this, not multiply it (Mountpoint #987).
+    memory_budget_bytes: int = 512 * MiB
+    # Metadata (attribute/listing) cache lifetime, and for "does not exist" answers.
+    metadata_ttl_seconds: float = 60 * SECONDS
+    negative_ttl_seconds: float = 5 * SECONDS
+    # A read that cannot complete within this fails with EIO (server down, hung connection).
+    request_timeout_seconds: float = 30 * SECONDS
+    connect_timeout_seconds: float = 5 * SECONDS
+    retries: int = 4  # on 429, 5xx and connection errors, with jittered exponential backoff
+    # FUSE
+    fuse_options: tuple[str, ...] = ()  # e.g. ("allow_other",); "ro" is implied
+    max_fuse_tasks: int = 64  # pyfuse3.main(max_tasks=...): FUSE requests served concurrently
+    log_level: str = "INFO"
+    log_file: Path | None = None
