@@ -65,9 +65,7 @@ async def error_boundary(request: web.Request, handler):
         return _error_response(request, 500, "internal server error")
     finally:
         metrics: Metrics = request.app[METRICS]
-        op = request.get(OP_KEY, "other")
-        metrics.requests.labels(op, str(status)).inc()
-        metrics.latency.labels(op).observe(time.perf_counter() - started)
+        metrics.observe_request(request.get(OP_KEY, "other"), status, time.perf_counter() - started)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
@@ -77,7 +75,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 def build_app(config: ServerConfig, store: Store | None = None) -> web.Application:
-    store = store or Store(config.data_dirs, config.chunk_size_bytes)
+    store = store or Store(config.data_dirs, config.chunk_size_bytes, config.meta_cache_entries)
     # client_max_size caps every body read whole (JSON requests); object PUTs are streamed.
     app = web.Application(middlewares=[error_boundary], client_max_size=config.max_json_bytes)
     app[CONFIG] = config

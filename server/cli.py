@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -39,6 +40,56 @@ def _listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _mib(n: int) -> str:
+    return f"{n // 2**30}GiB" if n % 2**30 == 0 else f"{n // 2**20}MiB" if n % 2**20 == 0 else f"{n}B"
+
+
+# Tunables that map one flag to one ServerConfig field: (flag, field, type, metavar, help).
+# The help text names the unit; the default is appended from ServerConfig itself, so the
+# two cannot drift. --listen, --data and --config are handled separately.
+_D = _DEFAULTS
+_TUNABLES = [
+    ("--chunk-size", "chunk_size_bytes", _size, "SIZE",
+     "objects larger than this are stored as chunks of this size spread over the data directories; "
+     "HEAD reports it as Ais-Chunks-Max-Chunk-Size", _mib(_D.chunk_size_bytes)),
+    ("--meta-cache-entries", "meta_cache_entries", int, "N",
+     "object metadata records cached in memory (about 1 KiB each; 0 disables)", _D.meta_cache_entries),
+    ("--max-json", "max_json_bytes", _size, "SIZE",
+     "largest JSON request body (GetBatch requests, list and bucket actions); larger gets 413",
+     _mib(_D.max_json_bytes)),
+    ("--getbatch-max-entries", "getbatch_max_entries", int, "N",
+     "most entries in one GetBatch request", _D.getbatch_max_entries),
+    ("--getbatch-workers", "getbatch_workers", int, "N",
+     "entries of one GetBatch read concurrently", _D.getbatch_workers),
+    ("--getbatch-window", "getbatch_window_bytes", _size, "SIZE",
+     "bytes one GetBatch may read ahead of what it has sent", _mib(_D.getbatch_window_bytes)),
+    ("--getbatch-inline-max", "getbatch_inline_max_bytes", _size, "SIZE",
+     "GetBatch members up to this size are read ahead into memory; larger ones stream from disk "
+     "at their turn", _mib(_D.getbatch_inline_max_bytes)),
+    ("--getbatch-max-soft-errs", "getbatch_max_soft_errs", int, "N",
+     "missing entries tolerated under coer before the request fails", _D.getbatch_max_soft_errs),
+    ("--getbatch-max-pending", "getbatch_max_pending", int, "N",
+     "GetBatch requests in progress past which new ones get 429; past half, they are throttled",
+     _D.getbatch_max_pending),
+    ("--getbatch-max-buffered", "getbatch_max_buffered_bytes", _size, "SIZE",
+     "read-ahead bytes across all GetBatch requests past which new ones get 429",
+     _mib(_D.getbatch_max_buffered_bytes)),
+    ("--getbatch-throttle", "getbatch_throttle_seconds", float, "SECONDS",
+     "delay before a GetBatch request starts when pending work is past half its limits",
+     f"{_D.getbatch_throttle_seconds:g}"),
+    ("--shard-index-cache-entries", "shard_index_cache_entries", int, "N",
+     "TAR member indexes of shards kept in memory (one per shard version)", _D.shard_index_cache_entries),
+    ("--s3-access-key", "s3_access_key", str, "KEY",
+     "with --s3-secret-key: verify S3 SigV4 signatures; env BATCHFS_S3_ACCESS_KEY",
+     "unset: signatures are accepted unverified"),
+    ("--s3-secret-key", "s3_secret_key", str, "KEY",
+     "secret for --s3-access-key; env BATCHFS_S3_SECRET_KEY", "unset"),
+    ("--shutdown-timeout", "shutdown_timeout_seconds", float, "SECONDS",
+     "after SIGTERM or SIGINT, how long requests in flight may take before they are cut",
+     f"{_D.shutdown_timeout_seconds:g}"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
     p = argparse.ArgumentParser(
@@ -46,68 +97,52 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one batchfs storage node: the AIStore-compatible HTTP API (objects, "
         "list, range reads, chunked objects, GetBatch at /v1/ml/moss) and an S3 subset "
         "(at /s3/ and at the root), with Prometheus metrics at /metrics.",
-        epilog="Sizes accept binary units (8MiB, 512k, 1G). Options may also come from a TOML "
-        "file given with --config, keyed by the long option name (data_dirs = [...]); "
-        "command-line flags win. S3 keys may also come from BATCHFS_S3_ACCESS_KEY and "
-        "BATCHFS_S3_SECRET_KEY.",
+        epilog="Sizes are bytes and accept binary units (8MiB, 512k, 1G); durations are seconds. "
+        "Options may also come from a TOML file given with --config, keyed by the long option "
+        "name without dashes or by the config field (listen = \"HOST:PORT\", data = [\"/disk1\"], "
+        "chunk_size = \"8MiB\"); command-line flags win.",
     )
     p.add_argument("--listen", type=_listen, metavar="HOST:PORT",
                    help=f"address to serve on; port 0 picks a free one (default: {d.host}:{d.port})")
     p.add_argument("--data", action="append", type=Path, metavar="DIR",
-                   help="a data directory (mountpath, one per disk); repeat for several. Required.")
-    p.add_argument("--config", type=Path, metavar="FILE", help="TOML file with any of these options")
-    p.add_argument("--chunk-size", type=_size, metavar="SIZE",
-                   help=f"objects larger than this are stored as chunks of this size spread over the "
-                   f"data directories (default: {d.chunk_size_bytes // 2**20}MiB)")
-    p.add_argument("--max-json", type=_size, metavar="SIZE",
-                   help=f"largest JSON request body, e.g. a GetBatch request (default: {d.max_json_bytes // 2**20}MiB)")
-    p.add_argument("--getbatch-max-entries", type=int, metavar="N",
-                   help=f"most entries in one GetBatch request (default: {d.getbatch_max_entries})")
-    p.add_argument("--getbatch-workers", type=int, metavar="N",
-                   help=f"entries of one GetBatch read concurrently (default: {d.getbatch_workers})")
-    p.add_argument("--getbatch-window", type=_size, metavar="SIZE",
-                   help=f"bytes one GetBatch may read ahead of what it has sent (default: {d.getbatch_window_bytes // 2**20}MiB)")
-    p.add_argument("--getbatch-max-soft-errs", type=int, metavar="N",
-                   help=f"missing entries tolerated under coer before the request fails (default: {d.getbatch_max_soft_errs})")
-    p.add_argument("--getbatch-max-pending", type=int, metavar="N",
-                   help=f"GetBatch requests in progress past which new ones get 429; past half, they are "
-                   f"throttled (default: {d.getbatch_max_pending})")
-    p.add_argument("--getbatch-max-buffered", type=_size, metavar="SIZE",
-                   help=f"read-ahead bytes across all GetBatch requests past which new ones get 429 "
-                   f"(default: {d.getbatch_max_buffered_bytes // 2**30}GiB)")
-    p.add_argument("--s3-access-key", metavar="KEY", help="with --s3-secret-key: verify S3 SigV4 signatures "
-                   "(default: signatures are accepted unverified)")
-    p.add_argument("--s3-secret-key", metavar="KEY", help="secret for --s3-access-key")
-    p.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
-                   help=f"after SIGTERM, how long requests in flight may take (default: {d.shutdown_timeout_seconds:g})")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="a data directory (mountpath, one per disk); repeat for several; required "
+                   "(here or in the config file)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="TOML file with any of these options (default: none)")
+    for flag, field, typ, metavar, text, default in _TUNABLES:
+        p.add_argument(flag, dest=field, type=typ, metavar=metavar, help=f"{text} (default: {default})")
+    p.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help=f"log verbosity, to stderr (default: {d.log_level})")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values: dict = load_toml(args.config) if args.config else {}
+    if "listen" in values:  # accepted in the file as "HOST:PORT"
+        try:
+            values["host"], values["port"] = _listen(str(values.pop("listen")))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{args.config}: listen: {e}") from None
     if args.listen:
         values["host"], values["port"] = args.listen
-    if "listen" in values:  # also accepted in the file as "HOST:PORT"
-        values["host"], values["port"] = _listen(values.pop("listen"))
     if args.data:
         values["data_dirs"] = tuple(args.data)
-    flag_to_field = {
-        "chunk_size": "chunk_size_bytes", "max_json": "max_json_bytes",
-        "getbatch_max_entries": "getbatch_max_entries", "getbatch_workers": "getbatch_workers",
-        "getbatch_window": "getbatch_window_bytes", "getbatch_max_soft_errs": "getbatch_max_soft_errs",
-        "getbatch_max_pending": "getbatch_max_pending", "getbatch_max_buffered": "getbatch_max_buffered_bytes",
-        "s3_access_key": "s3_access_key", "s3_secret_key": "s3_secret_key",
-        "shutdown_timeout": "shutdown_timeout_seconds", "log_level": "log_level",
-    }
-    for flag, field in flag_to_field.items():
-        v = getattr(args, flag)
+    for _, field, *_ in _TUNABLES:
+        v = getattr(args, field)
         if v is not None:
             values[field] = v
+    if args.log_level is not None:
+        values["log_level"] = args.log_level
     values.setdefault("s3_access_key", os.environ.get("BATCHFS_S3_ACCESS_KEY") or None)
     values.setdefault("s3_secret_key", os.environ.get("BATCHFS_S3_SECRET_KEY") or None)
     return dataclasses.replace(_DEFAULTS, **values)
+
+
+def _raise_fd_limit() -> None:
+    """Each connection and each open object costs a descriptor: use the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def serve(config: ServerConfig) -> None:
@@ -140,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(config.s3_access_key) != bool(config.s3_secret_key):
         parser.error("--s3-access-key and --s3-secret-key go together")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_fd_limit()
     for d in config.data_dirs:
         try:
             d.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,9 @@ class ServerConfig:
     # Objects larger than this are stored as chunks of this size (AIStore's layout for
     # parallel download); HEAD reports it as Ais-Chunks-Max-Chunk-Size.
     chunk_size_bytes: int = 8 * MiB
+    # Metadata of this many recently read objects is cached in memory (about 1 KiB each),
+    # so GETs of hot small objects skip the catalog; 0 disables the cache.
+    meta_cache_entries: int = 65_536
     # Largest JSON request body (GetBatch requests, list-objects and bucket actions).
     max_json_bytes: int = 16 * MiB
     # GetBatch limits.
@@ -48,6 +51,25 @@ class ServerConfig:
     shutdown_timeout_seconds: float = 30 * SECONDS
     log_level: str = "INFO"
 
+    def __post_init__(self) -> None:
+        """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), f.default
+            if isinstance(default, bool) or default is None or isinstance(default, (str, tuple)):
+                continue
+            if isinstance(default, int) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if isinstance(default, float) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be a number, got {value!r}")
+            if f.name != "meta_cache_entries" and f.name != "port" and value <= 0:
+                raise ValueError(f"{f.name} must be positive, got {value!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.meta_cache_entries < 0:
+            raise ValueError("meta_cache_entries must be >= 0")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
 
 def parse_size(text: str | int) -> int:
     """Parse '8MiB', '8M', '64k', '1G' or a plain byte count (binary units)."""
@@ -60,19 +82,40 @@ def parse_size(text: str | int) -> int:
     return int(s)
 
 
+# Config-file keys that are spelled like the command-line option rather than the field.
+_ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
+            "getbatch_throttle": "getbatch_throttle_seconds"}
+
+
 def load_toml(path: Path) -> dict:
-    """Read a TOML config file; keys are ServerConfig field names (sizes may be strings)."""
+    """Read a TOML config file. Keys are ServerConfig field names or the long option names
+    (``chunk_size = "8MiB"``, ``data = ["/disk1"]``); ``listen = "HOST:PORT"`` is passed
+    through for the CLI to split. Sizes may be strings with units."""
     with open(path, "rb") as f:
-        raw = tomllib.load(f)
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
     fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
     out: dict = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        name = _ALIASES.get(name, name)
+        if name not in fields and name + "_bytes" in fields:
+            name += "_bytes"
+        if name == "listen":
+            out["listen"] = value
+            continue
         if name not in fields:
             raise ValueError(f"{path}: unknown option {key!r}")
         if name.endswith("_bytes"):
-            value = parse_size(value)
+            try:
+                value = parse_size(value)
+            except (ValueError, AttributeError):
+                raise ValueError(f"{path}: {key}: not a size: {value!r}") from None
         elif name == "data_dirs":
+            if isinstance(value, str):
+                value = [value]
             value = tuple(Path(v) for v in value)
         out[name] = value
     return out

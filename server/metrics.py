@@ -35,5 +35,17 @@ class Metrics:
         self.gb_pending = Gauge("getbatch_pending", "GetBatch requests in progress", registry=r)
         self.gb_buffered = Gauge("getbatch_buffered_bytes", "Bytes read ahead and not yet sent", registry=r)
 
+        # labels() takes a lock and builds a tuple on every call; the request path caches
+        # the children it uses (one per operation and status, a few dozen in all).
+        self._req_children: dict[tuple[str, str], tuple] = {}
+
+    def observe_request(self, op: str, status: int, seconds: float) -> None:
+        key = (op, str(status))
+        children = self._req_children.get(key)
+        if children is None:
+            children = self._req_children[key] = (self.requests.labels(*key), self.latency.labels(op))
+        children[0].inc()
+        children[1].observe(seconds)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,7 +8,6 @@ userspace copies and a bounded amount of memory.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import os
 
 import msgpack
@@ -29,10 +28,6 @@ KNOWN_PROPS = {"name", "size", "checksum", "atime", "version", "copies", "custom
                "chunked", "ec", "present", "provider", "bucket"}
 
 
-def _atime_text(ns: int) -> str:
-    return email.utils.formatdate(ns / 1e9, usegmt=True)
-
-
 def object_headers(meta: ObjectMeta) -> dict[str, str]:
     h = {
         "Ais-Checksum-Type": CKSUM_TYPE,
@@ -40,7 +35,7 @@ def object_headers(meta: ObjectMeta) -> dict[str, str]:
         "Ais-Atime": str(meta.atime_ns),
         "Ais-Version": str(meta.version),
         "ETag": f'"{meta.etag}"',
-        "Last-Modified": _atime_text(meta.atime_ns),
+        "Last-Modified": meta.last_modified,
         "Accept-Ranges": "bytes",
     }
     if meta.chunked:
@@ -105,11 +100,13 @@ async def list_objects(request: web.Request) -> web.Response:
     prefix = value.get("prefix") or ""
     token = value.get("continuation_token") or value.get("start_after") or ""
     pagesize = value.get("pagesize") or LIST_PAGE_DEFAULT
-    if not isinstance(pagesize, int) or pagesize < 0 or not isinstance(prefix, str) or not isinstance(token, str):
-        raise BadRequest("invalid list parameters")
+    if (not isinstance(pagesize, int) or isinstance(pagesize, bool) or pagesize < 0
+            or not isinstance(prefix, str) or not isinstance(token, str)):
+        raise BadRequest("invalid list parameters: pagesize must be a non-negative integer, "
+                         "prefix and continuation_token strings")
     store = request.app[STORE]
     page, next_token = await asyncio.to_thread(store.list_page, bucket, prefix, token, min(pagesize, LIST_PAGE_MAX))
-    entries = [{"n": m.name, "s": m.size, "cs": m.cksum, "a": _atime_text(m.atime_ns), "v": str(m.version),
+    entries = [{"n": m.name, "s": m.size, "cs": m.cksum, "a": m.last_modified, "v": str(m.version),
                 "c": 1, "f": 64} for m in page]
     reply = {"UUID": value.get("uuid") or "", "ContinuationToken": next_token, "Entries": entries, "Flags": 0}
     if request.headers.get("Accept", "").startswith("application/json"):
@@ -137,7 +134,12 @@ async def put_object(request: web.Request) -> web.Response:
         else:
             async for piece in request.content.iter_chunked(PUT_PIECE):
                 await asyncio.to_thread(writer.write, piece)
+            if length is not None and writer.size != length:  # never commit a short body
+                raise BadRequest(f"request body of {writer.size} bytes, Content-Length said {length}")
             meta = await asyncio.to_thread(writer.commit)
+    except asyncio.IncompleteReadError:
+        await asyncio.shield(asyncio.to_thread(writer.abort))
+        raise ConnectionResetError("client closed the connection mid-body") from None
     except BaseException:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise

@@ -37,3 +37,5 @@ async def read_json(request: web.Request, *, required: bool = True):
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON request body: {e}") from None
+    except RecursionError:  # e.g. 100,000 nested '[': refuse rather than crash the handler
+        raise BadRequest("malformed JSON request body: nested too deeply") from None

@@ -22,12 +22,19 @@ Invariants:
   of whole small objects are verified for free) plus one per chunk.
 - Listing is a merge of per-mountpath index scans (ORDER BY name LIMIT page): memory per
   request is O(page size × mountpaths), whatever the bucket holds.
+- Metadata of recently read objects is kept in a bounded LRU (``MetaCache``) so a GET of a
+  small object costs no SQLite query. Only this process writes the catalogs, and every write
+  (PUT commit, DELETE, bucket destroy) invalidates the cache *after* its catalog commit; a
+  generation counter stops a reader that queried before the commit from caching the old row.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import email.utils
+import functools
 import heapq
 import io
 import itertools
@@ -87,6 +94,11 @@ class ObjectMeta:
     def etag(self) -> str:
         return f"{self.cksum}-{self.version}"
 
+    @functools.cached_property
+    def last_modified(self) -> str:
+        """HTTP date of the write; cached, since formatting costs as much as a small read."""
+        return email.utils.formatdate(self.atime_ns / 1e9, usegmt=True)
+
 
 def _hrw(key: str, ids: list[str]) -> str:
     """Rendezvous hashing: the id with the highest hash of (id, key) wins."""
@@ -116,6 +128,7 @@ class Mountpath:
         self.id = id_file.read_text().strip()
         self.tmp = meta / "tmp"
         self.objs = root / "objs"
+        self._objs_str = str(self.objs)
         self._db_path = meta / "catalog.sqlite"
         self._local = threading.local()
         self.write_lock = threading.Lock()
@@ -149,8 +162,13 @@ class Mountpath:
             db.execute("COMMIT")
 
     def data_path(self, bucket: str, name: str, tag: str, index: int) -> Path:
+        return Path(self.data_file(bucket, name, tag, index))
+
+    def data_file(self, bucket: str, name: str, tag: str, index: int) -> str:
+        """``data_path`` as a string: the GET path builds it per request, and pathlib's
+        joins cost more than the read of a 10 KiB object."""
         h = xxhash.xxh64_hexdigest(name.encode())
-        return self.objs / bucket / h[:2] / f"{h}.{tag}.{index}"
+        return f"{self._objs_str}/{bucket}/{h[:2]}/{h}.{tag}.{index}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -159,6 +177,70 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _makedirs_durable(path: Path, dirs_to_sync: set[Path]) -> None:
+    """mkdir -p, remembering the parent of every directory created: a new directory's entry
+    is only durable once its parent is fsynced."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:  # a concurrent PUT made it
+            continue
+        dirs_to_sync.add(d.parent)
+
+
+class MetaCache:
+    """A bounded LRU of ObjectMeta keyed by (bucket, name), safe across threads.
+
+    ``fill`` only stores a row read under the generation the reader saw *before* its query
+    (``generation()``); every ``invalidate`` bumps the generation, so a row read before a
+    concurrent commit can never be cached after that commit's invalidation.
+    """
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._gen = 0
+        self._items: collections.OrderedDict[tuple[str, str], ObjectMeta] = collections.OrderedDict()
+
+    def generation(self) -> int:
+        return self._gen
+
+    def get(self, key: tuple[str, str]) -> ObjectMeta | None:
+        with self._lock:
+            meta = self._items.get(key)
+            if meta is not None:
+                self._items.move_to_end(key)
+            return meta
+
+    def fill(self, key: tuple[str, str], meta: ObjectMeta, gen: int) -> None:
+        if self.max_entries <= 0:
+            return
+        with self._lock:
+            if gen != self._gen:
+                return
+            self._items[key] = meta
+            self._items.move_to_end(key)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+    def invalidate(self, key: tuple[str, str] | None = None) -> None:
+        """Forget one key, or everything (``None``)."""
+        with self._lock:
+            self._gen += 1
+            if key is None:
+                self._items.clear()
+            else:
+                self._items.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class PutWriter:
@@ -216,11 +298,11 @@ class PutWriter:
         if not self._files:
             self._open_next()  # an empty object is one empty file
         self._close_current()
-        dirs = set()
+        dirs: set[Path] = set()
         chunks = []
         for i, (mp, tmp, size, cksum) in enumerate(self._files):
             final = mp.data_path(self.bucket, self.name, self.tag, i)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            _makedirs_durable(final.parent, dirs)
             os.replace(tmp, final)
             dirs.add(final.parent)
             chunks.append(Chunk(mp.id, size, cksum))
@@ -243,10 +325,14 @@ class Store:
     """Buckets and objects over mountpaths. Methods are blocking unless noted; the HTTP layer
     calls the cheap ones (catalog point lookups, small reads) inline and the rest in threads."""
 
-    def __init__(self, data_dirs: tuple[Path, ...] | list[Path], chunk_size: int):
+    def __init__(self, data_dirs: tuple[Path, ...] | list[Path], chunk_size: int,
+                 meta_cache_entries: int = 65_536):
         if not data_dirs:
             raise ValueError("at least one data directory is required")
+        if chunk_size <= 0:
+            raise ValueError("chunk size must be positive")
         self.chunk_size = chunk_size
+        self.meta_cache = MetaCache(meta_cache_entries)
         self.mountpaths = [Mountpath(Path(d)) for d in data_dirs]
         self.by_id = {mp.id: mp for mp in self.mountpaths}
         if len(self.by_id) != len(self.mountpaths):
@@ -288,6 +374,7 @@ class Store:
                 db.execute("DELETE FROM buckets WHERE name = ?", (bucket,))
                 db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
             shutil.rmtree(mp.objs / bucket, ignore_errors=True)
+        self.meta_cache.invalidate()
 
     # -- objects ---------------------------------------------------------------------------
     def _find(self, bucket: str, name: str) -> tuple[Mountpath, ObjectMeta] | None:
@@ -300,11 +387,18 @@ class Store:
         return None
 
     def lookup(self, bucket: str, name: str) -> ObjectMeta:
-        """Catalog point lookup (tens of microseconds; safe to call on the event loop)."""
+        """Object metadata: from the cache, else a catalog point lookup (tens of
+        microseconds; safe to call on the event loop)."""
         self.require_bucket(bucket)
+        key = (bucket, name)
+        meta = self.meta_cache.get(key)
+        if meta is not None:
+            return meta
+        gen = self.meta_cache.generation()
         found = self._find(bucket, name)
         if found is None:
             raise NotFound(f"ais://{bucket}/{name} does not exist")
+        self.meta_cache.fill(key, found[1], gen)
         return found[1]
 
     def open(self, bucket: str, name: str) -> "OpenObject":
@@ -314,9 +408,12 @@ class Store:
         its files; a version replaced between lookup and open is looked up again."""
         for _ in range(3):
             meta = self.lookup(bucket, name)
+            files = [(self.by_id[c.mp].data_file(bucket, name, meta.tag, i), c.size)
+                     for i, c in enumerate(meta.chunks)]
             try:
-                return OpenObject(meta, self.chunk_files(meta))
+                return OpenObject(meta, files)
             except FileNotFoundError:
+                self.meta_cache.invalidate((bucket, name))
                 continue
         raise CorruptData(f"ais://{bucket}/{name}: data files missing")
 
@@ -343,6 +440,7 @@ class Store:
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
                        (bucket, name, size, cksum, version, meta.atime_ns, chunk_size, tag,
                         json.dumps([dataclasses.astuple(c) for c in chunks])))
+        self.meta_cache.invalidate((bucket, name))
         if old is not None:
             self._forget(*old, drop_row=old[0] is not home)
         return meta
@@ -353,6 +451,7 @@ class Store:
             with mp.writer() as db:
                 db.execute("DELETE FROM objects WHERE bucket = ? AND name = ? AND tag = ?",
                            (meta.bucket, meta.name, meta.tag))
+            self.meta_cache.invalidate((meta.bucket, meta.name))
         for path, _ in self.chunk_files(meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -373,20 +472,29 @@ class Store:
         """Up to ``limit`` objects with names > ``after`` starting with ``prefix``, in name
         order, and the token for the next page ('' when this is the last page)."""
         self.require_bucket(bucket)
-        lower = max(prefix, after)
+        if limit <= 0:
+            raise ValueError("page size must be positive")
+        # Names strictly after the token, or from the prefix on, whichever is later.
+        if after >= prefix:
+            where, bound = "name > ?", after
+        else:
+            where, bound = "name >= ?", prefix
 
         def scan(mp: Mountpath) -> Iterator[ObjectMeta]:
+            # Each scan reads at most limit+1 rows from the (bucket, name) primary key.
             cur = mp.reader().execute(
-                "SELECT * FROM objects WHERE bucket = ? AND name >= ? ORDER BY name LIMIT ?",
-                (bucket, lower, limit + 1))
+                f"SELECT * FROM objects WHERE bucket = ? AND {where} ORDER BY name LIMIT ?",
+                (bucket, bound, limit + 1))
             for row in cur:
                 if not row[1].startswith(prefix):
                     break
-                if row[1] != after:
-                    yield _row_to_meta(row)
+                yield _row_to_meta(row)
 
         merged = heapq.merge(*(scan(mp) for mp in self.mountpaths), key=lambda m: m.name)
-        page = list(itertools.islice(merged, limit + 1))
+        # A name can briefly have rows on two mountpaths (mid-move after adding a disk, or
+        # after a crash between commit and cleanup): list it once.
+        unique = (next(group) for _, group in itertools.groupby(merged, key=lambda m: m.name))
+        page = list(itertools.islice(unique, limit + 1))
         if len(page) > limit:
             return page[:limit], page[limit - 1].name
         return page, ""
@@ -396,12 +504,17 @@ class OpenObject:
     """One object version with every chunk file open. Reads use ``os.pread``, so one open
     object may serve concurrent readers in several threads."""
 
-    def __init__(self, meta: ObjectMeta, files: list[tuple[Path, int]]):
+    def __init__(self, meta: ObjectMeta, files: list[tuple[Path | str, int]]):
         self.meta = meta
         self.files: list[tuple[int, int]] = []  # (fd, size)
         try:
-            for path, size in files:
-                self.files.append((os.open(path, os.O_RDONLY | os.O_CLOEXEC), size))
+            for i, (path, size) in enumerate(files):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self.files.append((fd, size))
+                # One fstat per chunk: a truncated or extended file is caught before any byte
+                # is sent (sendfile would otherwise send a short or wrong body).
+                if os.fstat(fd).st_size != size:
+                    raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} has the wrong size on disk")
         except BaseException:
             self.close()
             raise
