@@ -25,6 +25,7 @@ LIST_PAGE_DEFAULT = 10_000  # AIStore's default page for its own buckets
 LIST_PAGE_MAX = 10_000
 
 KNOWN_PROPS = {"name", "size", "checksum", "atime", "version", "copies", "custom", "location",
+               "last-modified", "etag",
                "chunked", "ec", "present", "provider", "bucket"}
 
 
