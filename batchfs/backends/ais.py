@@ -1,0 +1,150 @@
+"""The AIStore-native backend (our server, or a real AIStore cluster) over httpx.
+
+Wire details are in reference/getbatch-wire.md. Two choices worth knowing:
+- Directory listings. The list-objects API is recursive (no delimiter), so ``list_dir``
+  emulates one: it reads a page of names under the prefix, reports each immediate
+  subdirectory once, and when a page ends inside a subdirectory it skips the rest of that
+  subtree by restarting the listing ``start_after`` ``<subdir>/\\U0010ffff`` (after every name
+  in the subtree, in the byte order both AIStore and our server use). Listing a directory thus
+  costs about one request per page plus one per subdirectory that spans a page boundary, never
+  one per object.
+- Versions. An object's version string is ``<checksum>:<version>``, from the listing's
+  ``cs``/``v`` fields and from the ``Ais-Checksum-Value``/``Ais-Version`` headers of HEAD and
+  GET alike; every ranged GET checks it, so a replaced object is detected on the first byte.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import urllib.parse
+
+import httpx
+import msgpack
+
+from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
+from batchfs.backends.http import make_http_client, with_retries
+from batchfs.config import MountConfig
+from batchfs.errors import BackendError, NotFound, VersionChanged
+
+SUBTREE_END = "\U0010ffff"  # sorts after any character of a valid name
+_LIST_PROPS = "name,size,checksum,version,atime"
+
+
+def _atime_ns(text) -> int:
+    try:
+        return int(email.utils.parsedate_to_datetime(text).timestamp() * 1e9)
+    except (TypeError, ValueError, IndexError):
+        return 0
+
+
+def _check_status(resp: httpx.Response, what: str) -> None:
+    if resp.status_code == 404:
+        raise NotFound(f"{what}: not found")
+    if resp.status_code >= 400:
+        detail = resp.headers.get("Ais-Error") or resp.text[:200]
+        raise BackendError(f"{what}: HTTP {resp.status_code}: {detail}", resp.status_code)
+
+
+def version_from_headers(h: httpx.Headers) -> str:
+    return f"{h.get('Ais-Checksum-Value', '')}:{h.get('Ais-Version', '')}"
+
+
+class AisClient(ObjectClient):
+    def __init__(self, config: MountConfig):
+        self.config = config
+        self.base = config.source.endpoint.rstrip("/")
+        self.http = make_http_client(config)
+
+    def _obj_url(self, bucket: str, key: str) -> str:
+        return f"{self.base}/v1/objects/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/')}"
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def list_buckets(self) -> list[str]:
+        what = f"list buckets at {self.base}"
+        resp = await with_retries(self.config, what, lambda: self.http.get(
+            f"{self.base}/v1/buckets", params={"provider": "ais"}))
+        _check_status(resp, what)
+        return sorted(b["name"] for b in resp.json())
+
+    async def check_bucket(self, bucket: str) -> None:
+        what = f"bucket ais://{bucket}"
+        resp = await with_retries(self.config, what, lambda: self.http.head(
+            f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"}))
+        _check_status(resp, what)
+
+    async def _list_page(self, bucket: str, prefix: str, token: str, start_after: str, page_size: int) -> dict:
+        value = {"prefix": prefix, "pagesize": page_size, "uuid": "", "props": _LIST_PROPS,
+                 "continuation_token": token, "start_after": start_after, "flags": 0}
+        body = json.dumps({"action": "list", "name": "", "value": value}).encode()
+        what = f"list ais://{bucket}/{prefix}"
+        resp = await with_retries(self.config, what, lambda: self.http.request(
+            "GET", f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"},
+            content=body, headers={"Accept": "application/msgpack", "Content-Type": "application/json"}))
+        _check_status(resp, what)
+        if resp.headers.get("Content-Type", "").startswith("application/json"):
+            return resp.json()
+        return msgpack.unpackb(resp.content, raw=False)
+
+    async def list_dir(self, bucket: str, prefix: str, token: str = "", page_size: int = 1000) -> DirPage:
+        kind, _, arg = token.partition(":")
+        reply = await self._list_page(bucket, prefix, arg if kind == "c" else "",
+                                      arg if kind == "s" else "", page_size)
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        last_dir = None
+        for e in reply.get("Entries") or []:
+            if (e.get("f", 0) & 31) != 0:  # not a present, healthy object
+                continue
+            rel = e["n"][len(prefix):]
+            if not e["n"].startswith(prefix) or not rel:
+                continue  # the directory's own marker object ("dir/")
+            head, slash, _ = rel.partition("/")
+            if slash:
+                if head != last_dir:
+                    dirs.append(head)
+                    last_dir = head
+                continue
+            last_dir = None
+            files.append(ObjectInfo(e["n"], int(e.get("s", 0)), f"{e.get('cs', '')}:{e.get('v', '')}",
+                                    _atime_ns(e.get("a"))))
+        server_token = reply.get("ContinuationToken") or ""
+        if not server_token:
+            next_token = ""
+        elif last_dir is not None:  # the page ended inside a subtree: skip the rest of it
+            next_token = f"s:{prefix}{last_dir}/{SUBTREE_END}"
+        else:
+            next_token = f"c:{server_token}"
+        return DirPage(files, dirs, next_token)
+
+    async def head(self, bucket: str, key: str) -> HeadInfo:
+        what = f"HEAD ais://{bucket}/{key}"
+        resp = await with_retries(self.config, what, lambda: self.http.head(
+            self._obj_url(bucket, key), params={"provider": "ais", "props": "chunked"}))
+        _check_status(resp, what)
+        h = resp.headers
+        chunk = h.get("Ais-Chunks-Max-Chunk-Size")
+        info = ObjectInfo(key, int(h.get("Content-Length", 0)), version_from_headers(h),
+                          int(h.get("Ais-Atime", 0) or 0))
+        return HeadInfo(info, int(chunk) if chunk and int(chunk) > 0 else None)
+
+    async def get(self, bucket: str, key: str, start: int, end: int, version: str | None = None) -> bytes:
+        if end <= start:
+            return b""
+        what = f"GET ais://{bucket}/{key} [{start}, {end})"
+        resp = await with_retries(self.config, what, lambda: self.http.get(
+            self._obj_url(bucket, key), params={"provider": "ais"},
+            headers={"Range": f"bytes={start}-{end - 1}"}))
+        if resp.status_code == 416 and version is not None:
+            raise VersionChanged(f"{what}: the object shrank (replaced)")
+        _check_status(resp, what)
+        if version is not None and version_from_headers(resp.headers) != version:
+            raise VersionChanged(f"{what}: version {version_from_headers(resp.headers)} is not the open {version}")
+        data = resp.content
+        if resp.status_code == 200:  # a server that ignored Range
+            data = data[start:end]
+        if len(data) != end - start:
+            raise BackendError(f"{what}: got {len(data)} bytes")
+        return data

@@ -1,0 +1,123 @@
+"""The HTTP client under every network backend: one pooled ``httpx.AsyncClient`` on trio,
+tuned socket reads, and the retry loop.
+
+Why a custom network backend: httpcore asks the socket for 64 KiB per read, and each read
+crosses several Python layers; on this machine that caps one stream at ~215 MiB/s
+(measurements.md). ``_BigReads`` asks for ``http_read_bytes`` (1 MiB) instead, which h11
+parses just the same, and lifts a stream several-fold (docs/mount.md has the figures).
+
+Retry policy: 429, 5xx and connection errors are retried with full-jitter exponential
+backoff (0.05 s doubling, capped at 2 s), at most ``retries`` times, and the whole request,
+retries included, must finish within ``request_timeout_seconds`` or it fails with
+``RequestTimeout`` -> EIO. A dead server therefore costs a reader a bounded wait, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import httpcore
+import httpx
+import trio
+
+from batchfs.config import MountConfig
+from batchfs.errors import BackendError, RequestTimeout
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+BACKOFF_FIRST_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 2.0
+
+
+class _BigReadStream(httpcore.AsyncNetworkStream):
+    def __init__(self, inner: httpcore.AsyncNetworkStream, read_bytes: int):
+        self._inner = inner
+        self._read_bytes = read_bytes
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._inner.read(max(max_bytes, self._read_bytes), timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(self, *args, **kwargs) -> httpcore.AsyncNetworkStream:
+        return _BigReadStream(await self._inner.start_tls(*args, **kwargs), self._read_bytes)
+
+    def get_extra_info(self, info: str):
+        return self._inner.get_extra_info(info)
+
+
+class _BigReads(httpcore.AsyncNetworkBackend):
+    def __init__(self, read_bytes: int):
+        self._inner = _trio_backend()
+        self._read_bytes = read_bytes
+
+    async def connect_tcp(self, *args, **kwargs) -> httpcore.AsyncNetworkStream:
+        return _BigReadStream(await self._inner.connect_tcp(*args, **kwargs), self._read_bytes)
+
+    async def connect_unix_socket(self, *args, **kwargs) -> httpcore.AsyncNetworkStream:
+        return _BigReadStream(await self._inner.connect_unix_socket(*args, **kwargs), self._read_bytes)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _trio_backend() -> httpcore.AsyncNetworkBackend:
+    from httpcore._backends.trio import TrioBackend  # public class, private module path
+
+    return TrioBackend()
+
+
+class _PooledTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport over a connection pool that uses ``_BigReads``."""
+
+    def __init__(self, config: MountConfig):
+        super().__init__()
+        self._pool = httpcore.AsyncConnectionPool(
+            max_connections=config.parallel_total + 8,  # + room for listings and HEADs
+            max_keepalive_connections=config.parallel_total + 8,
+            keepalive_expiry=30.0,
+            network_backend=_BigReads(config.http_read_bytes),
+        )
+
+
+def make_http_client(config: MountConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
+    return httpx.AsyncClient(transport=_PooledTransport(config), timeout=timeout, follow_redirects=True)
+
+
+async def with_retries(config: MountConfig, what: str,
+                       attempt: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+    """Run ``attempt`` until it returns a response whose status is not retryable, retrying
+    transient failures with jittered backoff, all within ``request_timeout_seconds``.
+
+    Returns the final response (which may be a non-retryable 4xx for the caller to map);
+    raises ``BackendError`` when retries are exhausted and ``RequestTimeout`` past the bound.
+    """
+    last = ""
+    try:
+        with trio.fail_after(config.request_timeout_seconds):
+            for n in range(config.retries + 1):
+                try:
+                    resp = await attempt()
+                except (httpx.TransportError, httpx.RemoteProtocolError) as e:
+                    last = f"{type(e).__name__}: {e}"
+                else:
+                    if resp.status_code not in RETRY_STATUS:
+                        return resp
+                    last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                if n == config.retries:
+                    break
+                backoff = random.uniform(0, min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** n))
+                log.debug("%s: %s; retry %d in %.3fs", what, last, n + 1, backoff)
+                await trio.sleep(backoff)
+    except trio.TooSlowError:
+        raise RequestTimeout(f"{what}: no answer within {config.request_timeout_seconds:g}s"
+                             + (f" (last error: {last})" if last else "")) from None
+    raise BackendError(f"{what}: failed after {config.retries + 1} attempts: {last}")

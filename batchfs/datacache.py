@@ -1,0 +1,204 @@
+"""Data caches: a bounded in-memory chunk cache and a quota-bounded disk cache (diskcache).
+
+Invariants:
+- Keys name the bytes exactly: source, bucket, object key, object *version*, chunk size and
+  chunk index. A replaced object has a new version, so its old chunks are never served; they
+  are simply never asked for again.
+- The disk cache has a HARD quota and never evicts: it fills until the next entry would cross
+  the quota, then the mount reads through. Epoch scans read every item once per epoch, and
+  LRU would evict exactly what comes next (the Petastorm-at-Uber lesson). The quota counts
+  what ``du`` counts: file blocks, a per-entry allowance for directories and SQLite rows, and
+  fixed headroom for the SQLite files (whose WAL is kept small by pragmas).
+- The cache only accelerates. Every entry carries its length and xxh64; a truncated,
+  corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
+  (disk full, I/O error) stops further writes: read-through.
+- Writes never block reads: ``put`` queues the bytes for a writer task and returns; when more
+  than ``write_buffer_bytes`` are waiting, the entry is dropped instead. Disk I/O runs in
+  threads bounded by one ``trio.CapacityLimiter``.
+- Entries persist across unmount/remount: the same cache directory serves the next mount.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+
+import cachetools
+import diskcache
+import trio
+import xxhash
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<QQ")  # length, xxh64 of the payload
+BLOCK = 4096
+ENTRY_OVERHEAD_BYTES = 3 * BLOCK  # up to two new fan-out directories and a SQLite row
+SQLITE_HEADROOM_BYTES = 2 * 1024 * 1024  # WAL growth between checkpoints, page slack
+DISK_THREADS = 4
+
+
+def chunk_key(source: str, bucket: str, key: str, version: str, chunk_size: int, index: int) -> str:
+    return f"c|{source}|{bucket}|{key}|{version}|{chunk_size}|{index}"
+
+
+def geometry_key(source: str, bucket: str, key: str, version: str) -> str:
+    return f"g|{source}|{bucket}|{key}|{version}"
+
+
+class MemoryChunkCache:
+    """LRU of recently read chunks, bounded in bytes."""
+
+    def __init__(self, max_bytes: int):
+        self._lru = cachetools.LRUCache(maxsize=max(1, max_bytes), getsizeof=len)
+
+    def get(self, key: str) -> bytes | None:
+        return self._lru.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            self._lru[key] = data
+        except ValueError:  # larger than the whole cache
+            pass
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.currsize
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _pending_size(data: bytes | int) -> int:
+    return 64 if isinstance(data, int) else len(data)
+
+
+def _on_disk(n: int) -> int:
+    return math.ceil(n / BLOCK) * BLOCK + ENTRY_OVERHEAD_BYTES
+
+
+class DiskChunkCache:
+    """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end."""
+
+    def __init__(self, cache: diskcache.Cache, quota_bytes: int, used_bytes: int, write_buffer_bytes: int):
+        self._cache = cache
+        self.quota_bytes = quota_bytes
+        self.used_bytes = used_bytes  # estimate of what du reports, reservations included
+        self.full = used_bytes + SQLITE_HEADROOM_BYTES >= quota_bytes
+        self.write_buffer_bytes = write_buffer_bytes
+        self._pending_bytes = 0
+        self._limiter = trio.CapacityLimiter(DISK_THREADS)
+        self._send, self._recv = trio.open_memory_channel(math.inf)  # bounded by _pending_bytes
+        self.hits = self.misses = self.writes = self.dropped = self.corrupt = 0
+
+    @classmethod
+    async def open(cls, directory: Path, quota_bytes: int, write_buffer_bytes: int = 64 * 1024 * 1024) -> "DiskChunkCache":
+        def do_open():
+            directory.mkdir(parents=True, exist_ok=True)
+            cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
+                                    statistics=False, sqlite_wal_autocheckpoint=64,
+                                    sqlite_journal_size_limit=1024 * 1024)
+            return cache, _du(directory)
+
+        cache, used = await trio.to_thread.run_sync(do_open)
+        log.info("disk cache %s: %d of %d bytes used", directory, used, quota_bytes)
+        return cls(cache, quota_bytes, used, write_buffer_bytes)
+
+    async def get(self, key: str) -> bytes | None:
+        def read():
+            try:
+                raw = self._cache.get(key, default=None, retry=True)
+            except Exception as e:  # an unreadable entry is a miss
+                log.warning("error reading %s from the disk cache, falling back: %s", key, e)
+                raw = b""
+            if raw is None:
+                return None, False
+            if isinstance(raw, bytes) and len(raw) >= _HEADER.size:
+                n, digest = _HEADER.unpack_from(raw)
+                payload = memoryview(raw)[_HEADER.size:]
+                if len(payload) == n and xxhash.xxh64_intdigest(payload) == digest:
+                    return bytes(payload), False
+            try:  # corrupt or truncated: drop it, it was a miss
+                self._cache.delete(key, retry=True)
+            except Exception:
+                pass
+            return None, True
+
+        data, corrupt = await trio.to_thread.run_sync(read, limiter=self._limiter)
+        if corrupt:
+            self.corrupt += 1
+            log.warning("corrupt disk cache entry %s: treated as a miss", key)
+        if data is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return data
+
+    def put(self, key: str, data: bytes) -> bool:
+        """Queue an entry for writing; False if it was dropped (quota, backlog, disk full)."""
+        cost = _on_disk(len(data) + _HEADER.size)
+        if self.full or self.used_bytes + cost + SQLITE_HEADROOM_BYTES > self.quota_bytes:
+            self.full = True  # fill until full, then read through: never evict
+            self.dropped += 1
+            return False
+        if self._pending_bytes + len(data) > self.write_buffer_bytes:
+            self.dropped += 1
+            return False
+        self.used_bytes += cost
+        self._pending_bytes += len(data)
+        self._send.send_nowait((key, data, cost))
+        return True
+
+    async def writer(self) -> None:
+        """Drain queued writes; run exactly one per cache in the mount's nursery."""
+        async with self._recv:
+            async for key, data, cost in self._recv:
+                try:
+                    await trio.to_thread.run_sync(self._write, key, data, limiter=self._limiter)
+                    self.writes += 1
+                except Exception as e:  # disk full, I/O error: read through from now on
+                    log.warning("disk cache write failed, reading through from now on: %s", e)
+                    self.used_bytes -= cost
+                    self.full = True
+                finally:
+                    self._pending_bytes -= _pending_size(data)
+
+    def _write(self, key: str, data: bytes | int) -> None:
+        if isinstance(data, int):  # a geometry entry
+            self._cache.set(key, data, retry=True)
+            return
+        header = _HEADER.pack(len(data), xxhash.xxh64_intdigest(data))
+        self._cache.set(key, header + data, retry=True)
+
+    async def get_geometry(self, key: str) -> int | None:
+        def read():
+            try:
+                v = self._cache.get(key, default=None, retry=True)
+            except Exception:
+                return None
+            return v if isinstance(v, int) and v > 0 else None
+
+        return await trio.to_thread.run_sync(read, limiter=self._limiter)
+
+    def put_geometry(self, key: str, chunk_size: int) -> None:
+        if self.full or self._pending_bytes + 64 > self.write_buffer_bytes:
+            return
+        self.used_bytes += ENTRY_OVERHEAD_BYTES
+        self._pending_bytes += _pending_size(chunk_size)
+        self._send.send_nowait((key, chunk_size, ENTRY_OVERHEAD_BYTES))
+
+    def close_writes(self) -> None:
+        self._send.close()
+
+    def close(self) -> None:
+        self._cache.close()

@@ -1,0 +1,86 @@
+"""The mount's exception tree and the ONE table from exception to errno.
+
+    BatchfsError                    (EIO, base)
+    ├── SourceError                 the source cannot be used at mount time (server unreachable,
+    │                               bucket missing, bad SOURCE); the CLI prints it and exits non-zero
+    ├── NotFound                    (ENOENT) object, directory or bucket does not exist
+    ├── NotADirectory               (ENOTDIR)
+    ├── IsADirectory                (EISDIR)
+    ├── ReadOnly                    (EROFS) any write, create, rename or delete outside ``.batch/``
+    ├── InvalidArgument             (EINVAL) bad offsets, names or sizes
+    ├── BackendError                (EIO) the server answered with an error we do not retry, or
+    │   │                           kept failing (429/5xx/resets) after every retry
+    │   └── RequestTimeout          (EIO) the request (with its retries) ran past
+    │                               ``request_timeout_seconds``: server down, hung or killed
+    └── VersionChanged              (EIO) the object was replaced while a handle had it open; the
+                                    handle fails instead of mixing bytes of two versions
+
+The engine raises these (never ``pyfuse3.FUSEError``); ``batchfs.fs`` calls :func:`errno_for`
+in exactly one place. Anything that is not a ``BatchfsError`` is a bug: it is logged with its
+traceback and becomes ``EIO`` — no exception may end the FUSE main loop (a dead mountpoint).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class BatchfsError(Exception):
+    errno = errno.EIO
+
+
+class SourceError(BatchfsError):
+    pass
+
+
+class NotFound(BatchfsError):
+    errno = errno.ENOENT
+
+
+class NotADirectory(BatchfsError):
+    errno = errno.ENOTDIR
+
+
+class IsADirectory(BatchfsError):
+    errno = errno.EISDIR
+
+
+class ReadOnly(BatchfsError):
+    errno = errno.EROFS
+
+
+class InvalidArgument(BatchfsError):
+    errno = errno.EINVAL
+
+
+class BackendError(BatchfsError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class RequestTimeout(BackendError):
+    pass
+
+
+class VersionChanged(BatchfsError):
+    pass
+
+
+# Errors that are an expected answer, not an incident: logged at debug level only.
+_QUIET = (NotFound, NotADirectory, IsADirectory, ReadOnly)
+
+
+def errno_for(exc: BaseException, what: str = "") -> int:
+    """The errno for an exception raised by the engine; logs what deserves a log line."""
+    if isinstance(exc, BatchfsError):
+        if isinstance(exc, _QUIET):
+            log.debug("%s: %s", what, exc)
+        else:
+            log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
+        return exc.errno
+    log.error("%s: unexpected error, answering EIO", what, exc_info=exc)
+    return errno.EIO

@@ -1,0 +1,201 @@
+"""The pyfuse3 adapter: arguments in, errno out. All logic lives in ``batchfs.engine``.
+
+Every handler goes through ``_boundary``: engine exceptions become ``FUSEError`` via the one
+table in ``batchfs.errors.errno_for``, and anything unexpected is logged and answered with
+EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
+
+The mount is read-only: every mutating operation answers EROFS. ``.batch/`` control files
+(a later issue) will hook in at ``BATCH_DIR``/``batch_control``; today the name is an
+ordinary lookup and writes under it get EROFS like everywhere else.
+
+``serve`` is the whole life of a mount; the CLI (``batchfs.mountcli``) calls it under
+``trio.run``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import signal
+import stat
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from batchfs.backends import make_client
+from batchfs.config import MountConfig
+from batchfs.engine import Engine
+from batchfs.errors import BatchfsError, ReadOnly, SourceError, errno_for
+from batchfs.namespace import ROOT_INODE, Attr
+
+log = logging.getLogger(__name__)
+assert ROOT_INODE == pyfuse3.ROOT_INODE
+
+BATCH_DIR = ".batch"  # hook for the control-file issue: the engine will own this directory
+BLOCK_SIZE = 1024 * 1024
+
+
+def _boundary(fn):
+    @functools.wraps(fn)
+    async def handler(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as e:  # the ONE error boundary; trio.Cancelled passes through
+            raise pyfuse3.FUSEError(errno_for(e, f"{fn.__name__}{args[:2]}")) from None
+    return handler
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
+        self.batch_control = None  # the `.batch/` hook (later issue); None: not provided
+        self.timeout = engine.config.metadata_ttl_seconds
+
+    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = a.ino
+        e.generation = 0
+        e.entry_timeout = self.timeout
+        e.attr_timeout = self.timeout
+        e.st_mode = (stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444)
+        e.st_nlink = 2 if a.is_dir else 1
+        e.st_uid, e.st_gid = self.engine.ns.uid, self.engine.ns.gid
+        e.st_size = a.size
+        e.st_blksize = BLOCK_SIZE
+        e.st_blocks = (a.size + 511) // 512
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
+        return e
+
+    @_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self._entry(await self.engine.lookup(parent_inode, os.fsdecode(name)))
+
+    @_boundary
+    async def getattr(self, inode, ctx=None):
+        return self._entry(await self.engine.getattr(inode))
+
+    async def forget(self, inode_list):
+        for inode, n in inode_list:
+            try:
+                self.engine.forget(inode, n)
+            except Exception:  # forget may not fail
+                log.exception("forget(%d, %d)", inode, n)
+
+    @_boundary
+    async def opendir(self, inode, ctx):
+        return self.engine.opendir(inode)
+
+    @_boundary
+    async def readdir(self, fh, start_id, token):
+        async for name, attr, next_id in self.engine.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id):
+                self.engine.ns.drop_if_unreferenced(attr.ino)
+                return
+            self.engine.ns.ref(attr.ino)
+
+    @_boundary
+    async def releasedir(self, fh):
+        self.engine.releasedir(fh)
+
+    @_boundary
+    async def open(self, inode, flags, ctx):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise ReadOnly("the mount is read-only")
+        o = await self.engine.open(inode)
+        return pyfuse3.FileInfo(fh=o.fh, direct_io=o.direct_io, keep_cache=o.keep_cache)
+
+    @_boundary
+    async def read(self, fh, off, size):
+        return await self.engine.read(fh, off, size)
+
+    @_boundary
+    async def release(self, fh):
+        self.engine.release(fh)
+
+    @_boundary
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = BLOCK_SIZE
+        s.f_namemax = 255
+        return s
+
+    # -- read-only: everything that would change the tree ----------------------------------
+    async def _readonly(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _readonly
+    create = write = setxattr = removexattr = _readonly
+
+
+def _mount_options(config: MountConfig) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions
+    opts |= {"fsname=batchfs", "subtype=batchfs", "ro", "default_permissions"}
+    for o in config.fuse_options:
+        opts |= {p for p in o.split(",") if p}
+    return opts
+
+
+async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
+    """Check the source, mount at ``config.mountpoint``, call ``on_ready()`` once the mount is
+    live, serve until unmounted or cancelled (SIGTERM/SIGINT unmount cleanly), and always
+    unmount and close clients on the way out. Raises ``SourceError`` before mounting if the
+    source cannot be used."""
+    client = make_client(config)
+    try:
+        async with trio.open_nursery() as nursery:
+            engine = await Engine.create(config, client, nursery)
+            try:
+                await _check(engine)
+                await _run_mounted(config, engine, on_ready, nursery)
+            finally:
+                await engine.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+
+
+async def _check(engine: Engine) -> None:
+    src = engine.config.source
+    where = f"{src.kind}://{src.bucket or ''} at {src.endpoint}"
+    try:
+        await engine.check_source()
+    except BatchfsError as e:
+        raise SourceError(f"cannot mount {where}: {e}") from None
+
+
+async def _run_mounted(config: MountConfig, engine: Engine, on_ready, nursery: trio.Nursery) -> None:
+    if not os.path.isdir(config.mountpoint):
+        raise SourceError(f"mountpoint {config.mountpoint} is not a directory")
+    ops = Operations(engine)
+    pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
+    try:
+        async with trio.open_nursery() as inner:
+            async def on_signal():
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("signal %d: unmounting %s", signum, config.mountpoint)
+                        inner.cancel_scope.cancel()
+                        return
+
+            inner.start_soon(on_signal)
+            on_ready()
+
+            async def main():
+                await pyfuse3.main(min_tasks=1, max_tasks=config.max_fuse_tasks)
+                inner.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
+
+            inner.start_soon(main)
+    finally:
+        log.info("unmounting %s", config.mountpoint)
+        pyfuse3.close(unmount=True)

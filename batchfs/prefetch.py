@@ -1,0 +1,91 @@
+"""Read-ahead policy: sequential detection, the growing window, and the memory budget.
+
+Design note (after Mountpoint's ``prefetch.rs``)
+------------------------------------------------
+An open file is read in *chunks*: aligned ranges of the object whose size is a multiple of
+the server's own chunk size (``Ais-Chunks-Max-Chunk-Size`` from HEAD) close to
+``chunk_size_bytes``, so every range GET maps onto whole stored chunks.
+
+* **Cursor.** Each handle remembers where its last read ended. A read is *sequential* if it
+  starts within ``backward`` bytes before or ``forward`` bytes after that point (the kernel
+  may deliver concurrent readahead requests slightly out of order, and a reader may skip a
+  little); the first read at offset 0 counts as sequential.
+* **Window.** While reads stay sequential, the chunks from the current one up to ``window``
+  ahead are requested concurrently (one task per chunk, each its own range GET). The window
+  starts at ``INITIAL_WINDOW`` chunks and doubles every time the cursor enters a new chunk,
+  up to ``parallel_per_file``. A random read resets it to ``INITIAL_WINDOW`` and cancels
+  chunks that are no longer ahead of the cursor; it fetches only the bytes it asked for.
+* **Ordering.** A read waits for the chunks covering it, in order, and copies its bytes out:
+  delivery is in order whatever order the range GETs complete in.
+* **Backpressure.** Every chunk held by a handle is charged to the mount-wide
+  ``MemoryBudget``. Read-ahead that does not fit is not started (never waited for, so
+  hundreds of idle open files cannot deadlock the mount); a read whose chunk does not fit
+  fetches just its own bytes. Per handle, at most ``parallel_per_file`` chunks are held, so the
+  total is bounded by the budget whatever the number of open files (Mountpoint #987).
+* **Concurrency.** Range GETs across the mount are limited by one semaphore
+  (``parallel_total``) and each is bounded in time by ``request_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+INITIAL_WINDOW = 2  # chunks: the one being read and the next (cheap, hides one round trip)
+
+
+class MemoryBudget:
+    """Bytes of chunk data held by all handles; acquisition never waits."""
+
+    def __init__(self, total_bytes: int):
+        self.total_bytes = total_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+
+    def try_acquire(self, n: int) -> bool:
+        if self.used_bytes + n > self.total_bytes:
+            return False
+        self.used_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return True
+
+    def release(self, n: int) -> None:
+        self.used_bytes -= n
+        assert self.used_bytes >= 0, "memory budget released more than acquired"
+
+
+def request_chunk_size(server_chunk: int | None, wanted: int) -> int:
+    """A multiple of the server's chunk size near ``wanted`` (or ``wanted`` if unknown)."""
+    if not server_chunk:
+        return wanted
+    return server_chunk * max(1, round(wanted / server_chunk))
+
+
+@dataclasses.dataclass
+class SequentialWindow:
+    """Per-handle cursor and window, in chunks. Pure policy: no I/O, unit-testable."""
+
+    chunk_size: int
+    max_window: int
+    window: int = INITIAL_WINDOW
+    next_offset: int = 0
+    current_chunk: int = -1
+
+    def __post_init__(self) -> None:
+        self.window = min(self.window, self.max_window)
+
+    def observe(self, offset: int, length: int) -> tuple[bool, range]:
+        """Record a read; return (sequential?, chunks to have in flight or held)."""
+        forward = self.chunk_size * self.window
+        sequential = self.next_offset - self.chunk_size <= offset <= self.next_offset + forward
+        first = offset // self.chunk_size
+        last = (offset + max(length, 1) - 1) // self.chunk_size
+        if sequential:
+            if first > self.current_chunk >= 0:
+                self.window = min(self.window * 2, self.max_window)
+            wanted = range(first, max(last + 1, first + self.window))
+        else:
+            self.window = min(INITIAL_WINDOW, self.max_window)
+            wanted = range(first, last + 1)
+        self.current_chunk = first
+        self.next_offset = offset + length
+        return sequential, wanted
