@@ -255,14 +255,13 @@ def open_source(store: Store, cache: ShardIndexCache, e: Entry, h: _Handles | No
     """Open entry ``e`` for reading: (source, byte count, mtime). With ``h``, the shard or
     object stays open in ``h`` (shared by a run); otherwise closing the source closes it."""
     meta = e.meta if e.meta is not None else store.lookup(e.bucket, e.objname)
-    for attempt in range(2):
-        try:
-            obj = h.obj(store, meta) if h else open_version(store, meta)
-            break
-        except NotFound:
-            if attempt:
-                raise
-            meta = store.lookup(e.bucket, e.objname)  # replaced since the plan: take the new one
+    try:
+        obj = h.obj(store, meta) if h else open_version(store, meta)
+    except NotFound:  # replaced or deleted since the plan: take the current version, if any
+        obj = store.open(e.bucket, e.objname)
+        meta = obj.meta
+        if h:
+            h.objs[meta.tag] = obj
     own = h is None
     try:
         mtime = meta.atime_ns // 1_000_000_000
@@ -652,18 +651,21 @@ async def moss(request: web.Request) -> web.StreamResponse:
             resp = await _buffered(request, job)
         metrics.gb_n.inc()
         return resp
-    except (ConnectionError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         metrics.gb_err_n.inc()
         raise
-    except BaseException as e:
+    except Exception as e:
         metrics.gb_err_n.inc()
         if resp is None or not resp.prepared:
             raise
-        # After the 200 the only signal left is truncation: close without the archive's end.
-        log.warning("moss: stream truncated after the 200: %s", getattr(e, "message", repr(e)))
+        if isinstance(e, ConnectionError):
+            log.debug("moss: client went away mid-stream: %s", e)
+        else:
+            # After the 200 the only signal left is truncation: close without the archive's end.
+            log.warning("moss: stream truncated after the 200: %s", getattr(e, "message", repr(e)))
         if request.transport is not None:
             request.transport.close()
-        raise ConnectionResetError("moss: stream truncated") from e
+        return resp  # aiohttp's write_eof then fails quietly on the closed connection
     finally:
         await job.shutdown(job.task)
         metrics.gb_rxwait_ns.inc(job.rxwait_ns)
