@@ -1,0 +1,393 @@
+"""Fetching a batch: resolved manifest entries in, members delivered strictly in order.
+
+Design note
+-----------
+A *batch source* takes a list of :class:`~batchfs.manifest.Target` and a ``MemberSink`` and
+calls ``sink.begin(head)``, then ``sink.data(chunk)`` zero or more times, then ``sink.end()``
+for member 0, 1, 2, … in manifest order, whatever order the underlying fetches complete in.
+Backpressure is the sink's: a slow reader makes ``sink.data`` wait, which stops the socket
+reads, which stops the server. Two sources:
+
+- :class:`GetBatchSource` (AIStore API): one ``GET /v1/ml/moss/BUCKET`` per ``part_entries``
+  entries (one request for a normal batch). Requests of the next ``pipeline_depth - 1`` parts
+  are sent while the current part streams, so the server assembles ahead, but a part's body
+  is read only at its turn: memory stays bounded by the socket buffers and the sink. The TAR
+  reply is parsed block by block (``tarfile.TarInfo.frombuf`` for each 512-byte header, plus
+  the GNU long-name and pax records a long member name needs; ``tarfile``'s own stream mode
+  wants a blocking file object, which a trio task cannot offer). Every member's name is
+  checked against the request, and the count too: a stream that ends early, or carries a
+  member we did not ask for, is an error at that member, never a silently short batch.
+  The mount always asks with ``coer`` so a missing entry arrives as a ``__404__/`` placeholder
+  *in its place*; without ``coer`` in the manifest that placeholder becomes an error at
+  exactly that member (the members before it stay readable).
+- :class:`EmulatedBatchSource` (S3, or any ``ObjectClient``): HEAD + ranged GET per entry,
+  ``parallel`` entries in flight ahead of the one being delivered, so at most ``parallel ×
+  inline_max_bytes`` are buffered; a larger entry is streamed in ``chunk_bytes`` GETs at its
+  turn. ``archpath`` needs the server side (GetBatch) and is an error here.
+
+Errors are :class:`BatchFetchError` (EIO) carrying the member index and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import tarfile
+import urllib.parse
+from collections.abc import Sequence
+from typing import Protocol
+
+import httpx
+import trio
+
+from batchfs.backends.base import ObjectClient
+from batchfs.errors import BackendError, NotFound
+from batchfs.manifest import Target
+
+MISSING_PREFIX = "__404__/"
+BLOCK = tarfile.BLOCKSIZE
+RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class BatchFetchError(BackendError):
+    """A batch could not be delivered from member ``index`` on (EIO at that point)."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"member {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemberHead:
+    index: int
+    name: str  # the member name in the view, "__404__/…" for a placeholder
+    size: int
+    mtime: int = 0
+    missing: bool = False
+
+
+class MemberSink(Protocol):
+    async def begin(self, head: MemberHead) -> None: ...
+    async def data(self, chunk: bytes) -> None: ...
+    async def end(self) -> None: ...
+
+
+class BatchSource(Protocol):
+    async def fetch(self, targets: Sequence[Target], coer: bool, sink: MemberSink) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchClientConfig:
+    part_entries: int = 4096  # entries per GetBatch request; more are split into parts
+    pipeline_depth: int = 2  # GetBatch requests open at once (the current one + ahead)
+    parallel: int = 16  # emulated batches: entries fetched concurrently
+    inline_max_bytes: int = 4 * 2**20  # emulated: larger entries are streamed at their turn
+    chunk_bytes: int = 8 * 2**20  # emulated: GET size when streaming a large entry
+    retries: int = 4  # GetBatch requests answered 429/5xx are retried with jittered backoff
+    backoff_max_seconds: float = 2.0
+
+
+def _missing(head_name: str, t: Target, i: int, coer: bool, why: str) -> MemberHead:
+    if not coer:
+        raise BatchFetchError(i, f"{t.member}: {why}")
+    return MemberHead(i, MISSING_PREFIX + head_name, 0, 0, True)
+
+
+@contextlib.asynccontextmanager
+async def _nursery():
+    """A nursery that re-raises a batch error of its tasks as itself, not in a group, so
+    callers catch ``BatchFetchError`` (the earliest member wins) like any exception."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        _, rest = group.split(trio.Cancelled)
+        found = [] if rest is None else _leaves(rest)
+        if found and all(isinstance(e, BackendError) for e in found):
+            raise min(found, key=lambda e: getattr(e, "index", 1 << 62)) from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out = []
+    for e in group.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
+
+
+# -- GetBatch ------------------------------------------------------------------------------------
+class _Reader:
+    """Exact-size reads over an httpx byte stream; EOF is reported as ``b""``."""
+
+    def __init__(self, resp: httpx.Response):
+        self._it = resp.aiter_raw()
+        self._buf = bytearray()
+        self._eof = False
+
+    async def _fill(self) -> bool:
+        if self._eof:
+            return False
+        try:
+            chunk = await self._it.__anext__()
+        except StopAsyncIteration:
+            self._eof = True
+            return False
+        self._buf += chunk
+        return True
+
+    async def exact(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            if not await self._fill():
+                return b""
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def pieces(self, n: int):
+        """Yield up to ``n`` bytes in the pieces they arrived in; stops short only at EOF."""
+        while n > 0:
+            if not self._buf and not await self._fill():
+                return
+            take = min(n, len(self._buf))
+            piece = bytes(self._buf[:take])
+            del self._buf[:take]
+            n -= take
+            yield piece
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    out, pos = {}, 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        if sp < 0 or not data[pos:sp].isdigit():
+            break
+        length = int(data[pos:sp])
+        if length <= 0:
+            break
+        key, _, value = data[sp + 1:pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+async def _next_header(r: _Reader) -> tarfile.TarInfo | None:
+    """The next member's header with extensions applied; None at the end of the archive."""
+    long_name = None
+    pax: dict[str, str] = {}
+    while True:
+        buf = await r.exact(BLOCK)
+        if not buf or buf == bytes(BLOCK):
+            return None
+        try:
+            info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as e:
+            raise ValueError(f"bad TAR header: {e}") from None
+        if info.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE):
+            body = await r.exact(-(-info.size // BLOCK) * BLOCK)
+            if len(body) < info.size:
+                raise ValueError("stream ended inside an extended header")
+            if info.type == tarfile.GNUTYPE_LONGNAME:
+                long_name = body[:info.size].rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif info.type == tarfile.XHDTYPE:
+                pax.update(_pax_records(body[:info.size]))
+            continue
+        if long_name is not None:
+            info.name = long_name
+        if "path" in pax:
+            info.name = pax["path"]
+        if "size" in pax and pax["size"].isdigit():
+            info.size = int(pax["size"])
+        return info
+
+
+class GetBatchSource:
+    def __init__(self, http: httpx.AsyncClient, endpoint: str, config: BatchClientConfig = BatchClientConfig()):
+        self.http = http
+        self.base = endpoint.rstrip("/")
+        self.config = config
+
+    def _request(self, targets: Sequence[Target]) -> httpx.Request:
+        body = {"in": [_moss_in(t) for t in targets], "mime": ".tar", "coer": True, "onob": False, "strm": True}
+        url = f"{self.base}/v1/ml/moss/{urllib.parse.quote(targets[0].bucket)}"
+        return self.http.build_request("GET", url, params={"provider": "ais"}, content=json.dumps(body).encode(),
+                                       headers={"Content-Type": "application/json"})
+
+    async def _open(self, targets: Sequence[Target], first: int) -> httpx.Response:
+        """Send one part's request; retry 429/5xx/connection errors; return it streaming."""
+        last = ""
+        for n in range(self.config.retries + 1):
+            try:
+                resp = await self.http.send(self._request(targets), stream=True)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code == 200:
+                    return resp
+                detail = (await resp.aread())[:300].decode("utf-8", "replace")
+                await resp.aclose()
+                try:
+                    detail = json.loads(detail).get("message", detail)
+                except (ValueError, AttributeError):
+                    pass
+                last = f"GetBatch answered HTTP {resp.status_code}: {detail}"
+                if resp.status_code not in RETRY_STATUS:
+                    break
+            if n < self.config.retries:
+                await trio.sleep(random.uniform(0, min(self.config.backoff_max_seconds, 0.05 * 2 ** n)))
+        raise BatchFetchError(first, last)
+
+    async def fetch(self, targets: Sequence[Target], coer: bool, sink: MemberSink) -> None:
+        if not targets:
+            return
+        step = self.config.part_entries
+        parts = [(i, targets[i:i + step]) for i in range(0, len(targets), step)]
+        turns = [trio.Event() for _ in parts]
+        turns[0].set()
+        depth = trio.Semaphore(self.config.pipeline_depth)
+
+        async def run_part(k: int, first: int, part: Sequence[Target], task_status=trio.TASK_STATUS_IGNORED):
+            async with depth:
+                task_status.started()
+                try:
+                    resp = await self._open(part, first)
+                except BatchFetchError as e:
+                    resp, error = None, e
+                await turns[k].wait()
+                if resp is None:
+                    raise error
+                try:
+                    await self._consume(resp, first, part, coer, sink)
+                finally:
+                    await resp.aclose()
+            if k + 1 < len(turns):
+                turns[k + 1].set()
+
+        async with _nursery() as nursery:
+            for k, (first, part) in enumerate(parts):
+                # start() returns once the part holds a pipeline slot: parts open in order
+                await nursery.start(run_part, k, first, part)
+
+    async def _consume(self, resp: httpx.Response, first: int, part: Sequence[Target], coer: bool,
+                       sink: MemberSink) -> None:
+        r = _Reader(resp)
+        for j, t in enumerate(part):
+            i = first + j
+            try:
+                info = await _next_header(r)
+            except (ValueError, httpx.HTTPError) as e:
+                raise BatchFetchError(i, f"{t.member}: {e}") from None
+            if info is None:
+                raise BatchFetchError(i, f"{t.member}: the GetBatch stream ended after {i} of the batch's members")
+            got = info.name.removeprefix("./")
+            expect = f"{t.bucket}/{t.objname}" + (f"/{t.archpath}" if t.archpath else "")
+            if got == MISSING_PREFIX + expect:
+                head = _missing(t.member, t, i, coer, "not found")
+            elif got != expect:
+                raise BatchFetchError(i, f"{t.member}: server sent member {got!r}, expected {expect!r}")
+            else:
+                head = MemberHead(i, t.member, info.size, int(info.mtime))
+            await sink.begin(head)
+            got_bytes = 0
+            try:
+                async for piece in r.pieces(info.size):
+                    got_bytes += len(piece)
+                    await sink.data(piece)
+            except httpx.HTTPError as e:
+                raise BatchFetchError(i, f"{t.member}: stream failed: {e}") from None
+            if got_bytes < info.size:
+                raise BatchFetchError(i, f"{t.member}: the stream ended {info.size - got_bytes} bytes short")
+            await r.exact(-info.size % BLOCK)  # padding to the block boundary
+            await sink.end()
+        try:
+            extra = await _next_header(r)
+        except (ValueError, httpx.HTTPError):
+            extra = None  # the trailer after the last member is not worth failing a complete batch
+        if extra is not None:
+            raise BatchFetchError(first + len(part), f"server sent an unexpected member {extra.name!r}")
+
+
+def _moss_in(t: Target) -> dict:
+    d = {"objname": t.objname, "bucket": t.bucket, "provider": "ais"}
+    if t.archpath:
+        d["archpath"] = t.archpath
+    if t.start or t.length:
+        d["start"], d["length"] = t.start, t.length
+    return d
+
+
+# -- emulation over plain range reads ----------------------------------------------------------------
+class EmulatedBatchSource:
+    def __init__(self, client: ObjectClient, config: BatchClientConfig = BatchClientConfig()):
+        self.client = client
+        self.config = config
+
+    async def _first(self, t: Target) -> tuple[int, int, int, bytes]:
+        """(start, end, mtime, first bytes) of one entry; raises NotFound/BackendError."""
+        if t.archpath:
+            raise BackendError("archpath needs a GetBatch backend (AIStore); this source has none")
+        info = (await self.client.head(t.bucket, t.objname)).info
+        start = t.start
+        end = info.size if t.length in (0, -1) else start + t.length
+        if start > info.size or end > info.size:
+            raise BackendError(f"range start={t.start} length={t.length} outside the object's {info.size} bytes")
+        upto = min(end, start + self.config.inline_max_bytes)
+        data = await self.client.get(t.bucket, t.objname, start, upto, info.version or None)
+        return start, end, info.mtime_ns // 10**9, data
+
+    async def fetch(self, targets: Sequence[Target], coer: bool, sink: MemberSink) -> None:
+        results: dict[int, object] = {}
+        ready: dict[int, trio.Event] = {}
+        slots = trio.Semaphore(self.config.parallel)
+
+        async def work(i: int, t: Target) -> None:
+            try:
+                results[i] = await self._first(t)
+            except NotFound as e:
+                results[i] = e
+            except BackendError as e:
+                results[i] = BatchFetchError(i, f"{t.member}: {e}")
+            ready.setdefault(i, trio.Event()).set()
+
+        async def launch(nursery: trio.Nursery) -> None:
+            for i, t in enumerate(targets):
+                await slots.acquire()  # released once member i is delivered: bounded buffering
+                nursery.start_soon(work, i, t)
+
+        async with _nursery() as nursery:
+            nursery.start_soon(launch, nursery)
+            for i, t in enumerate(targets):
+                await ready.setdefault(i, trio.Event()).wait()
+                del ready[i]
+                r = results.pop(i)
+                if isinstance(r, BatchFetchError):
+                    raise r
+                if isinstance(r, NotFound):
+                    await sink.begin(_missing(t.member, t, i, coer, "not found"))
+                    await sink.end()
+                    slots.release()
+                    continue
+                start, end, mtime, data = r
+                await sink.begin(MemberHead(i, t.member, end - start, mtime))
+                await sink.data(data)
+                pos = start + len(data)
+                slots.release()
+                while pos < end:  # a large entry: the rest streams at its turn
+                    upto = min(end, pos + self.config.chunk_bytes)
+                    try:
+                        await sink.data(await self.client.get(t.bucket, t.objname, pos, upto))
+                    except BackendError as e:
+                        raise BatchFetchError(i, f"{t.member}: {e}") from None
+                    pos = upto
+                await sink.end()
+
+
+def make_source(client: ObjectClient, config: BatchClientConfig = BatchClientConfig()) -> BatchSource:
+    """GetBatch when the client speaks the AIStore API, otherwise emulation (S3, memory)."""
+    from batchfs.backends.ais import AisClient
+
+    if isinstance(client, AisClient):
+        return GetBatchSource(client.http, client.base, config)
+    return EmulatedBatchSource(client, config)
