@@ -186,7 +186,7 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     after = marker
     if token is not None:
         try:
-            after = base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8", "surrogatepass")
+            after = base64.b64decode(token.encode("ascii"), altchars=b"-_", validate=True).decode("utf-8", "surrogatepass")
         except (ValueError, UnicodeError):
             raise S3Error(400, "InvalidArgument", "the continuation token provided is incorrect") from None
     for what, value in (("prefix", prefix), ("delimiter", delimiter), ("marker", after)):
