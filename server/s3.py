@@ -56,7 +56,7 @@ UNSUPPORTED_SUBRESOURCES = frozenset({
     "intelligent-tiering", "inventory", "legal-hold", "lifecycle", "logging", "metrics",
     "notification", "object-lock", "ownershipControls", "partNumber", "policy",
     "publicAccessBlock", "replication", "requestPayment", "restore", "retention", "select",
-    "tagging", "torrent", "uploadId", "uploads", "versioning", "versions", "website"})
+    "tagging", "torrent", "uploadId", "uploads", "versionId", "versioning", "versions", "website"})
 
 
 def _code_for(request: web.Request, e: StoreError) -> str:
@@ -209,6 +209,8 @@ async def obj(request: web.Request) -> web.StreamResponse:
     if method == "HEAD":
         bucket_name, key = _require_bucket(request), _key(request)
         meta = request.app[STORE].lookup(bucket_name, key)
+        if (not_modified := _preconditions(request, meta)) is not None:
+            return not_modified
         headers = native.object_headers(meta)
         headers.update({"Content-Length": str(meta.size), "Content-Type": "application/octet-stream"})
         return web.Response(headers=headers)
@@ -222,10 +224,28 @@ async def obj(request: web.Request) -> web.StreamResponse:
     return web.Response(status=204)
 
 
+def _preconditions(request: web.Request, meta: ObjectMeta) -> web.Response | None:
+    """If-Match (412 when no ETag matches) and If-None-Match (304 when one does), as S3
+    evaluates them; s3transfer pins multi-range downloads to one version with If-Match."""
+    etag = f'"{meta.etag}"'
+
+    def matches(header: str) -> bool:
+        tags = [t.strip() for t in header.split(",")]
+        return "*" in tags or etag in tags or meta.etag in tags
+
+    if "If-Match" in request.headers and not matches(request.headers["If-Match"]):
+        raise S3Error(412, "PreconditionFailed", "at least one of the preconditions you specified did not hold")
+    if "If-None-Match" in request.headers and matches(request.headers["If-None-Match"]):
+        return web.Response(status=304, headers={"ETag": etag})
+    return None
+
+
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = _require_bucket(request), _key(request)
     obj_ = request.app[STORE].open(bucket_name, key)
     try:
+        if (not_modified := _preconditions(request, obj_.meta)) is not None:
+            return not_modified
         rng = request.headers.get("Range")
         if rng is not None:
             try:

@@ -58,6 +58,11 @@ def _denied(code: str, message: str, status: int = 403) -> S3Error:
     return S3Error(status, code, message)
 
 
+def _same(a: str, b: str) -> bool:
+    """Constant-time comparison that also takes non-ASCII text (header bytes decoded by aiohttp)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
+
 class _Verifier(S3SigV4Auth):
     """S3SigV4Auth that signs exactly the headers and payload hash the client declared."""
 
@@ -159,7 +164,7 @@ def verify(request: web.Request, access_key: str, secret_key: str, now: float | 
     if len(parts) != 5 or parts[4] != "aws4_request":
         raise _denied("AuthorizationHeaderMalformed", f"malformed credential {credential!r}", 400)
     key_id, date, region, service, _ = parts
-    if not hmac.compare_digest(key_id.encode(), access_key.encode()):
+    if not _same(key_id, access_key):
         raise _denied("InvalidAccessKeyId", "the access key id does not exist in our records")
     if date != timestamp[:8]:
         raise _denied("SignatureDoesNotMatch", "the credential date does not match the request date")
@@ -178,7 +183,7 @@ def verify(request: web.Request, access_key: str, secret_key: str, now: float | 
         awsreq.context["timestamp"] = timestamp
         awsreq.context["payload_hash"] = payload_hash
         expected = auth.signature(auth.string_to_sign(awsreq, auth.canonical_request(awsreq)), awsreq)
-        if hmac.compare_digest(expected, signature):
+        if _same(expected, signature):
             return SignedRequest(auth, awsreq, signature, timestamp, auth.credential_scope(awsreq))
     raise _denied("SignatureDoesNotMatch", "the request signature we calculated does not match the "
                   "signature you provided; check your key and signing method")
@@ -190,6 +195,13 @@ def is_aws_chunked(request: web.Request) -> bool:
 
 
 async def aws_chunks(request: web.Request, signed: SignedRequest | None) -> AsyncIterator[bytes]:
+    """Decode an aws-chunked body into its data chunks.
+
+    Frames are ``hex-size[;chunk-signature=SIG]\\r\\n DATA \\r\\n``, ending with a zero-size
+    chunk and optional trailer lines (``x-amz-checksum-…``) up to an empty line. With a
+    ``signed`` request and the signed streaming algorithm, each chunk's signature is
+    checked (chained from the previous one) before the chunk is yielded.
+    """
     try:
         async for data in _aws_chunks(request, signed):
             yield data
@@ -198,13 +210,6 @@ async def aws_chunks(request: web.Request, signed: SignedRequest | None) -> Asyn
 
 
 async def _aws_chunks(request: web.Request, signed: SignedRequest | None) -> AsyncIterator[bytes]:
-    """Decode an aws-chunked body into its data chunks.
-
-    Frames are ``hex-size[;chunk-signature=SIG]\\r\\n DATA \\r\\n``, ending with a zero-size
-    chunk and optional trailer lines (``x-amz-checksum-…``) up to an empty line. With a
-    ``signed`` request and the signed streaming algorithm, each chunk's signature is
-    checked (chained from the previous one) before the chunk is yielded.
-    """
     declared = request.headers.get("X-Amz-Content-SHA256", "")
     check = signed is not None and declared in (STREAMING_SIGNED, STREAMING_SIGNED + "-TRAILER")
     previous = signed.signature if signed else ""
@@ -218,17 +223,16 @@ async def _aws_chunks(request: web.Request, signed: SignedRequest | None) -> Asy
         if not line.endswith(b"\n") or len(line) > MAX_CHUNK_LINE_BYTES:
             raise malformed("chunk header missing or too long")
         size_text, _, ext = line.strip().decode("ascii", "replace").partition(";")
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise malformed(f"bad chunk size {size_text!r}") from None
+        if not size_text or any(c not in "0123456789abcdefABCDEF" for c in size_text):
+            raise malformed(f"bad chunk size {size_text!r}")
+        size = int(size_text, 16)
         if size > MAX_CHUNK_BYTES:
             raise S3Error(400, "InvalidArgument", f"aws-chunked chunk of {size} bytes exceeds {MAX_CHUNK_BYTES}")
         data = await content.readexactly(size) if size else b""
         if check:
             sig = ext.partition("chunk-signature=")[2].strip()
             expected = signed.chunk_signature(previous, hashlib.sha256(data).hexdigest())
-            if not hmac.compare_digest(sig, expected):
+            if not _same(sig, expected):
                 raise _denied("SignatureDoesNotMatch", "an aws-chunked chunk signature does not match")
             previous = sig
         if size == 0:

@@ -612,3 +612,13 @@ def test_mount_reads_bucket_byte_exact(tool, keys, request, tmp_path):
                         break
                     got += piece
                 assert got == big[off:off + n], (off, n)
+
+
+def test_conditional_reads(server, s3, bucket):
+    etag = s3.put_object(Bucket=bucket, Key="c", Body=b"conditional")["ETag"]
+    assert s3.get_object(Bucket=bucket, Key="c", IfMatch=etag)["Body"].read() == b"conditional"
+    assert error_of(s3.get_object, Bucket=bucket, Key="c", IfMatch='"other"') == (412, "PreconditionFailed")
+    assert error_of(s3.head_object, Bucket=bucket, Key="c", IfMatch='"other"') == (412, "412")
+    assert error_of(s3.get_object, Bucket=bucket, Key="c", IfNoneMatch=etag) == (304, "304")
+    assert s3.get_object(Bucket=bucket, Key="c", IfNoneMatch='"other"')["Body"].read() == b"conditional"
+    assert httpx.get(f"{server.url}/{bucket}/c", params={"versionId": "3"}).status_code == 501
