@@ -99,6 +99,7 @@ class DiskChunkCache:
         self._pending_bytes = 0
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
         self._send, self._recv = trio.open_memory_channel(math.inf)  # bounded by _pending_bytes
+        self.drained = trio.Event()  # set when the writer has written everything queued
         self.hits = self.misses = self.writes = self.dropped = self.corrupt = 0
 
     @classmethod
@@ -160,7 +161,13 @@ class DiskChunkCache:
         return True
 
     async def writer(self) -> None:
-        """Drain queued writes; run exactly one per cache in the mount's nursery."""
+        """Drain queued writes until ``close_writes``; run exactly one per cache."""
+        try:
+            await self._drain()
+        finally:
+            self.drained.set()
+
+    async def _drain(self) -> None:
         async with self._recv:
             async for key, data, cost in self._recv:
                 try:
@@ -199,6 +206,12 @@ class DiskChunkCache:
 
     def close_writes(self) -> None:
         self._send.close()
+
+    async def flush(self, timeout_seconds: float) -> None:
+        """Stop taking writes and wait (bounded) for the queued ones to reach the disk."""
+        self.close_writes()
+        with trio.move_on_after(timeout_seconds):
+            await self.drained.wait()
 
     def close(self) -> None:
         self._cache.close()

@@ -76,6 +76,8 @@ _QUIET = (NotFound, NotADirectory, IsADirectory, ReadOnly)
 
 def errno_for(exc: BaseException, what: str = "") -> int:
     """The errno for an exception raised by the engine; logs what deserves a log line."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # a nursery's wrapper around one failure
     if isinstance(exc, BatchfsError):
         if isinstance(exc, _QUIET):
             log.debug("%s: %s", what, exc)

@@ -182,16 +182,23 @@ class Namespace:
         listing of ``key/`` run concurrently, the directory winning as in listings."""
         found: dict[str, object] = {}
 
+        errors: list[Exception] = []
+
         async def as_file() -> None:
             try:
                 found["file"] = (await self.client.head(bucket, key)).info
             except NotFound:
                 pass
+            except Exception as e:  # re-raised below, bare rather than in an ExceptionGroup
+                errors.append(e)
 
         async def as_dir() -> None:
             try:
                 page = await self.client.list_dir(bucket, key + "/", "", LOOKUP_LIST_PAGE)
             except NotFound:
+                return
+            except Exception as e:
+                errors.append(e)
                 return
             if page.files or page.dirs:
                 found["dir"] = True
@@ -199,6 +206,8 @@ class Namespace:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(as_file)
             nursery.start_soon(as_dir)
+        if errors:
+            raise errors[0]
         if "dir" in found:
             return DIR
         return found.get("file", False)

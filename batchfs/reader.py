@@ -30,6 +30,8 @@ from batchfs.prefetch import MemoryBudget, SequentialWindow, request_chunk_size
 
 log = logging.getLogger(__name__)
 
+DISK_FLUSH_SECONDS = 30.0  # at unmount, queued disk-cache writes get this long to finish
+
 
 class _Dropped(Exception):
     """A read-ahead chunk was let go before it arrived; a waiting read fetches directly."""
@@ -73,7 +75,9 @@ class Reader:
 
     async def aclose(self) -> None:
         if self.disk is not None:
-            self.disk.close_writes()
+            with trio.CancelScope(shield=True):  # unmounting: finish queued cache writes
+                await self.disk.flush(DISK_FLUSH_SECONDS)
+            self.disk.close()
 
     def open(self, bucket: str, key: str, info: ObjectInfo) -> "FileReader":
         return FileReader(self, bucket, key, info)

@@ -1,0 +1,140 @@
+"""Namespace without FUSE: directories from '/', listing sizes (no HEAD per file), TTL and
+negative caches, sources (all buckets, bucket, prefix), and ``find`` over 100,000 objects
+without one request per object."""
+
+from __future__ import annotations
+
+import trio
+
+from batchfs.config import Source
+from batchfs.errors import NotFound
+from batchfs.namespace import ROOT_INODE, Namespace
+from tests.engine_util import config, engine, memory_client, read_all, resolve
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+async def listdir(eng_or_ns, ino):
+    ns = getattr(eng_or_ns, "ns", eng_or_ns)
+    h = ns.opendir(ino)
+    return {name: node for name, node, _ in [x async for x in ns.readdir(h, 0)]}
+
+
+def test_tree_from_names_and_sizes_from_listing():
+    client = memory_client()
+    for k, n in {"a.txt": 5, "d/x": 10, "d/e/y": 20, "d/e/z": 0, "shadow": 3, "shadow/inner": 4}.items():
+        client.put("b", k, b"x" * n)
+
+    async def main():
+        async with engine(client) as eng:
+            root = await listdir(eng, ROOT_INODE)
+            assert sorted(root) == ["a.txt", "d", "shadow"]
+            assert root["shadow"].is_dir  # a directory hides an object of the same name
+            d = await listdir(eng, root["d"].ino)
+            assert sorted(d) == ["e", "x"]
+            e = await listdir(eng, d["e"].ino)
+            client.calls.clear()
+            # after listing: lookups and stats cost nothing
+            assert (await eng.lookup(ROOT_INODE, "a.txt")).size == 5
+            assert (await eng.getattr(e["y"].ino)).size == 20
+            assert (await eng.lookup(d["e"].ino, "z")).size == 0
+            assert (await eng.lookup(d["e"].ino, "y")).is_dir is False
+            try:
+                await eng.lookup(d["e"].ino, "missing")
+                raise AssertionError("expected NotFound")
+            except NotFound:
+                pass
+            assert sum(client.calls.values()) == 0
+
+    trio.run(main)
+
+
+def test_negative_cache_and_ttl():
+    client = memory_client()
+    client.put("b", "f", b"old")
+    clock = FakeClock()
+    cfg = config(metadata_ttl_seconds=10, negative_ttl_seconds=2)
+
+    async def main():
+        ns = Namespace(cfg, client, clock=clock)
+        for _ in range(3):
+            try:
+                await ns.lookup(ROOT_INODE, "nope")
+            except NotFound:
+                pass
+        assert client.calls["head"] == 1  # later probes answered by the negative cache
+        clock.now += 3
+        try:
+            await ns.lookup(ROOT_INODE, "nope")
+        except NotFound:
+            pass
+        assert client.calls["head"] == 2
+        a = await ns.lookup(ROOT_INODE, "f")
+        node = ns.node(a.ino)
+        v1 = node.info.version
+        client.put("b", "f", b"newer!")
+        assert (await ns.current(node)).version == v1  # within the TTL: cached
+        clock.now += 11
+        info = await ns.current(node)
+        assert info.version != v1 and info.size == 6
+
+    trio.run(main)
+
+
+def test_all_buckets_and_prefix_sources():
+    client = memory_client()
+    client.buckets["other"] = {}
+    client.put("b", "p/q/r", b"1")
+    client.put("b", "p/s", b"22")
+    client.put("other", "t", b"333")
+
+    async def main():
+        async with engine(client, source=Source("ais", "mem://", None)) as eng:
+            root = await listdir(eng, ROOT_INODE)
+            assert sorted(root) == ["b", "other"]
+            assert await read_all(eng, "other/t") == b"333"
+            assert await read_all(eng, "b/p/q/r") == b"1"
+        async with engine(client, source=Source("ais", "mem://", "b", "p/")) as eng:
+            root = await listdir(eng, ROOT_INODE)
+            assert sorted(root) == ["q", "s"]
+            assert await read_all(eng, "s") == b"22"
+
+    trio.run(main)
+
+
+def test_find_over_100k_objects_is_not_one_request_per_object():
+    client = memory_client()
+    n = 0
+    for top in range(10):
+        for sub in range(100):
+            for f in range(100):
+                client.buckets["b"][f"t{top}/s{sub}/f{f:03d}"] = (b"", "v")
+                n += 1
+    assert n == 100_000
+
+    async def main():
+        async with engine(client) as eng:
+            seen = 0
+
+            async def walk(ino):
+                nonlocal seen
+                for name, node in (await listdir(eng, ino)).items():
+                    if node.is_dir:
+                        await walk(node.ino)
+                    else:
+                        assert (await eng.getattr(node.ino)).size == 0
+                        seen += 1
+
+            await walk(ROOT_INODE)
+            assert seen == n
+        total = sum(client.calls.values())
+        assert total <= 1_100 + 100, client.calls  # about one listing per directory
+        assert client.calls["head"] == 0 and client.calls["get"] == 0
+
+    trio.run(main)

@@ -1,0 +1,167 @@
+"""Engine reads without FUSE, against the in-memory client: byte-exact results at chunk
+boundaries, one GET for small objects, a growing window for sequential reads, only the asked
+bytes for random reads, bounded memory per handle and in total, concurrent readers."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import trio
+
+from batchfs.prefetch import INITIAL_WINDOW, SequentialWindow
+from tests.engine_util import KiB, MiB, engine, memory_client, read_all, resolve
+
+CHUNK = 64 * KiB
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def test_boundary_sizes_are_byte_exact():
+    client = memory_client(chunk_size=16 * KiB)
+    sizes = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 7]
+    blobs = {f"f{n}": os.urandom(n) for n in sizes}
+    for k, v in blobs.items():
+        client.put("b", k, v)
+
+    async def main():
+        async with engine(client) as eng:
+            for k, v in blobs.items():
+                for block in (4 * KiB, 128 * KiB, 1 * MiB):
+                    assert await read_all(eng, k, block) == v, (k, block)
+
+    run(main)
+
+
+def test_small_object_is_one_get_served_from_memory():
+    client = memory_client()
+    data = os.urandom(CHUNK - 1)
+    client.put("b", "small", data)
+
+    async def main():
+        async with engine(client, memory_cache_bytes=1) as eng:  # no help from the memory cache
+            ino = await resolve(eng, "small")  # a lookup without a listing: HEAD + 1-entry list
+            client.calls.clear()
+            fh = (await eng.open(ino)).fh
+            for off in (0, 100, 5, CHUNK - 2, 0):
+                assert await eng.read(fh, off, 10) == data[off:off + 10]
+            eng.release(fh)
+        assert client.calls["get"] == 1
+        assert client.calls["head"] == 0
+
+    run(main)
+
+
+def test_sequential_window_grows_and_random_resets():
+    w = SequentialWindow(chunk_size=100, max_window=8)
+    seq, wanted = w.observe(0, 100)
+    assert seq and len(wanted) == INITIAL_WINDOW
+    sizes = []
+    for off in range(100, 1000, 100):
+        seq, wanted = w.observe(off, 100)
+        assert seq
+        sizes.append(len(wanted))
+    assert sizes[:3] == [4, 8, 8] and max(sizes) == 8
+    seq, wanted = w.observe(50_000, 10)
+    assert not seq and list(wanted) == [500]
+    assert w.window == INITIAL_WINDOW
+
+
+def test_sequential_read_prefetches_whole_chunks_in_parallel():
+    client = memory_client(get_delay_seconds=0.01)
+    data = os.urandom(40 * CHUNK + 3)
+    client.put("b", "big", data)
+
+    async def main():
+        async with engine(client, parallel_per_file=4) as eng:
+            assert await read_all(eng, "big", 128 * KiB) == data
+            assert eng.reader.budget.used_bytes == 0  # everything released at close
+            assert eng.reader.budget.peak_bytes <= (4 + 1) * CHUNK
+        assert client.max_in_flight > 1  # read-ahead overlapped requests
+        assert client.max_in_flight <= 5
+        # every GET was one aligned chunk, each chunk fetched once
+        starts = sorted(s for _, s, _ in client.get_ranges)
+        assert starts == [i * CHUNK for i in range(41)]
+
+    run(main)
+
+
+def test_random_reads_fetch_only_what_they_need():
+    client = memory_client()
+    data = os.urandom(64 * CHUNK)
+    client.put("b", "big", data)
+    rng = random.Random(7)
+
+    async def main():
+        async with engine(client) as eng:
+            fh = (await eng.open(await resolve(eng, "big"))).fh
+            await eng.read(fh, 0, 10)  # the first read at 0 looks sequential: starts a window
+            client.get_ranges.clear()
+            prev = 0
+            for _ in range(50):
+                off = prev
+                while abs(off - prev) < 4 * CHUNK:  # truly random: never near the last read
+                    off = rng.randrange(CHUNK * 8, len(data) - 4 * KiB)
+                prev = off
+                assert await eng.read(fh, off, 4 * KiB) == data[off:off + 4 * KiB]
+            eng.release(fh)
+        fetched = sum(e - s for _, s, e in client.get_ranges)
+        assert fetched == 50 * 4 * KiB  # no read-ahead for random reads
+
+    run(main)
+
+
+def test_memory_is_bounded_globally_with_many_open_files():
+    client = memory_client(get_delay_seconds=0.001)
+    blobs = {f"f{i}": os.urandom(20 * CHUNK) for i in range(40)}
+    for k, v in blobs.items():
+        client.put("b", k, v)
+    budget = 12 * CHUNK + 1 * MiB  # read-ahead budget = total - memory cache (1 MiB)
+
+    async def main():
+        async with engine(client, memory_budget_bytes=budget) as eng:
+            handles = []
+            for k in blobs:
+                handles.append((k, (await eng.open(await resolve(eng, k))).fh))
+            results = {}
+
+            async def reader(k, fh):
+                out = []
+                for off in range(0, 20 * CHUNK, 32 * KiB):
+                    out.append(await eng.read(fh, off, 32 * KiB))
+                    assert eng.reader.budget.used_bytes <= 12 * CHUNK
+                results[k] = b"".join(out)
+
+            async with trio.open_nursery() as n:
+                for k, fh in handles:
+                    n.start_soon(reader, k, fh)
+            for _, fh in handles:
+                eng.release(fh)
+            assert results == blobs
+            assert eng.reader.budget.peak_bytes <= 12 * CHUNK
+            assert eng.reader.budget.used_bytes == 0
+
+    run(main)
+
+
+def test_32_concurrent_readers_of_one_object():
+    client = memory_client(get_delay_seconds=0.001)
+    data = os.urandom(30 * CHUNK + 11)
+    client.put("b", "big", data)
+
+    async def main():
+        async with engine(client, parallel_total=8) as eng:
+            got = []
+
+            async def one(i):
+                got.append(await read_all(eng, "big", (i % 4 + 1) * 32 * KiB))
+
+            async with trio.open_nursery() as n:
+                for i in range(32):
+                    n.start_soon(one, i)
+            assert len(got) == 32 and all(g == data for g in got)
+        assert client.max_in_flight <= 8  # the mount-wide request limit held
+
+    run(main)
