@@ -41,6 +41,7 @@ class Engine:
         self._files: dict[int, tuple[Node, FileReader]] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._fh = itertools.count(1)
+        self.plans = None  # batchfs.plans.PlanRegistry: objects fetched ahead by `.batch` plans
 
     @classmethod
     async def create(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery) -> "Engine":
@@ -98,7 +99,13 @@ class Engine:
         if node.is_dir:
             raise IsADirectory(f"inode {ino} is a directory")
         info = await self.ns.current(node)
-        fr = self.reader.open(node.bucket, node.key, info)
+        data = await self.plans.take(node.bucket, node.key) if self.plans is not None else None
+        if data is not None and len(data) == info.size:
+            from batchfs.plans import PlannedReader
+
+            fr = PlannedReader(data)
+        else:
+            fr = self.reader.open(node.bucket, node.key, info)
         fh = next(self._fh)
         self._files[fh] = (node, fr)
         direct = info.size >= self.config.direct_io_min_bytes

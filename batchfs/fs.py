@@ -4,9 +4,9 @@ Every handler goes through ``_boundary``: engine exceptions become ``FUSEError``
 table in ``batchfs.errors.errno_for``, and anything unexpected is logged and answered with
 EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
 
-The mount is read-only: every mutating operation answers EROFS. ``.batch/`` control files
-(a later issue) will hook in at ``BATCH_DIR``/``batch_control``; today the name is an
-ordinary lookup and writes under it get EROFS like everywhere else.
+The mount is read-only: every mutating operation answers EROFS, except inside ``.batch/``:
+inodes and handles there (``batch_control.owns``) and the root's ``.batch`` go to
+``batchfs.batchops.BatchControl``. (The kernel-level ``ro`` option is therefore not set.)
 
 ``serve`` is the whole life of a mount; the CLI (``batchfs.mountcli``) calls it under
 ``trio.run``.
@@ -58,16 +58,15 @@ class Operations(pyfuse3.Operations):
     def __init__(self, engine: Engine):
         super().__init__()
         self.engine = engine
-        self.batch_control = None  # the `.batch/` hook (later issue); None: not provided
+        self.batch_control = None  # batchops.BatchControl for `.batch/`; None: not provided
         self.timeout = engine.config.metadata_ttl_seconds
 
     def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        e.entry_timeout = self.timeout
-        e.attr_timeout = self.timeout
-        e.st_mode = (stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444)
+        e.entry_timeout = e.attr_timeout = getattr(a, "ttl", self.timeout)
+        e.st_mode = getattr(a, "mode", 0) or ((stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444))
         e.st_nlink = 2 if a.is_dir else 1
         e.st_uid, e.st_gid = self.engine.ns.uid, self.engine.ns.gid
         e.st_size = a.size
@@ -78,10 +77,15 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def lookup(self, parent_inode, name, ctx=None):
+        if self._ctl(parent_inode) or self.batch_control and self.batch_control.is_control_dir(
+                parent_inode, os.fsdecode(name)):
+            return self._entry(self.batch_control.lookup(parent_inode, os.fsdecode(name)))
         return self._entry(await self.engine.lookup(parent_inode, os.fsdecode(name)))
 
     @_boundary
     async def getattr(self, inode, ctx=None):
+        if self._ctl(inode):
+            return self._entry(self.batch_control.getattr(inode))
         return self._entry(await self.engine.getattr(inode))
 
     async def forget(self, inode_list):
@@ -93,10 +97,17 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def opendir(self, inode, ctx):
+        if self._ctl(inode):
+            return inode
         return self.engine.opendir(inode)
 
     @_boundary
     async def readdir(self, fh, start_id, token):
+        if self._ctl(fh):
+            for name, attr, next_id in self.batch_control.readdir(fh, start_id):
+                if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id):
+                    return
+            return
         async for name, attr, next_id in self.engine.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id):
                 self.engine.ns.drop_if_unreferenced(attr.ino)
@@ -105,10 +116,14 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def releasedir(self, fh):
+        if self._ctl(fh):
+            return
         self.engine.releasedir(fh)
 
     @_boundary
     async def open(self, inode, flags, ctx):
+        if self._ctl(inode):
+            return pyfuse3.FileInfo(fh=self.batch_control.open(inode, flags), direct_io=True)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise ReadOnly("the mount is read-only")
         o = await self.engine.open(inode)
@@ -116,10 +131,14 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def read(self, fh, off, size):
+        if self._ctl(fh):
+            return await self.batch_control.read(fh, off, size)
         return await self.engine.read(fh, off, size)
 
     @_boundary
     async def release(self, fh):
+        if self._ctl(fh):
+            return self.batch_control.release(fh)
         self.engine.release(fh)
 
     @_boundary
@@ -133,13 +152,47 @@ class Operations(pyfuse3.Operations):
     async def _readonly(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS)
 
-    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _readonly
-    create = write = setxattr = removexattr = _readonly
+    mknod = mkdir = rmdir = symlink = rename = link = setxattr = removexattr = _readonly
+
+    # -- `.batch/` control files: the only writable place --------------------------------------
+    def _ctl(self, ino_or_fh) -> bool:
+        return self.batch_control is not None and self.batch_control.owns(ino_or_fh)
+
+    @_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        if not self._ctl(parent_inode):
+            raise ReadOnly("the mount is read-only outside .batch/")
+        fh, attr = self.batch_control.create(parent_inode, os.fsdecode(name), flags)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True), self._entry(attr)
+
+    @_boundary
+    async def write(self, fh, off, buf):
+        if not self._ctl(fh):
+            raise ReadOnly("the mount is read-only outside .batch/")
+        return self.batch_control.write(fh, off, buf)
+
+    @_boundary
+    async def flush(self, fh):
+        if self._ctl(fh):
+            self.batch_control.flush(fh)
+
+    @_boundary
+    async def unlink(self, parent_inode, name, ctx):
+        if not self._ctl(parent_inode):
+            raise ReadOnly("the mount is read-only outside .batch/")
+        self.batch_control.unlink(parent_inode, os.fsdecode(name))
+
+    @_boundary
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if not self._ctl(inode):
+            raise ReadOnly("the mount is read-only outside .batch/")
+        return self._entry(self.batch_control.setattr(inode, attr.st_size if fields.update_size else None))
 
 
 def _mount_options(config: MountConfig) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions
-    opts |= {"fsname=batchfs", "subtype=batchfs", "ro", "default_permissions"}
+    # no kernel "ro": it would refuse `.batch/` writes; every other write answers EROFS
+    opts |= {"fsname=batchfs", "subtype=batchfs", "default_permissions"}
     for o in config.fuse_options:
         opts |= {p for p in o.split(",") if p}
     return opts
@@ -154,10 +207,13 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
     try:
         async with trio.open_nursery() as nursery:
             engine = await Engine.create(config, client, nursery)
+            batch_control = await _batch_control(config, client, nursery)
+            engine.plans = batch_control.mgr.plans  # planned objects are served from memory
             try:
                 await _check(engine)
-                await _run_mounted(config, engine, on_ready, nursery)
+                await _run_mounted(config, engine, on_ready, nursery, batch_control)
             finally:
+                batch_control.mgr.close()
                 await engine.aclose()
                 nursery.cancel_scope.cancel()
     finally:
@@ -174,10 +230,23 @@ async def _check(engine: Engine) -> None:
         raise SourceError(f"cannot mount {where}: {e}") from None
 
 
-async def _run_mounted(config: MountConfig, engine: Engine, on_ready, nursery: trio.Nursery) -> None:
+async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
+    from batchfs.batchclient import make_source
+    from batchfs.batches import BatchManager
+    from batchfs.batchops import BatchControl
+
+    src = config.source
+    mgr = await BatchManager.create(nursery, make_source(client), bucket=src.bucket, prefix=src.prefix,
+                                    mountpoint=os.path.abspath(config.mountpoint))
+    return BatchControl(mgr)
+
+
+async def _run_mounted(config: MountConfig, engine: Engine, on_ready, nursery: trio.Nursery,
+                       batch_control=None) -> None:
     if not os.path.isdir(config.mountpoint):
         raise SourceError(f"mountpoint {config.mountpoint} is not a directory")
     ops = Operations(engine)
+    ops.batch_control = batch_control
     pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
     try:
         async with trio.open_nursery() as inner:

@@ -11,7 +11,7 @@ entries. An entry is *consumed* when a reader takes it (``PlanRegistry.take``), 
 on it (missing, failed, too large, or not yet fetched when the reader came): entries
 consumed before their batch is fetched are left out of its request.
 
-Readers: ``fs.py`` calls ``registry.take(path)`` when a file is opened. If an unconsumed
+Readers: the engine calls ``registry.take(bucket, key)`` when a file is opened. If an unconsumed
 entry for that path exists in an active plan, the earliest one is used: its bytes are
 returned at once if fetched, awaited (at most ``wait_seconds``) if its batch is in flight,
 and ``None`` (read through as usual) otherwise. The reader's handle keeps the bytes; the
@@ -86,9 +86,10 @@ class Plan:
         self.consumed = bytearray(n)  # 1 once taken or given up on
         self.left = [min(self.batch_size, n - b * self.batch_size) for b in range(self.nbatches)]
         self.data: dict[int, bytes] = {}
-        self.by_path: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
-        for i, p in enumerate(paths):
-            self.by_path[p].append(i)
+        # keyed by object, not path: the engine knows a file by (bucket, key)
+        self.by_path: dict[tuple[str, str], collections.deque[int]] = collections.defaultdict(collections.deque)
+        for i, t in enumerate(targets):
+            self.by_path[(t.bucket, t.objname)].append(i)
         self.batch_done = [trio.Event() for _ in range(self.nbatches)]
         self.fetching: set[int] = set()
         self.cursor = 0
@@ -166,15 +167,15 @@ class Plan:
         self.registry.wake()
 
     # -- readers -----------------------------------------------------------------------------
-    async def take(self, path: str) -> bytes | None:
-        q = self.by_path.get(path)
+    async def take(self, obj: tuple[str, str]) -> bytes | None:
+        q = self.by_path.get(obj)
         while q and self.consumed[q[0]]:
             q.popleft()
         if not q:
             return None
         i = q.popleft()
         if not q:
-            del self.by_path[path]
+            del self.by_path[obj]
         b = i // self.batch_size
         self.last_activity = time.monotonic()
         # In flight, or inside the window and about to be: waiting beats a second fetch.
@@ -225,14 +226,15 @@ class PlanRegistry:
             plan.state = "cancelled"
             self.wake()
 
-    def wanted(self, path: str) -> bool:
-        """Cheap check for the read path: is any plan holding or fetching this path?"""
-        return any(path in p.by_path for p in self.plans.values())
+    def wanted(self, bucket: str, key: str) -> bool:
+        """Cheap check for the read path: is any plan holding or fetching this object?"""
+        return any((bucket, key) in p.by_path for p in self.plans.values())
 
-    async def take(self, path: str) -> bytes | None:
+    async def take(self, bucket: str, key: str) -> bytes | None:
+        """The planned bytes of object ``key`` for one reader (see the design note), or None."""
         for plan in list(self.plans.values()):
-            if path in plan.by_path:
-                data = await plan.take(path)
+            if (bucket, key) in plan.by_path:
+                data = await plan.take((bucket, key))
                 if data is not None:
                     return data
         return None
@@ -240,3 +242,16 @@ class PlanRegistry:
     def wake(self) -> None:
         for p in self.plans.values():
             p._moved.set()
+
+
+class PlannedReader:
+    """An open file served from planned bytes (the engine's reader interface)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    async def read(self, offset: int, length: int) -> bytes:
+        return self.data[offset:offset + length]
+
+    def close(self) -> None:
+        self.data = b""

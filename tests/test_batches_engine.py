@@ -314,8 +314,8 @@ def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):
             if i == 10:
                 prog = json.loads(await bf.read(0, 1 << 20))
                 assert prog["entries"]["consumed"] == 10 and prog["batches"]["requested"] <= 10 // 8 + 1 + 2
-            assert await mgr.plans.take(p) == dataset[p]
-        assert await mgr.plans.take(paths[0]) is None  # every entry of it was consumed
+            assert await mgr.plans.take(bucket, p) == dataset[p]
+        assert await mgr.plans.take(bucket, paths[0]) is None  # every entry of it was consumed
         prog = json.loads(await bf.read(0, 1 << 20))
         assert prog["entries"] == {"planned": 55, "fetched": 55, "consumed": 55, "served": 55, "read_through": 0,
                                    "errors": 0}
