@@ -92,10 +92,14 @@ async def list_objects(request: web.Request) -> web.Response:
     """``GET /v1/buckets/B`` with ``{"action":"list","value":{...}}``: one msgpack page."""
     request[OP_KEY] = "list"
     bucket = check_bucket(request.match_info["bucket"])
-    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
+    msg = await read_json(request, required=False)
+    if msg is None:  # no body: the first page of everything
+        msg = {"action": "list", "value": {}}
     if not isinstance(msg, dict) or msg.get("action") not in ("list", None):
         raise BadRequest("expected a list action in the request body")
-    value = msg.get("value") or {}
+    value = msg.get("value")
+    if value is None:
+        value = {}
     if not isinstance(value, dict):
         raise BadRequest("list action value must be an object")
     prefix = value.get("prefix") or ""
@@ -217,7 +221,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
     r.add_head("/v1/buckets/{bucket}", bucket_head)
     r.add_delete("/v1/buckets/{bucket}", bucket_delete)
-    obj = "/v1/objects/{bucket}/{obj:.+}"
+    # [\s\S], not '.': a name with a newline must reach check_objname (400), not miss the route
+    obj = r"/v1/objects/{bucket}/{obj:[\s\S]+}"
     r.add_put(obj, put_object)
     r.add_get(obj, get_object, allow_head=False)
     r.add_head(obj, head_object)
