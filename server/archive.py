@@ -47,13 +47,41 @@ def normalize_mime(mime: object) -> str | None:
     return m if m in MIME_TYPES else None
 
 
-def tar_header(name: str, size: int, mtime: int) -> bytes:
+def _tobuf(name: str, size: int, mtime: int) -> bytes:
     ti = tarfile.TarInfo(name)
     ti.size = size
     ti.mtime = mtime
     ti.mode = 0o644
     ti.type = tarfile.REGTYPE
     return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+# The fast path. ``tobuf`` costs ~30 us a header, as much as reading a 10 KiB member, and
+# for the common member (an ASCII name of at most 100 bytes, size and mtime that fit the
+# 11 octal digits of USTAR) PAX_FORMAT emits a plain USTAR header. Such a header is
+# tarfile's own header for ("", 0, 0) with three fields filled in; since the checksum is
+# the byte sum of the header (with spaces in its own field), filling a NUL/zero field only
+# adds the byte sums of what is written. tests/test_getbatch.py checks that the result is
+# byte-identical to ``tobuf`` over generated names, sizes and times.
+_TEMPLATE = _tobuf("", 0, 0)
+_FIELD_ZERO = b"00000000000\0"  # size and mtime of the template: 11 octal digits and a NUL
+_BASE_SUM = sum(_TEMPLATE[:148]) + 8 * ord(" ") + sum(_TEMPLATE[156:])
+_OCTAL_MAX = 8 ** 11
+_TAIL = _TEMPLATE[155:]  # the checksum field's final space, then typeflag and the rest
+
+
+def tar_header(name: str, size: int, mtime: int) -> bytes:
+    try:
+        raw = name.encode("ascii")
+    except UnicodeEncodeError:
+        return _tobuf(name, size, mtime)
+    if len(raw) > 100 or not (0 <= size < _OCTAL_MAX and 0 <= mtime < _OCTAL_MAX) or b"\0" in raw:
+        return _tobuf(name, size, mtime)
+    size_f = b"%011o\0" % size
+    mtime_f = b"%011o\0" % mtime
+    chksum = _BASE_SUM + sum(raw) + sum(size_f) + sum(mtime_f) - 2 * sum(_FIELD_ZERO)
+    return b"".join((raw, bytes(100 - len(raw)), _TEMPLATE[100:124], size_f, mtime_f,
+                     b"%06o\0" % chksum, _TAIL))
 
 
 def tar_padding(size: int) -> bytes:

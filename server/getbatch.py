@@ -504,19 +504,25 @@ class BatchJob:
         return out
 
     def _account(self, entries: list[Entry], sizes: list[tuple[int, str]]) -> None:
-        m = self.metrics
+        # summed per run: a Prometheus inc takes a lock, and a run holds up to 64 entries
+        soft = obj_n = obj_size = file_n = file_size = 0
         for e, (size, err) in zip(entries, sizes):
             if err:
-                self.soft_errs += 1
-                m.gb_soft_err_n.inc()
+                soft += 1
+                if not e.err:
+                    e.err = err
             elif e.archpath:
-                m.gb_file_n.inc()
-                m.gb_file_size.inc(size)
+                file_n += 1
+                file_size += size
             else:
-                m.gb_obj_n.inc()
-                m.gb_obj_size.inc(size)
-            if err and not e.err:
-                e.err = err
+                obj_n += 1
+                obj_size += size
+        m = self.metrics
+        for counter, value in ((m.gb_soft_err_n, soft), (m.gb_obj_n, obj_n), (m.gb_obj_size, obj_size),
+                               (m.gb_file_n, file_n), (m.gb_file_size, file_size)):
+            if value:
+                counter.inc(value)
+        self.soft_errs += soft
         self.sizes.extend(sizes)
         self._check_soft(self.soft_errs)
 

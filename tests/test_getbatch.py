@@ -19,11 +19,14 @@ import zipfile
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aistore import Client
 from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 from urllib3 import Retry
 
+from server.archive import _tobuf, tar_header
 from tests.conftest import put
 from tests.util import ServerProcess
 
@@ -79,6 +82,16 @@ def expect_error(r: httpx.Response, status: int, text: str = "") -> None:
     body = r.json()
     assert body["status"] == status and body["message"]
     assert text in body["message"], body["message"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(name=st.one_of(st.text(min_size=1, max_size=120),
+                      st.text(alphabet="abcXYZ019_./-", min_size=1, max_size=110)),
+       size=st.one_of(st.integers(0, 8 ** 11 + 5), st.integers(0, 1 << 40)),
+       mtime=st.one_of(st.integers(0, 8 ** 11 + 5), st.integers(1_600_000_000, 1_900_000_000)))
+def test_fast_tar_header_is_tarfiles(name, size, mtime):
+    """The fast TAR header path is byte-identical to tarfile's tobuf (or falls back to it)."""
+    assert tar_header(name, size, mtime) == _tobuf(name, size, mtime)
 
 
 # -- the SDK, every format, streaming and multipart ----------------------------------------

@@ -1,0 +1,224 @@
+"""GetBatch benchmark: the paper's Table 1 on this machine, time to first byte, and memory.
+
+    python bench/bench_getbatch.py [--runs 3] [--seconds 2] [--threads 8] [--skip-rss]
+
+1. Throughput of individual GETs vs GetBatch (batch 32/64/128) for 10 KiB, 100 KiB and 1 MiB
+   objects. Same client for both sides: one ``httpx.Client`` (connection pool) shared by
+   ``--threads`` threads; each GetBatch reply is split into its members with ``tarfile``, so
+   both sides end with one ``bytes`` per object. Medians of ``--runs`` runs; ratios are
+   GetBatch objects/s over individual-GET objects/s.
+2. Time to first byte of a streamed GetBatch of 100 vs 10,000 entries (10 KiB objects), with
+   and without ``coer`` (without it every entry is looked up before the 200).
+3. Server RSS (from /proc) while streaming a 2 GiB batch (8 x 256 MiB chunked objects).
+
+The server is a real ``batchfs-server`` process on a free port, in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import io
+import os
+import random
+import statistics
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.util import ServerProcess  # noqa: E402
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [(10 * KiB, "10 KiB", 1024), (100 * KiB, "100 KiB", 512), (1 * MiB, "1 MiB", 256)]
+SIZES = [s for s in SIZES if str(s[0]) in os.environ.get("BENCH_SIZES", str(s[0]))] or SIZES
+BATCHES = [32, 64, 128]
+
+
+def load(client: httpx.Client, url: str, bucket: str, prefix: str, size: int, count: int) -> list[str]:
+    names = [f"{prefix}/{i:05d}" for i in range(count)]
+    data = os.urandom(size)
+
+    def put(name):
+        client.put(f"{url}/v1/objects/{bucket}/{name}", content=data).raise_for_status()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        list(ex.map(put, names))
+    return names
+
+
+def split_tar(data: bytes) -> list[memoryview]:
+    """The members of a TAR reply, one buffer each: tarfile parses the headers (PAX too);
+    the data is sliced out of the reply (``extractfile`` would double the per-member cost)."""
+    view = memoryview(data)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+        return [view[m.offset_data:m.offset_data + m.size] for m in tf]
+
+
+def run_for(seconds: float, threads: int, op) -> tuple[int, int, float]:
+    """Call ``op(rng)`` (returns (objects, bytes)) from ``threads`` threads for ``seconds``."""
+    stop = time.monotonic() + seconds
+    totals = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        n = b = 0
+        while time.monotonic() < stop:
+            dn, db = op(rng)
+            n += dn
+            b += db
+        totals.append((n, b))
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    return sum(n for n, _ in totals), sum(b for _, b in totals), elapsed
+
+
+def table1(client, url, bucket, names_by_size, args) -> list[str]:
+    rows = ["| object size | mode | objects/s | MB/s | vs individual GETs |", "|---|---|---|---|---|"]
+    for size, label, _ in SIZES:
+        names = names_by_size[size]
+
+        def get_one(rng):
+            r = client.get(f"{url}/v1/objects/{bucket}/{rng.choice(names)}")
+            r.raise_for_status()
+            return 1, len(r.content)
+
+        def get_batch(rng, n):
+            body = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "mime": ".tar", "strm": True}
+            r = client.request("GET", f"{url}/v1/ml/moss/{bucket}", json=body)
+            r.raise_for_status()
+            members = split_tar(r.content)
+            assert len(members) == n, (len(members), n)
+            return n, sum(len(m) for m in members)
+
+        modes = [("individual GET", get_one)] + [(f"GetBatch {n}", (lambda rng, n=n: get_batch(rng, n))) for n in BATCHES]
+        rates: dict[str, list[float]] = {m: [] for m, _ in modes}
+        mbs: dict[str, list[float]] = {m: [] for m, _ in modes}
+        for _ in range(args.runs):  # modes interleaved, so a noisy neighbour hits every mode alike
+            for mode, op in modes:
+                n, b, el = run_for(args.seconds, args.threads, op)
+                rates[mode].append(n / el)
+                mbs[mode].append(b / el / 1e6)
+        base = statistics.median(rates["individual GET"])
+        for mode, _ in modes:
+            rate, mb = statistics.median(rates[mode]), statistics.median(mbs[mode])
+            rows.append(f"| {label} | {mode} | {rate:,.0f} | {mb:,.1f} | {rate / base:.1f}x |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def ttfb(client, url, bucket, names, args) -> list[str]:
+    rows = ["| entries | coer | time to first byte (median) | whole reply |", "|---|---|---|---|"]
+    rng = random.Random(7)
+    for n in (100, 10_000):
+        for coer in (True, False):
+            firsts, totals = [], []
+            for _ in range(max(5, args.runs)):
+                body = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "coer": coer, "strm": True}
+                t0 = time.perf_counter()
+                with client.stream("GET", f"{url}/v1/ml/moss/{bucket}", json=body) as r:
+                    r.raise_for_status()
+                    it = r.iter_raw()
+                    next(it)
+                    firsts.append(time.perf_counter() - t0)
+                    for _ in it:
+                        pass
+                totals.append(time.perf_counter() - t0)
+            rows.append(f"| {n:,} | {str(coer).lower()} | {statistics.median(firsts) * 1e3:.1f} ms | "
+                        f"{statistics.median(totals) * 1e3:.0f} ms |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def rss_run(tmp: Path) -> list[str]:
+    srv = ServerProcess([tmp / "rss1", tmp / "rss2"], "--chunk-size", "64MiB")
+    srv.start()
+    try:
+        with httpx.Client(timeout=600) as c:
+            c.post(f"{srv.url}/v1/buckets/rss", json={"action": "create-bck"}).raise_for_status()
+            piece = os.urandom(MiB)
+            for i in range(8):
+                c.put(f"{srv.url}/v1/objects/rss/big{i}", content=(piece for _ in range(256))).raise_for_status()
+            status = Path(f"/proc/{srv.proc.pid}/status")
+
+            def rss() -> int:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+                return 0
+
+            before = rss()
+            peak = [before]
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    peak[0] = max(peak[0], rss())
+                    time.sleep(0.02)
+
+            t = threading.Thread(target=sample)
+            t.start()
+            t0 = time.perf_counter()
+            total = 0
+            body = {"in": [{"objname": f"big{i}"} for i in range(8)], "strm": True}
+            with c.stream("GET", f"{srv.url}/v1/ml/moss/rss", json=body) as r:
+                r.raise_for_status()
+                for chunk in r.iter_raw(1 << 20):
+                    total += len(chunk)
+            el = time.perf_counter() - t0
+            done.set()
+            t.join()
+        assert total >= 8 * 256 * MiB, total
+        rows = [f"- streamed {total / 2**30:.2f} GiB in {el:.1f} s ({total / el / 1e6:,.0f} MB/s); server RSS "
+                f"{before / MiB:.0f} MiB before, peak {peak[0] / MiB:.0f} MiB while streaming (limit 256 MiB)"]
+        print(rows[0], flush=True)
+        return rows
+    finally:
+        srv.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=2.0, help="duration of one run of one mode")
+    p.add_argument("--threads", type=int, default=8, help="client threads sharing one httpx.Client")
+    p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--only", choices=["table", "ttfb", "rss"])
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-getbatch-") as tmpdir:
+        tmp = Path(tmpdir)
+        out = [f"python bench/bench_getbatch.py --runs {args.runs} --seconds {args.seconds} --threads {args.threads}", ""]
+        if args.only in (None, "table", "ttfb"):
+            srv = ServerProcess([tmp / "d1", tmp / "d2"])
+            srv.start()
+            try:
+                limits = httpx.Limits(max_connections=args.threads, max_keepalive_connections=args.threads)
+                with httpx.Client(timeout=120, limits=limits) as client:
+                    client.post(f"{srv.url}/v1/buckets/bench", json={"action": "create-bck"}).raise_for_status()
+                    names = {size: load(client, srv.url, "bench", label.replace(" ", ""), size, count)
+                             for size, label, count in SIZES}
+                    if args.only in (None, "table"):
+                        out += table1(client, srv.url, "bench", names, args) + [""]
+                    if args.only in (None, "ttfb"):
+                        out += ttfb(client, srv.url, "bench", names[10 * KiB], args) + [""]
+            finally:
+                srv.stop()
+        if args.only in (None, "rss") and not args.skip_rss:
+            out += rss_run(tmp)
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
