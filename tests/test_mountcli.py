@@ -274,3 +274,17 @@ def test_is_mounted_reads_mountinfo(tmp_path):
     assert is_mounted("/")
     assert not is_mounted(tmp_path)
     assert not is_mounted(tmp_path / "missing")
+
+
+def test_configuration_doc_lists_every_option_with_its_default():
+    rows = {}
+    for line in (ROOT / "docs" / "CONFIGURATION.md").read_text().splitlines():
+        m = re.match(r"\| `(--[\w-]+)[^|]*\| `?([\w-]*)`? \|[^|]*\| ([^|]+) \|", line)
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3).strip())
+    for o in mountcli.OPTIONS:
+        assert f"--{o.flag}" in rows, f"docs/CONFIGURATION.md has no row for --{o.flag}"
+        key, default = rows[f"--{o.flag}"]
+        assert key == o.dest and default == o.default_text(), (o.flag, key, default)
+    for flag in ("--endpoint-url", "--region", "--debug"):
+        assert flag in rows
