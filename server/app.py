@@ -18,7 +18,7 @@ from server import native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
-from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
+from server.state import API_KEY, CONFIG, INFLIGHT, METRICS, OP_KEY, STORE, InFlight
 from server.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,13 @@ def _error_response(request: web.Request, status: int, message: str, extra: dict
 async def error_boundary(request: web.Request, handler):
     started = time.perf_counter()
     status = 500
+    inflight = request.app[INFLIGHT]
+    inflight.enter()
     try:
         resp = await handler(request)
         status = resp.status
+        if inflight.draining and not resp.prepared:
+            resp.force_close()  # shutting down: no further requests on this connection
         return resp
     except StoreError as e:
         status = e.status
@@ -64,6 +68,7 @@ async def error_boundary(request: web.Request, handler):
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(request, 500, "internal server error")
     finally:
+        inflight.leave()
         metrics: Metrics = request.app[METRICS]
         metrics.observe_request(request.get(OP_KEY, "other"), status, time.perf_counter() - started)
 
@@ -81,6 +86,7 @@ def build_app(config: ServerConfig, store: Store | None = None) -> web.Applicati
     app[CONFIG] = config
     app[STORE] = store
     app[METRICS] = Metrics()
+    app[INFLIGHT] = InFlight()
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)
     from server import getbatch, s3

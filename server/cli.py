@@ -22,8 +22,10 @@ from aiohttp import web
 
 from server.app import build_app
 from server.config import ServerConfig, load_toml, parse_size
+from server.state import INFLIGHT
 
 _DEFAULTS = ServerConfig()
+_FINAL_CUT_SECONDS = 1.0
 
 
 def _size(text: str) -> int:
@@ -147,8 +149,9 @@ def _raise_fd_limit() -> None:
 
 async def serve(config: ServerConfig) -> None:
     app = build_app(config)
-    runner = web.AppRunner(app, shutdown_timeout=config.shutdown_timeout_seconds, access_log=None,
-                           handle_signals=False)
+    # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
+    # is only the final cut for connections still busy after that.
+    runner = web.AppRunner(app, shutdown_timeout=_FINAL_CUT_SECONDS, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
     await site.start()
@@ -159,7 +162,12 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logging.getLogger(__name__).info("shutting down: draining requests in flight")
+    log = logging.getLogger(__name__)
+    inflight = app[INFLIGHT]
+    log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
+    await site.stop()
+    if not await inflight.drain(config.shutdown_timeout_seconds):
+        log.warning("shutdown timeout: cutting %d requests still in flight", inflight.count)
     await runner.cleanup()
 
 

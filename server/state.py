@@ -3,6 +3,7 @@ shared by the API modules (JSON bodies under a cap, operation labels)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -12,9 +13,44 @@ from server.errors import BadRequest, PayloadTooLarge
 from server.metrics import Metrics
 from server.store import Store
 
+class InFlight:
+    """Requests whose handler is running, so a shutdown can wait for them.
+
+    aiohttp's own graceful shutdown stops reading from every connection at once, which cuts a
+    PUT whose body is still arriving; the CLI instead stops accepting, waits here until the
+    count reaches zero (or its timeout), and only then lets aiohttp close connections. While
+    draining, responses carry ``Connection: close`` so keep-alive clients move on.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def drain(self, timeout_seconds: float) -> bool:
+        """Wait until no handler runs; False if the timeout passed first."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
 CONFIG = web.AppKey("config", ServerConfig)
 STORE = web.AppKey("store", Store)
 METRICS = web.AppKey("metrics", Metrics)
+INFLIGHT = web.AppKey("inflight", InFlight)
 
 API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
 OP_KEY = "batchfs.op"  # request key: operation label for metrics
