@@ -34,7 +34,7 @@ from aiohttp import web
 
 from server import native
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
-from server.names import check_bucket, check_objname, parse_range
+from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
 from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
                            list_objects_doc, location_doc, xml_response)
@@ -112,8 +112,8 @@ def _require_bucket(request: web.Request) -> str:
     return bucket
 
 
-def _reject_subresources(request: web.Request, allowed: tuple[str, ...] = ()) -> None:
-    found = sorted((UNSUPPORTED_SUBRESOURCES & request.query.keys()) - set(allowed))
+def _reject_subresources(request: web.Request) -> None:
+    found = sorted(UNSUPPORTED_SUBRESOURCES & request.query.keys())
     if found:
         raise S3Error(501, "NotImplemented", f"the {found[0]!r} sub-resource is not implemented")
 
@@ -126,7 +126,8 @@ def _key(request: web.Request) -> str:
     except BadRequest as e:
         if request.method in ("GET", "HEAD"):
             raise S3Error(404, "NoSuchKey", e.message) from None
-        raise S3Error(400, "KeyTooLongError" if "longer" in e.message else "InvalidArgument", e.message) from None
+        too_long = len(key.encode("utf-8", "surrogatepass")) > MAX_OBJNAME_BYTES
+        raise S3Error(400, "KeyTooLongError" if too_long else "InvalidArgument", e.message) from None
 
 
 # -- service and buckets --------------------------------------------------------------------
