@@ -53,14 +53,6 @@ class Engine:
             self.release(fh)
         await self.reader.aclose()
 
-    async def check_source(self) -> None:
-        """Fail early (before mounting) if the endpoint or bucket cannot be used."""
-        src = self.config.source
-        if src.bucket is None:
-            await self.client.list_buckets()
-        else:
-            await self.client.check_bucket(src.bucket)
-
     # -- metadata ----------------------------------------------------------------------------
     async def lookup(self, parent: int, name: str) -> Attr:
         return await self.ns.lookup(parent, name)

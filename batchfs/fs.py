@@ -205,12 +205,12 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
     source cannot be used."""
     client = make_client(config)
     try:
+        await _check(config, client)  # outside any nursery: the caller gets a bare SourceError
         async with trio.open_nursery() as nursery:
             engine = await Engine.create(config, client, nursery)
             batch_control = await _batch_control(config, client, nursery)
             engine.plans = batch_control.mgr.plans  # planned objects are served from memory
             try:
-                await _check(engine)
                 await _run_mounted(config, engine, on_ready, nursery, batch_control)
             finally:
                 batch_control.mgr.close()
@@ -221,13 +221,18 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
             await client.aclose()
 
 
-async def _check(engine: Engine) -> None:
-    src = engine.config.source
-    where = f"{src.kind}://{src.bucket or ''} at {src.endpoint}"
+async def _check(config: MountConfig, client) -> None:
+    src = config.source
+    where = f"{src.kind}://{src.bucket or ''}{('/' + src.prefix) if src.prefix else ''} at {src.endpoint}"
     try:
-        await engine.check_source()
+        if src.bucket is None:
+            await client.list_buckets()
+        else:
+            await client.check_bucket(src.bucket)
     except BatchfsError as e:
         raise SourceError(f"cannot mount {where}: {e}") from None
+    if not os.path.isdir(config.mountpoint):
+        raise SourceError(f"cannot mount at {config.mountpoint}: not a directory")
 
 
 async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):

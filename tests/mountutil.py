@@ -48,7 +48,8 @@ except SourceError as e:
 
 
 class MountProcess:
-    def __init__(self, source: dict, mountpoint: Path, **config):
+    def __init__(self, source: dict, mountpoint: Path, env: dict | None = None, **config):
+        self.env = env
         self.spec = {"source": source, "mountpoint": str(mountpoint), **{
             k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()}}
         self.mountpoint = Path(mountpoint)
@@ -60,7 +61,8 @@ class MountProcess:
 
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(self.spec)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env if self.env is not None else os.environ.copy())
 
         def pump() -> None:
             assert self.proc and self.proc.stdout
@@ -77,6 +79,16 @@ class MountProcess:
             time.sleep(0.02)  # polling interval of a deadline-bounded wait, not a readiness sleep
         self.stop()
         raise RuntimeError(f"not mounted within {timeout}s:\n{self.log()}")
+
+    def run_to_exit(self, timeout: float = 30.0) -> int:
+        """For mounts that must fail: start, wait for the exit, return its code."""
+        import json
+
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(self.spec)], capture_output=True,
+                           text=True, timeout=timeout, env=self.env if self.env is not None else os.environ.copy())
+        self.output.append(r.stdout + r.stderr)
+        return r.returncode
 
     def log(self) -> str:
         return "".join(self.output)
@@ -102,5 +114,7 @@ class MountProcess:
     def __enter__(self) -> "MountProcess":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if exc_type is not None:  # show the daemon's side of a failing test
+            sys.stderr.write(f"--- mount log ---\n{self.log()[-20000:]}\n")
