@@ -44,6 +44,10 @@ _MOUNT_APPEAR_SECONDS = 10.0  # after on_ready, the mount must show in mountinfo
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class MountError(Exception):
+    """The mount cannot be started or stopped (mountpoint, log file, fusermount3): one line."""
+
+
 def _unescape_mountinfo(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal
     out, i = [], 0
@@ -77,8 +81,6 @@ def is_mounted(path: Path | str) -> bool:
 
 def unmount(path: Path, lazy: bool = False) -> None:
     """fusermount3 -u [-z]; raises MountError with fusermount3's own message on failure."""
-    from batchfs.mountcli import MountError
-
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -116,12 +118,13 @@ def setup_logging(config: MountConfig, foreground: bool) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    if foreground or config.log_file is not None:
-        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    handler: logging.Handler
+    if foreground and config.log_file is not None:
+        handler = logging.FileHandler(config.log_file)
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-        if foreground and config.log_file is not None:
-            handler = logging.FileHandler(config.log_file)
-            handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    elif foreground or config.log_file is not None:  # in the background stderr IS the log file
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     elif os.path.exists("/dev/log"):
         handler = logging.handlers.SysLogHandler(address="/dev/log",
                                                  facility=logging.handlers.SysLogHandler.LOG_DAEMON)
@@ -329,8 +332,6 @@ def _stop_child(pid: int) -> None:
 def _cleanup_mount(path: Path) -> None:
     """Safety net: a failed startup must leave nothing mounted."""
     if is_mounted(path):
-        from batchfs.mountcli import MountError
-
         try:
             unmount(path, lazy=True)
         except MountError as e:

@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from batchfs.config import GiB, KiB, MiB, MountConfig, Source
+from batchfs.daemon import MountError, is_mounted, run, unmount
 from server.config import parse_size
+from server.errors import BadRequest
+from server.names import check_bucket  # the server's rule for bucket names
 
 PROG = "batchfs"
 _DEFAULTS = MountConfig(source=Source(kind="ais", endpoint="http://127.0.0.1:8080"), mountpoint=Path("/"))
@@ -45,10 +48,6 @@ _FUSE_KEYED = ("fsname=", "subtype=")
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
-
-
-class MountError(Exception):
-    """The mount cannot be started (mountpoint, log file, ...): one line, exit status 1."""
 
 
 def fmt_size(n: int) -> str:
@@ -229,9 +228,6 @@ def _endpoint(text: str, what: str) -> str:
 
 
 def _bucket(name: str, source: str) -> str:
-    from server.names import check_bucket  # the server's rule for bucket names
-    from server.errors import BadRequest
-
     try:
         return check_bucket(urllib.parse.unquote(name))
     except BadRequest as e:
@@ -295,8 +291,6 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
 
 def check_mountpoint(path: Path) -> None:
     """An existing, empty directory that nothing is mounted on (including a dead FUSE mount)."""
-    from batchfs.daemon import is_mounted
-
     if is_mounted(path):
         raise MountError(f"{path} is already a mount point (unmount it first: batchfs umount {path})")
     try:
@@ -342,14 +336,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         check_local_paths(config)
     except MountError as e:
         return _fail(str(e), 1)
-    from batchfs import daemon
-
-    return daemon.run(config, foreground=args.foreground, source_text=args.source)
+    return run(config, foreground=args.foreground, source_text=args.source)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from batchfs.daemon import is_mounted, unmount
-
     path = _path(args.mountpoint)
     if not is_mounted(path):
         return _fail(f"{path} is not mounted", 1)
