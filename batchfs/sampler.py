@@ -1,0 +1,199 @@
+"""Python helpers over ``.batch/`` control files; none of them imports torch.
+
+- :func:`read_batch` — a list of paths in, their bytes out (in order), through one TAR view.
+- :class:`EpochSampler` — a deterministic, resumable, distributed index order: the order of
+  an epoch is a pure function of ``(seed, epoch, rank, world_size)``; the ranks' shares are
+  disjoint and together hold every index exactly once (shares differ in length by at most
+  one; nothing is padded or dropped); ``state_dict(consumed)`` / ``load_state_dict`` resume
+  an interrupted epoch after exactly ``consumed`` samples, without replaying or skipping.
+- :class:`PlanSampler` — wraps ANY sampler or batch sampler (torch's, or the one above) and,
+  before handing out indices, writes prefetch plans (``*.plan``) for the upcoming
+  ``plan_batches`` batches, so an unchanged map-style ``Dataset`` whose ``__getitem__`` does
+  ``open(path).read()`` reads data the mount already fetched, one GetBatch per batch, in any
+  DataLoader worker process. It keeps the plan for the chunk being handed out and the next
+  one; older plans are deleted (they are cancelled and freed by the mount).
+
+A ``DataLoader`` accepts any iterable with ``__len__`` as ``sampler`` or ``batch_sampler``,
+which is why nothing here needs to subclass ``torch.utils.data.Sampler``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import random
+import tarfile
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+
+CONTROL_DIR = ".batch"
+MISSING_PREFIX = "__404__/"
+
+
+def find_mount(path: str | os.PathLike) -> str:
+    """The batchfs mount root above ``path``: the nearest ancestor with a ``.batch`` directory
+    (or ``$BATCHFS_MOUNT``)."""
+    env = os.environ.get("BATCHFS_MOUNT")
+    if env:
+        return os.path.abspath(env)
+    p = os.path.abspath(path)
+    while True:
+        if os.path.isdir(os.path.join(p, CONTROL_DIR)):
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            raise ValueError(f"{path} is not under a batchfs mount (no {CONTROL_DIR}/ above it); pass mount=")
+        p = parent
+
+
+def _relative(paths: Iterable[str | os.PathLike], mount: str) -> list[str]:
+    out = []
+    for p in paths:
+        p = os.fspath(p)
+        out.append(os.path.relpath(p, mount) if os.path.isabs(p) else p)
+    return out
+
+
+def read_batch(paths: Sequence[str | os.PathLike], mount: str | os.PathLike | None = None) -> list[bytes]:
+    """Read many files with one batch request; ``FileNotFoundError`` names a missing one."""
+    if not paths:
+        return []
+    root = os.path.abspath(mount) if mount is not None else find_mount(paths[0])
+    rel = _relative(paths, root)
+    ctl = os.path.join(root, CONTROL_DIR, f"read-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(ctl, "w") as f:
+            json.dump({"in": rel, "coer": True}, f)
+        out = []
+        with open(ctl, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
+            for member, path in zip(tf, rel):
+                if member.name.startswith(MISSING_PREFIX):
+                    raise FileNotFoundError(2, "No such file (batch placeholder)", path)
+                out.append(tf.extractfile(member).read())
+        if len(out) != len(rel):
+            raise OSError(f"batch returned {len(out)} of {len(rel)} members")
+        return out
+    finally:
+        try:
+            os.unlink(ctl)
+        except FileNotFoundError:
+            pass
+
+
+def epoch_order(n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True) -> list[int]:
+    """This rank's indices for one epoch: a pure function of its arguments.
+
+    The permutation comes from ``random.Random`` seeded with a BLAKE2 digest of (seed, epoch),
+    whose sequence Python keeps stable across versions; rank r takes positions r, r+W, ….
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    order = list(range(n))
+    if shuffle:
+        digest = hashlib.blake2b(f"batchfs:{seed}:{epoch}".encode(), digest_size=8).digest()
+        random.Random(int.from_bytes(digest, "big")).shuffle(order)
+    return order[rank::world_size]
+
+
+class EpochSampler:
+    """A resumable sampler over ``range(n)`` for one rank of ``world_size``."""
+
+    def __init__(self, n: int, *, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        self.n, self.seed, self.rank, self.world_size, self.shuffle = n, seed, rank, world_size, shuffle
+        self.epoch = 0
+        self.cursor = 0  # samples of this epoch already consumed (skipped on the next __iter__)
+
+    def set_epoch(self, epoch: int, cursor: int = 0) -> None:
+        self.epoch, self.cursor = epoch, cursor
+
+    def order(self) -> list[int]:
+        return epoch_order(self.n, self.seed, self.epoch, self.rank, self.world_size, self.shuffle)
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.cursor = self.cursor, 0  # a resumed epoch starts once at its cursor
+        return iter(self.order()[start:])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world_size)) - self.cursor
+
+    def state_dict(self, consumed: int) -> dict:
+        """The position after ``consumed`` samples of the current epoch (count what the
+        training loop finished, e.g. ``steps * batch_size``, not what loaders prefetched)."""
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": consumed, "n": self.n,
+                "rank": self.rank, "world_size": self.world_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "n", "rank", "world_size", "shuffle"):
+            if state[k] != getattr(self, k):
+                raise ValueError(f"saved {k}={state[k]!r} does not match this sampler's {getattr(self, k)!r}")
+        self.set_epoch(state["epoch"], state["cursor"])
+
+
+class PlanSampler:
+    """Wrap ``sampler`` (yielding indices, or lists of indices) and plan what it will yield.
+
+    ``paths[i]`` is the file ``Dataset.__getitem__(i)`` reads. With an index sampler,
+    ``batch_size`` is the loader's batch size (one GetBatch per batch); with a batch
+    sampler it is taken from the batches. ``window`` is how many batches the mount fetches
+    ahead of what the readers consumed.
+    """
+
+    def __init__(self, sampler, paths: Sequence[str | os.PathLike], *, mount: str | os.PathLike | None = None,
+                 batch_size: int | None = None, window: int = 8, plan_batches: int = 16):
+        self.sampler, self.window, self.plan_batches = sampler, window, plan_batches
+        self.batch_size = batch_size
+        self.mount = os.path.abspath(mount) if mount is not None else find_mount(paths[0])
+        self.paths = _relative(paths, self.mount)
+        self._tag = f"plan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._live: list[str] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int, *args) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch, *args)
+
+    def __iter__(self) -> Iterator:
+        self.close()
+        it = iter(self.sampler)
+        chunk = self._take(it)
+        while chunk:
+            nxt = self._take(it)  # planned before this chunk is handed out: one chunk ahead
+            for item in chunk:
+                yield item
+            chunk = nxt
+
+    def _take(self, it: Iterator) -> list:
+        first = next(it, None)
+        if first is None:
+            return []
+        is_batch = isinstance(first, (list, tuple))
+        size = len(first) if is_batch else (self.batch_size or 1)
+        count = self.plan_batches if is_batch else self.plan_batches * size
+        items = [first, *itertools.islice(it, count - 1)]
+        indices = [i for b in items for i in b] if is_batch else items
+        self._plan([self.paths[int(i)] for i in indices], size)
+        return items
+
+    def _plan(self, paths: list[str], batch_size: int) -> None:
+        name = os.path.join(self.mount, CONTROL_DIR, f"{self._tag}-{next(self._seq)}.plan")
+        with open(name, "w") as f:
+            json.dump({"in": paths, "plan": {"batch_size": batch_size, "window": self.window}}, f)
+        self._live.append(name)
+        while len(self._live) > 3:  # the chunk being consumed, the one before (stragglers), the next
+            self._remove(self._live.pop(0))
+
+    def _remove(self, name: str) -> None:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Delete every plan this sampler wrote (also done at the start of each iteration)."""
+        while self._live:
+            self._remove(self._live.pop())

@@ -1,0 +1,150 @@
+"""`.batch/` through a real mount of a real server: shell tools, tarfile, GNU tar, errors,
+concurrency, plans serving reads of another process, and read_batch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+
+import httpx
+import pytest
+
+import batchfs
+from tests.mountutil import MountProcess
+
+
+def gets(server) -> float:
+    return sum(v for k, v in server.metrics().items() if k.startswith('batchfs_requests_total{op="get"'))
+
+
+def getbatches(server) -> float:
+    return server.metrics().get("getbatch_n_total", 0.0)
+
+
+@pytest.fixture
+def data(server, bucket):
+    objs = {f"train/{i:04d}.jpg": random.Random(i).randbytes(random.Random(-i).randrange(1, 20_000)) for i in range(300)}
+    with httpx.Client() as c:
+        for k, v in objs.items():
+            c.put(f"{server.url}/v1/objects/{bucket}/{k}", content=v).raise_for_status()
+    return objs
+
+
+@pytest.fixture
+def mnt(server, bucket, tmp_path):
+    m = MountProcess({"kind": "ais", "endpoint": server.url, "bucket": bucket}, tmp_path / "mnt").start()
+    try:
+        yield tmp_path / "mnt"
+    finally:
+        m.stop()
+        print(m.log()[-5000:])  # shown when a test fails
+
+
+def members(path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path, mode="r|") as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf]
+
+
+@pytest.mark.parametrize("n", [1, 128, 10_000])
+def test_order_with_duplicates(mnt, data, n):
+    names = [random.Random(n).choice(sorted(data)) for _ in range(n)]
+    ctl = mnt / ".batch" / f"b{n}"
+    ctl.write_text("\n".join(names) + "\n")
+    got = members(ctl)
+    assert [m for m, _ in got] == names and all(data[m] == d for m, d in got)
+
+
+def test_shell_gnu_tar_status_and_rm(mnt, data, tmp_path):
+    names = sorted(data)[:5]
+    r = subprocess.run(f"printf '%s\\n' {' '.join(names)} > .batch/s && tar -tf .batch/s && cat .batch/s.status",
+                       shell=True, cwd=mnt, capture_output=True, text=True, check=True)
+    listed = r.stdout.splitlines()[:5]
+    assert listed == names
+    assert '"state": "done"' in r.stdout
+    out = tmp_path / "x"
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(mnt / ".batch" / "s"), "-C", str(out)], check=True)
+    assert (out / names[2]).read_bytes() == data[names[2]]
+    assert sorted(os.listdir(mnt / ".batch")) == ["s", "s.status"]
+    os.unlink(mnt / ".batch" / "s")
+    assert os.listdir(mnt / ".batch") == []
+
+
+def test_errors_einval_eio_and_coer(mnt, data):
+    bad = mnt / ".batch" / "bad"
+    with pytest.raises(OSError) as e:
+        with open(bad, "w") as f:
+            f.write("train/0001.jpg\n../../etc/passwd\n")
+    assert e.value.errno == errno.EINVAL
+    assert "'..' segment" in json.loads((mnt / ".batch" / "bad.status").read_text())["reason"]
+    with pytest.raises(OSError) as e:
+        (mnt / ".batch" / "abs").write_text("/etc/passwd\n")
+    assert e.value.errno == errno.EINVAL
+    (mnt / ".batch" / "empty").touch()
+    with pytest.raises(OSError) as e:
+        (mnt / ".batch" / "empty").read_bytes()  # read before any write
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:
+        (mnt / "train" / "new").write_text("x")
+    assert e.value.errno == errno.EROFS
+    (mnt / ".batch" / "c").write_text(json.dumps({"in": ["train/0001.jpg", "nope.jpg", "train/0002.jpg"], "coer": True}))
+    assert [m for m, _ in members(mnt / ".batch" / "c")] == ["train/0001.jpg", "__404__/nope.jpg", "train/0002.jpg"]
+    strict = mnt / ".batch" / "strict"
+    strict.write_text("train/0001.jpg\nnope.jpg\ntrain/0002.jpg\n")
+    with pytest.raises(OSError) as e:
+        members(strict)
+    assert e.value.errno == errno.EIO
+    assert "nope.jpg: not found" in json.loads((mnt / ".batch" / "strict.status").read_text())["reason"]
+    with open(mnt / ".batch" / "rw", "w+b", buffering=0) as f:  # submit by reading the same descriptor
+        f.write(b"train/0003.jpg\n")
+        f.seek(0)
+        with tarfile.open(fileobj=f, mode="r|") as tf:
+            assert [m.name for m in tf] == ["train/0003.jpg"]
+        with pytest.raises(OSError) as e:
+            f.write(b"more\n")  # writes after reading started
+        assert e.value.errno == errno.EINVAL
+
+
+def test_concurrent_batch_files(mnt, data):
+    keys = sorted(data)
+
+    def one(k: int) -> bool:
+        names = random.Random(k).sample(keys, 50)
+        ctl = mnt / ".batch" / f"c{k}"
+        ctl.write_text("\n".join(names))
+        ok = members(ctl) == [(n, data[n]) for n in names]
+        os.unlink(ctl)
+        return ok
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(16)))
+
+
+def test_plan_serves_reads_of_another_process(server, mnt, data):
+    names = sorted(data)[:64]
+    (mnt / ".batch" / "e.plan").write_text("# plan: batch_size=16 window=2\n" + "\n".join(names) + "\n")
+    before_gb, before_get = getbatches(server), gets(server)
+    script = ("import sys, hashlib\nfor p in sys.argv[1:]:\n"
+              "    print(hashlib.sha256(open(p, 'rb').read()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", script, *[str(mnt / n) for n in names]],
+                         capture_output=True, text=True, check=True).stdout.split()
+    import hashlib
+    assert out == [hashlib.sha256(data[n]).hexdigest() for n in names]
+    prog = json.loads((mnt / ".batch" / "e.plan").read_text())
+    assert prog["entries"]["served"] == 64 and prog["batches"]["requests"] == 4
+    assert getbatches(server) - before_gb <= 4 and gets(server) == before_get
+
+
+def test_read_batch_helper(mnt, data):
+    names = sorted(data)[10:20] + sorted(data)[10:12]
+    assert batchfs.read_batch([mnt / n for n in names]) == [data[n] for n in names]
+    assert batchfs.read_batch(names, mount=mnt) == [data[n] for n in names]
+    with pytest.raises(FileNotFoundError):
+        batchfs.read_batch([mnt / "train" / "missing.jpg"])
+    assert os.listdir(mnt / ".batch") == []  # the helper cleans up
