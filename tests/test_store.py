@@ -193,3 +193,24 @@ def test_truncated_large_object_fails_before_sending(tmp_path):
         os.truncate(f, MiB)
         r = httpx.get(f"{srv.url}/v1/objects/b/large")
         assert r.status_code == 500 and "wrong size" in r.json()["message"]
+
+
+def test_meta_cache_never_keeps_a_row_read_before_a_commit(tmp_path):
+    store = Store([tmp_path / "d"], 1 * MiB, meta_cache_entries=2)
+    store.create_bucket("b")
+    v1 = store.put_bytes("b", "o", b"one")
+    # a reader that looked the row up before a concurrent commit must not cache it after
+    gen = store.meta_cache.generation()
+    v2 = store.put_bytes("b", "o", b"two")
+    store.meta_cache.fill(("b", "o"), v1, gen)
+    assert store.lookup("b", "o") == v2
+    with store.open("b", "o") as obj:
+        assert obj.pread() == b"two"
+    # bounded: least recently used entries go first
+    for n in ("x", "y", "z"):
+        store.put_bytes("b", n, n.encode())
+        store.lookup("b", n)
+    assert len(store.meta_cache) == 2 and store.meta_cache.get(("b", "x")) is None
+    store.delete("b", "z")
+    with pytest.raises(Exception, match="does not exist"):
+        store.lookup("b", "z")
