@@ -36,7 +36,8 @@ from tests.util import ServerProcess  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [(10 * KiB, "10 KiB", 1024), (100 * KiB, "100 KiB", 512), (1 * MiB, "1 MiB", 256)]
-SIZES = [s for s in SIZES if str(s[0]) in os.environ.get("BENCH_SIZES", str(s[0]))] or SIZES
+# BENCH_SIZES=10240,102400 limits the table to those object sizes (bytes)
+SIZES = [s for s in SIZES if str(s[0]) in os.environ.get("BENCH_SIZES", str(s[0])).split(",")] or SIZES
 BATCHES = [32, 64, 128]
 
 
