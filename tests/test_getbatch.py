@@ -6,7 +6,6 @@ limits for soft errors, buffered caps, large streamed members, disconnects and a
 
 from __future__ import annotations
 
-import base64
 import gzip
 import io
 import json
