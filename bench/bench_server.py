@@ -126,7 +126,9 @@ def main() -> int:
             shutil.rmtree(base, ignore_errors=True)
 
     med_speed = statistics.median(speeds)
-    print(f"\nbatchfs-server native GET, {os.cpu_count()} cores, loopback, client and server on the same machine\n")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nbatchfs-server native GET, {os.cpu_count()} cores, loopback, client and server on the same "
+          f"machine; load average at the end {load}\n")
     print("| measurement | median | runs | target |")
     print("|---|---|---|---|")
     print(f"| single-stream GET of a {args.large_mib} MiB object (curl) | {med_speed / 1e9:.2f} GB/s | "
