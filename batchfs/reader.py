@@ -93,16 +93,20 @@ class Reader:
             raise RequestTimeout(f"GET {bucket}/{key} [{start}, {end}): no answer within "
                                  f"{self.config.request_timeout_seconds:g}s") from None
 
-    async def cached(self, ckey: str) -> bytes | None:
+    async def cached(self, ckey: str, *, keep_in_memory: bool = False) -> bytes | None:
         data = self.memory.get(ckey)
         if data is None and self.disk is not None:
             data = await self.disk.get(ckey)
-            if data is not None:
+            if data is not None and keep_in_memory:
                 self.memory.put(ckey, data)
         return data
 
-    def store(self, ckey: str, data: bytes) -> None:
-        self.memory.put(ckey, data)
+    def store(self, ckey: str, data: bytes, *, keep_in_memory: bool) -> None:
+        """Remember fetched bytes. Only whole small objects go to the memory LRU: chunks of
+        a large stream would flush it without being read again soon (the disk cache keeps
+        them), and the daemon's RSS stays near the read-ahead budget while streaming."""
+        if keep_in_memory:
+            self.memory.put(ckey, data)
         if self.disk is not None:
             self.disk.put(ckey, data)
 
@@ -123,7 +127,7 @@ class FileReader:
     def small(self) -> bool:
         return self.info.size <= self.r.config.chunk_size_bytes
 
-    async def read(self, offset: int, length: int) -> bytes:
+    async def read(self, offset: int, length: int) -> bytes | memoryview:
         if self.failed is not None:
             raise VersionChanged(f"{self.bucket}/{self.key} changed while open: {self.failed}")
         try:
@@ -153,7 +157,7 @@ class FileReader:
         if self.small:
             if self.whole is None:
                 self.whole = await self._whole()
-            return self.whole[offset:end]
+            return memoryview(self.whole)[offset:end]
         if self.window is None:
             self.window = await self._geometry()
         chunk = self.window.chunk_size
@@ -184,7 +188,8 @@ class FileReader:
                     self._drop(index)
                     raise slot.error
                 data = slot.data
-            parts.append(data[lo - index * chunk:hi - index * chunk])
+            # a view, not a copy: pyfuse3 replies from any buffer
+            parts.append(memoryview(data)[lo - index * chunk:hi - index * chunk])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _ckey(self, index: int) -> str:
@@ -193,10 +198,10 @@ class FileReader:
 
     async def _whole(self) -> bytes:
         ckey = chunk_key(self.r.source_id, self.bucket, self.key, self.info.version, 0, 0)
-        data = await self.r.cached(ckey)
+        data = await self.r.cached(ckey, keep_in_memory=True)
         if data is None:
             data = await self.r.fetch(self.bucket, self.key, 0, self.info.size, self.info.version)
-            self.r.store(ckey, data)
+            self.r.store(ckey, data, keep_in_memory=True)
         return data
 
     async def _geometry(self) -> SequentialWindow:
@@ -235,7 +240,7 @@ class FileReader:
                 data = await self.r.cached(ckey)
                 if data is None:
                     data = await self.r.fetch(self.bucket, self.key, start, end, self.info.version)
-                    self.r.store(ckey, data)
+                    self.r.store(ckey, data, keep_in_memory=False)
                 slot.data = data
             except Exception as e:  # handed to the reader waiting on this chunk
                 slot.error = e

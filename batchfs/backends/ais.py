@@ -23,7 +23,7 @@ import httpx
 import msgpack
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import make_http_client, with_retries
+from batchfs.backends.http import BODY, get_range, make_http_client, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -130,21 +130,20 @@ class AisClient(ObjectClient):
                           int(h.get("Ais-Atime", 0) or 0))
         return HeadInfo(info, int(chunk) if chunk and int(chunk) > 0 else None)
 
-    async def get(self, bucket: str, key: str, start: int, end: int, version: str | None = None) -> bytes:
+    async def get(self, bucket: str, key: str, start: int, end: int, version: str | None = None) -> bytes | bytearray:
         if end <= start:
             return b""
         what = f"GET ais://{bucket}/{key} [{start}, {end})"
-        resp = await with_retries(self.config, what, lambda: self.http.get(
-            self._obj_url(bucket, key), params={"provider": "ais"},
-            headers={"Range": f"bytes={start}-{end - 1}"}))
+        resp = await with_retries(self.config, what, lambda: get_range(
+            self.http, self._obj_url(bucket, key), start, end, params={"provider": "ais"}))
         if resp.status_code == 416 and version is not None:
             raise VersionChanged(f"{what}: the object shrank (replaced)")
         _check_status(resp, what)
         if version is not None and version_from_headers(resp.headers) != version:
             raise VersionChanged(f"{what}: version {version_from_headers(resp.headers)} is not the open {version}")
-        data = resp.content
-        if resp.status_code == 200:  # a server that ignored Range
-            data = data[start:end]
+        data = resp.extensions.get(BODY)
+        if data is None:  # a server that ignored Range
+            data = resp.content[start:end]
         if len(data) != end - start:
             raise BackendError(f"{what}: got {len(data)} bytes")
         return data

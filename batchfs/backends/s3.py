@@ -19,7 +19,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import EnvProvider
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import make_http_client, with_retries
+from batchfs.backends.http import BODY, get_range, make_http_client, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -66,7 +66,8 @@ class S3Client(ObjectClient):
     def _url(self, bucket: str, key: str = "") -> str:
         return f"{self.base}/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/~')}"
 
-    def _request(self, method: str, url: str, params: dict | None = None, headers: dict | None = None):
+    def _request(self, method: str, url: str, params: dict | None = None, headers: dict | None = None,
+                 body_range: tuple[int, int] | None = None):
         if params:
             url += "?" + urllib.parse.urlencode(sorted(params.items()), quote_via=urllib.parse.quote)
         headers = dict(headers or {})
@@ -74,6 +75,9 @@ class S3Client(ObjectClient):
             req = AWSRequest(method=method, url=url, headers=headers)
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(req)
             headers = dict(req.headers.items())
+        if body_range is not None:  # the signed Range header is sent as is by get_range
+            start, end = body_range
+            return lambda: get_range(self.http, httpx.URL(url), start, end, headers=headers)
         return lambda: self.http.request(method, httpx.URL(url), headers=headers)
 
     async def list_buckets(self) -> list[str]:
@@ -121,16 +125,16 @@ class S3Client(ObjectClient):
             return b""
         what = f"GET s3://{bucket}/{key} [{start}, {end})"
         resp = await with_retries(self.config, what, self._request(
-            "GET", self._url(bucket, key), headers={"Range": f"bytes={start}-{end - 1}"}))
+            "GET", self._url(bucket, key), headers={"Range": f"bytes={start}-{end - 1}"}, body_range=(start, end)))
         if resp.status_code == 416 and version is not None:
             raise VersionChanged(f"{what}: the object shrank (replaced)")
         _check_status(resp, what)
         etag = resp.headers.get("ETag", "")
         if version is not None and etag != version:
             raise VersionChanged(f"{what}: ETag {etag} is not the open {version}")
-        data = resp.content
-        if resp.status_code == 200:
-            data = data[start:end]
+        data = resp.extensions.get(BODY)
+        if data is None:  # a server that ignored Range
+            data = resp.content[start:end]
         if len(data) != end - start:
             raise BackendError(f"{what}: got {len(data)} bytes")
         return data
