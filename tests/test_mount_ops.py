@@ -20,9 +20,9 @@ import pytest
 
 from batchfs.daemon import is_mounted
 from tests.conftest import put
-from tests.util import ROOT
+from tests.util import BIN, ROOT
 
-CLI = [sys.executable, "-m", "batchfs.mountcli"]
+CLI = [str(BIN / "batchfs")]  # the installed console script, as users run it
 HELPER = ROOT / "scripts" / "mount.fuse.batchfs"
 UNIT = ROOT / "systemd" / "batchfs@.service"
 

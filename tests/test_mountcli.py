@@ -28,7 +28,7 @@ MAN = ROOT / "man" / "batchfs.1"
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchfs.mountcli", *args], capture_output=True, text=True,
+    return subprocess.run([str(BIN / "batchfs"), *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **(env or {})})
 
 
