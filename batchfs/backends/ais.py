@@ -141,7 +141,7 @@ class AisClient(ObjectClient):
         _check_status(resp, what)
         if version is not None and version_from_headers(resp.headers) != version:
             raise VersionChanged(f"{what}: version {version_from_headers(resp.headers)} is not the open {version}")
-        data = resp.extensions.get(BODY)
+        data = resp.extensions.pop(BODY, None)  # the response sits in a reference cycle: do not leave 8 MiB in it
         if data is None:  # a server that ignored Range
             data = resp.content[start:end]
         if len(data) != end - start:

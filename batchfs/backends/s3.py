@@ -132,7 +132,7 @@ class S3Client(ObjectClient):
         etag = resp.headers.get("ETag", "")
         if version is not None and etag != version:
             raise VersionChanged(f"{what}: ETag {etag} is not the open {version}")
-        data = resp.extensions.get(BODY)
+        data = resp.extensions.pop(BODY, None)  # the response sits in a reference cycle: do not leave 8 MiB in it
         if data is None:  # a server that ignored Range
             data = resp.content[start:end]
         if len(data) != end - start:
