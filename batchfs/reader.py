@@ -11,8 +11,9 @@ cleanly; after that, every further read of the handle fails with ``VersionChange
 one handle never returns a mix of two versions. Reopening after the metadata TTL reads the
 new version.
 
-Lookup order for a chunk: the handle's own chunks, the memory cache, the disk cache, then a
-range GET (whose result is written to the disk cache off the read path).
+Lookup order for a chunk: the handle's own chunks, the memory LRU (whole small objects
+only), the disk cache, then a range GET (whose result is written to the disk cache off the
+read path).
 """
 
 from __future__ import annotations
