@@ -130,3 +130,16 @@ def test_ls_find_stat_and_read_only(server, bucket, tmp_path):
             assert e.value.errno in (errno.EROFS, errno.EACCES), e.value
         assert (mp / "a.txt").read_bytes() == b""  # untouched
         assert (mp / "d/x").read_bytes() == b"x" * 10
+
+
+def test_all_buckets_and_prefix_sources(server, bucket, tmp_path):
+    put(server, bucket, "pre/fix/obj", b"prefixed")
+    put(server, bucket, "other", b"top")
+    with MountProcess({"kind": "ais", "endpoint": server.url, "bucket": None}, tmp_path / "all") as m:
+        assert bucket in os.listdir(m.mountpoint)
+        assert (m.mountpoint / bucket / "pre/fix/obj").read_bytes() == b"prefixed"
+        assert (m.mountpoint / bucket / "other").read_bytes() == b"top"
+    with MountProcess({"kind": "ais", "endpoint": server.url, "bucket": bucket, "prefix": "pre/"},
+                      tmp_path / "pre") as m:
+        assert os.listdir(m.mountpoint) == ["fix"]
+        assert (m.mountpoint / "fix/obj").read_bytes() == b"prefixed"
