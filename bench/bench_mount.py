@@ -134,10 +134,11 @@ def _run_daemonizing(cmd: list[str], log: Path, env: dict | None = None) -> int:
 
 def mount_side(side: str, bucket: str, path: Path, url: str, work: Path) -> Mount:
     path.mkdir(parents=True, exist_ok=True)
-    if side == "batchfs":
-        cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))  # a fresh cache dir: cold
-        cmd = [sys.executable, "-m", "batchfs.mountcli", "mount", f"{url}/{bucket}", str(path),
-               "--cache-dir", str(cache), "--log-file", str(work / "batchfs.log")]
+    if side in ("batchfs", "batchfs-nocache"):
+        cmd = [str(Path(sys.executable).parent / "batchfs"), "mount", f"{url}/{bucket}", str(path),
+               "--log-file", str(work / "batchfs.log")]
+        if side == "batchfs":  # as documented: with a disk cache, here a fresh one (cold)
+            cmd += ["--cache-dir", tempfile.mkdtemp(prefix="cache-", dir=work)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"batchfs mount failed: {r.stderr}")
@@ -192,6 +193,34 @@ class Profiler:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGINT)
             self.proc.wait(60)
+
+
+def summarise_profile(path: Path, top: int = 15) -> str:
+    """Inclusive share of samples per function (py-spy raw: "frame;frame;... count" lines),
+    over all threads, for the frames that say where a FUSE daemon's time goes."""
+    total = 0
+    inclusive: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        seen = set()
+        for frame in stack.split(";"):
+            name = frame.split(" (")[0] + " (" + frame.split(" (")[-1].split("/")[-1].split(":")[0] \
+                if " (" in frame else frame
+            if name not in seen:
+                seen.add(name)
+                inclusive[name] = inclusive.get(name, 0) + n
+    rows = sorted(inclusive.items(), key=lambda kv: -kv[1])
+    interesting = [(k, v) for k, v in rows if any(m in k for m in (
+        "batchfs", "fs.py", "reader.py", "namespace.py", "engine.py", "datacache.py", "prefetch.py",
+        "ais.py", "http.py", "httpcore", "_sync", "_async", "_trio", "pyfuse3", "ssl", "socket", "recv",
+        "select", "epoll", "xxh", "json", "diskcache", "sqlite"))]
+    lines = [f"{path.name}: {total} samples"]
+    lines += [f"  {100 * v / total:5.1f}%  {k}" for k, v in interesting[:top]]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- tests
@@ -278,7 +307,8 @@ def main() -> int:
     p.add_argument("--small-files", type=int, default=10_000, help="10 KiB objects the loader picks from")
     p.add_argument("--loader-reads", type=int, default=2_000)
     p.add_argument("--many", type=int, default=100_000, help="objects for find + stat")
-    p.add_argument("--sides", default="batchfs,s3fs,rclone")
+    p.add_argument("--sides", default="batchfs,s3fs,rclone",
+                   help="batchfs (with a fresh --cache-dir), batchfs-nocache, s3fs, rclone")
     p.add_argument("--tests", default="seq,loader,find,rss")
     p.add_argument("--profile", type=Path, default=None, help="write py-spy raw profiles of the batchfs daemon here")
     a = p.parse_args()
@@ -304,8 +334,8 @@ def main() -> int:
             mounts.append(m)
             try:
                 drop_caches()
-                prof = a.profile / f"{test}-{len(results.get(test, {}).get(side, []))}.txt" \
-                    if (a.profile and side == "batchfs") else None
+                prof = a.profile / f"{test}-{side}-{len(results.get(test, {}).get(side, []))}.txt" \
+                    if (a.profile and side.startswith("batchfs")) else None
                 with Profiler(prof, m.pid):
                     return fn(mnt)
             finally:
@@ -360,36 +390,41 @@ def main() -> int:
             m.close()
         server.stop()
     report(results, rss, a, sides)
+    if a.profile:
+        for f in sorted(a.profile.glob("*.txt")):
+            print("\n" + summarise_profile(f))
     (work / "results.json").write_text(json.dumps({"results": results, "rss": rss}, indent=1))
     return 0
 
 
 def report(results: dict, rss: dict, a, sides: list[str]) -> None:
+    """Markdown table: medians per side; batchfs's ratio to the faster peer and to curl."""
     med = {t: {s: statistics.median(v) for s, v in by.items()} for t, by in results.items()}
-    peers = [s for s in sides if s != "batchfs"]
-    print(f"\n{a.runs} rounds, medians; peers = {', '.join(peers)}\n")
-    print("| test | batchfs | s3fs | rclone | curl | batchfs / faster peer | batchfs / curl | target |")
-    print("|---|---|---|---|---|---|---|---|")
+    peers = [s for s in sides if not s.startswith("batchfs")]
+    cols = sides + ["curl"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"\n{a.runs} rounds, medians; commit {head or '?'}; load average at the end {os.getloadavg()[0]:.1f}\n")
+    print(f"| test | {' | '.join(cols)} | batchfs / faster peer | batchfs / curl | target |")
+    print("|---|" + "---|" * (len(cols) + 3))
     rows = [("seq", f"(a) sequential read {a.big_gib} GiB, MiB/s", True, "≥ 1.5× peer, ≥ 0.5× curl"),
             ("loader", f"(b) loader, {a.loader_reads} random 10 KiB files, files/s", True, "≥ 1× peer"),
-            ("find", f"(c) find + stat {a.many:,} objects, seconds", False, "≥ 1× peer (time ≤)")]
+            ("find", f"(c) find + stat {a.many:,} objects, s", False, "≥ 1× peer (time ≤)")]
     for key, label, higher_better, target in rows:
         if key not in med:
             continue
         m = med[key]
-        cell = lambda s: (f"{m[s]:.0f}" if key != "find" else f"{m[s]:.1f}") if s in m else "—"  # noqa: E731
-        got_peers = [m[s] for s in peers if s in m]
+        cells = [(f"{m[s]:.1f}" if key == "find" else f"{m[s]:.0f}") if s in m else "—" for s in cols]
         ratio = curl_ratio = "—"
+        got_peers = [m[s] for s in peers if s in m]
         if "batchfs" in m and got_peers:
             best = max(got_peers) if higher_better else min(got_peers)
-            r = m["batchfs"] / best if higher_better else best / m["batchfs"]
-            ratio = f"{r:.2f}×"
+            ratio = f"{(m['batchfs'] / best if higher_better else best / m['batchfs']):.2f}×"
         if "batchfs" in m and "curl" in m:
             curl_ratio = f"{m['batchfs'] / m['curl']:.2f}×"
-        print(f"| {label} | {cell('batchfs')} | {cell('s3fs')} | {cell('rclone')} | {cell('curl')} | {ratio} | {curl_ratio} | {target} |")
+        print(f"| {label} | {' | '.join(cells)} | {ratio} | {curl_ratio} | {target} |")
     if rss:
-        cells = " | ".join(f"{rss[s] / MiB:.0f}" if s in rss else "—" for s in ("batchfs", "s3fs", "rclone"))
-        print(f"| daemon peak RSS reading {a.rss_gib} GiB, MiB | {cells} | — | — | — | batchfs < 256 |")
+        cells = [f"{rss[s] / MiB:.0f}" if s in rss else "—" for s in cols]
+        print(f"| daemon peak RSS reading {a.rss_gib} GiB, MiB | {' | '.join(cells)} | — | — | batchfs < 256 |")
     print("\nall rounds:", json.dumps({t: {s: [round(x, 2) for x in v] for s, v in by.items()}
                                        for t, by in results.items()}))
 
