@@ -168,6 +168,17 @@ def mount_side(side: str, bucket: str, path: Path, url: str, work: Path) -> Moun
     return Mount(side, path, pids[0])
 
 
+def request_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Requests the server answered between two /metrics snapshots, per operation."""
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        if key.startswith("batchfs_request_seconds_count{") and 'op="metrics"' not in key:
+            op = key.split('op="', 1)[1].split('"', 1)[0]
+            if value - before.get(key, 0.0):
+                out[op] = out.get(op, 0.0) + value - before.get(key, 0.0)
+    return out
+
+
 def drop_caches() -> None:
     with contextlib.suppress(OSError):  # root only; tmpfs server data is unaffected, by design
         os.sync()
@@ -195,31 +206,36 @@ class Profiler:
             self.proc.wait(60)
 
 
-def summarise_profile(path: Path, top: int = 15) -> str:
-    """Inclusive share of samples per function (py-spy raw: "frame;frame;... count" lines),
-    over all threads, for the frames that say where a FUSE daemon's time goes."""
+# What a FUSE daemon's samples can be doing, first match wins (py-spy raw stacks, all threads).
+_PROFILE_RULES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
+    ("idle: epoll wait (for the server or the kernel)", lambda st, leaf: "get_events" in leaf),
+    ("lookup probe: HEAD", lambda st, leaf: "as_file" in st),
+    ("lookup probe: 1-entry LIST", lambda st, leaf: "as_dir" in st),
+    ("disk cache writes (threads)", lambda st, leaf: "diskcache" in st or "DiskChunkCache" in st),
+    ("read: GET (httpx/httpcore)", lambda st, leaf: ("reader.py" in st or "AisClient.get" in st)
+     and any(m in st for m in ("httpx", "httpcore", "h11"))),
+    ("read: engine (reader, caches)", lambda st, leaf: "reader.py" in st or "engine.py" in st or "datacache" in st),
+    ("other httpx/httpcore (pool, response close)", lambda st, leaf: any(m in st for m in ("httpx", "httpcore", "h11"))),
+    ("FUSE handlers (pyfuse3 glue, fs.py, namespace)", lambda st, leaf: any(
+        m in st for m in ("pyfuse3", "batchfs/fs.py", "namespace.py"))),
+    ("trio scheduler and the rest", lambda st, leaf: True),
+)
+
+
+def summarise_profile(path: Path) -> str:
+    """Share of samples per activity in a py-spy raw profile ("frame;frame;... count" lines)."""
+    counts = dict.fromkeys((name for name, _ in _PROFILE_RULES), 0)
     total = 0
-    inclusive: dict[str, int] = {}
     for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
             continue
-        n = int(count)
-        total += n
-        seen = set()
-        for frame in stack.split(";"):
-            name = frame.split(" (")[0] + " (" + frame.split(" (")[-1].split("/")[-1].split(":")[0] \
-                if " (" in frame else frame
-            if name not in seen:
-                seen.add(name)
-                inclusive[name] = inclusive.get(name, 0) + n
-    rows = sorted(inclusive.items(), key=lambda kv: -kv[1])
-    interesting = [(k, v) for k, v in rows if any(m in k for m in (
-        "batchfs", "fs.py", "reader.py", "namespace.py", "engine.py", "datacache.py", "prefetch.py",
-        "ais.py", "http.py", "httpcore", "_sync", "_async", "_trio", "pyfuse3", "ssl", "socket", "recv",
-        "select", "epoll", "xxh", "json", "diskcache", "sqlite"))]
+        total += int(n)
+        leaf = stack.rsplit(";", 1)[-1]
+        name = next(name for name, rule in _PROFILE_RULES if rule(stack, leaf))
+        counts[name] += int(n)
     lines = [f"{path.name}: {total} samples"]
-    lines += [f"  {100 * v / total:5.1f}%  {k}" for k, v in interesting[:top]]
+    lines += [f"  {100 * v / max(total, 1):5.1f}%  {k}" for k, v in counts.items()]
     return "\n".join(lines)
 
 
@@ -323,6 +339,7 @@ def main() -> int:
     load_data(work / "data", a.big_gib, a.rss_gib, a.small_files, a.many)
     results: dict[str, dict[str, list[float]]] = {}
     rss: dict[str, int] = {}
+    requests: dict[str, dict[str, dict[str, float]]] = {}  # test -> side -> op -> requests (last round)
     server = ServerProcess([work / "data"], "--chunk-size", str(CHUNK), "--log-level", "WARNING").start()
     mounts: list[Mount] = []
     try:
@@ -336,8 +353,11 @@ def main() -> int:
                 drop_caches()
                 prof = a.profile / f"{test}-{side}-{len(results.get(test, {}).get(side, []))}.txt" \
                     if (a.profile and side.startswith("batchfs")) else None
+                before = server.metrics()
                 with Profiler(prof, m.pid):
-                    return fn(mnt)
+                    value = fn(mnt)
+                requests.setdefault(test, {})[side] = request_counts(before, server.metrics())
+                return value
             finally:
                 m.close()
                 mounts.remove(m)
@@ -390,6 +410,11 @@ def main() -> int:
             m.close()
         server.stop()
     report(results, rss, a, sides)
+    per = {"seq": 1, "loader": a.loader_reads, "find": a.many}
+    print("\nserver requests per file (last round):")
+    for test, by_side in requests.items():
+        for side, ops in by_side.items():
+            print(f"  {test} {side}: " + ", ".join(f"{op} {n / per[test]:.3g}" for op, n in sorted(ops.items())))
     if a.profile:
         for f in sorted(a.profile.glob("*.txt")):
             print("\n" + summarise_profile(f))
