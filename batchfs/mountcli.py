@@ -273,10 +273,10 @@ def parse_mount_options(values: list[str]) -> tuple[dict[str, Any], list[str], b
 
 def config_from_args(args: argparse.Namespace) -> MountConfig:
     fields, fuse, debug = parse_mount_options(args.o or [])
+    # Source fields, not MountConfig ones; the long flags win as everywhere else
     endpoint_url = args.endpoint_url or fields.pop("endpoint_url", None)
     region = args.region or fields.pop("region", None)
-    fields.pop("endpoint_url", None)
-    fields.pop("region", None)
+    fields = {k: v for k, v in fields.items() if k not in ("endpoint_url", "region")}
     for opt in OPTIONS:
         v = getattr(args, opt.dest)
         if v is not None:
