@@ -10,7 +10,7 @@ loopback limit. One run, medians of ``--runs`` rounds, ratios; prints a markdown
 
 Data is written straight into the server's data directory with ``server.store.Store`` before
 the server starts (minutes faster than PUTs), on /dev/shm when it has room so disk speed is out
-of the picture for every side alike, and reused by later runs with the same sizes.
+of the picture for every side alike; ``--keep`` keeps it for later runs with the same sizes.
 Rounds rotate the order of the sides. ``--profile DIR`` records the batchfs daemon with
 py-spy (raw collapsed stacks, one file per test) to see where its time goes.
 
@@ -101,8 +101,8 @@ def pids_naming(path: Path) -> list[int]:
 class Mount:
     """One mount of one side; ``pid`` is its daemon. ``close`` unmounts and waits for it to exit."""
 
-    def __init__(self, side: str, path: Path, pid: int):
-        self.side, self.path, self.pid = side, path, pid
+    def __init__(self, side: str, path: Path, pid: int, cache: Path | None = None):
+        self.side, self.path, self.pid, self.cache = side, path, pid, cache
 
     def close(self) -> None:
         if is_mounted(self.path):
@@ -114,6 +114,8 @@ class Mount:
         with contextlib.suppress(ProcessLookupError):
             if alive(self.pid):
                 os.kill(self.pid, signal.SIGKILL)
+        if self.cache is not None:  # the work dir may be RAM (/dev/shm): give it back
+            shutil.rmtree(self.cache, ignore_errors=True)
 
 
 def alive(pid: int) -> bool:
@@ -134,11 +136,13 @@ def _run_daemonizing(cmd: list[str], log: Path, env: dict | None = None) -> int:
 
 def mount_side(side: str, bucket: str, path: Path, url: str, work: Path) -> Mount:
     path.mkdir(parents=True, exist_ok=True)
+    cache = None
     if side in ("batchfs", "batchfs-nocache"):
         cmd = [str(Path(sys.executable).parent / "batchfs"), "mount", f"{url}/{bucket}", str(path),
                "--log-file", str(work / "batchfs.log")]
         if side == "batchfs":  # as documented: with a disk cache, here a fresh one (cold)
-            cmd += ["--cache-dir", tempfile.mkdtemp(prefix="cache-", dir=work)]
+            cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
+            cmd += ["--cache-dir", str(cache)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"batchfs mount failed: {r.stderr}")
@@ -165,7 +169,7 @@ def mount_side(side: str, bucket: str, path: Path, url: str, work: Path) -> Moun
     pids = pids_naming(path)
     if len(pids) != 1:
         raise RuntimeError(f"expected one {side} daemon for {path}, found {pids}")
-    return Mount(side, path, pids[0])
+    return Mount(side, path, pids[0], cache)
 
 
 def request_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -326,6 +330,8 @@ def main() -> int:
     p.add_argument("--sides", default="batchfs,s3fs,rclone",
                    help="batchfs (with a fresh --cache-dir), batchfs-nocache, s3fs, rclone")
     p.add_argument("--tests", default="seq,loader,find,rss")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the generated data for the next run (it may occupy GiBs of RAM in /dev/shm)")
     p.add_argument("--profile", type=Path, default=None, help="write py-spy raw profiles of the batchfs daemon here")
     a = p.parse_args()
     sides = a.sides.split(",")
@@ -418,7 +424,10 @@ def main() -> int:
     if a.profile:
         for f in sorted(a.profile.glob("*.txt")):
             print("\n" + summarise_profile(f))
-    (work / "results.json").write_text(json.dumps({"results": results, "rss": rss}, indent=1))
+    if a.keep:
+        (work / "results.json").write_text(json.dumps({"results": results, "rss": rss}, indent=1))
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
