@@ -21,7 +21,26 @@ def check_bucket(name: str) -> str:
     return name
 
 
+# A valid name, in one precompiled pattern: segments of non-control characters other than '/',
+# none of them '.' or '..', joined by single '/', with at most one trailing '/'. The per-rule
+# checks below run only when this does not match, to say which rule failed (the pattern
+# accepts nothing they refuse: tests/test_getbatch.py compares the two over generated names).
+_SEGMENT = r"(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+"
+_OBJNAME_OK = re.compile(rf"(?:{_SEGMENT}/)*{_SEGMENT}/?")
+_LONG_CHARS = MAX_OBJNAME_BYTES // 4  # up to this many characters, UTF-8 cannot pass the byte cap
+
+
 def check_objname(name: str) -> str:
+    """``name`` if it is a valid object name, else BadRequest saying why. GetBatch calls this
+    per entry, so the common case is one ``fullmatch`` (~1 us, vs ~4 us for the rule loop)."""
+    if (len(name) <= _LONG_CHARS or len(name.encode("utf-8", "surrogatepass")) <= MAX_OBJNAME_BYTES) \
+            and _OBJNAME_OK.fullmatch(name) is not None:
+        return name
+    return explain_objname(name)
+
+
+def explain_objname(name: str) -> str:
+    """The rules one by one: raise BadRequest naming the first that ``name`` breaks."""
     if not name:
         raise BadRequest("empty object name")
     if len(name.encode("utf-8", "surrogatepass")) > MAX_OBJNAME_BYTES:
