@@ -30,7 +30,8 @@ MIME_TYPES = {
     ".zip": "application/zip",
 }
 _BLOCK = tarfile.BLOCKSIZE
-_TAR_END = b"\0" * (2 * _BLOCK)  # two zero blocks end a TAR archive
+TAR_END_BYTES = 2 * _BLOCK  # two zero blocks end a TAR archive
+_TAR_END = b"\0" * TAR_END_BYTES
 _ZERO_BLOCK = b"\0" * _BLOCK
 GZIP_LEVEL = 1
 _ZIP_EPOCH = 315532800  # 1980-01-01, the earliest time a ZIP entry can carry
@@ -70,12 +71,20 @@ _OCTAL_MAX = 8 ** 11
 _TAIL = _TEMPLATE[155:]  # the checksum field's final space, then typeflag and the rest
 
 
-def tar_header(name: str, size: int, mtime: int) -> bytes:
+def _ustar_name(name: str, size: int, mtime: int) -> bytes | None:
+    """The name's bytes if the fast path's plain USTAR header serves this member, else None."""
     try:
         raw = name.encode("ascii")
     except UnicodeEncodeError:
-        return _tobuf(name, size, mtime)
+        return None
     if len(raw) > 100 or not (0 <= size < _OCTAL_MAX and 0 <= mtime < _OCTAL_MAX) or b"\0" in raw:
+        return None
+    return raw
+
+
+def tar_header(name: str, size: int, mtime: int) -> bytes:
+    raw = _ustar_name(name, size, mtime)
+    if raw is None:
         return _tobuf(name, size, mtime)
     size_f = b"%011o\0" % size
     mtime_f = b"%011o\0" % mtime
@@ -87,6 +96,13 @@ def tar_header(name: str, size: int, mtime: int) -> bytes:
 def tar_padding(size: int) -> bytes:
     rem = size % _BLOCK
     return _ZERO_BLOCK[: _BLOCK - rem] if rem else b""
+
+
+def tar_member_bytes(name: str, size: int, mtime: int) -> int:
+    """Bytes ``TarWriter`` emits for one member: header (one block, more with PAX records),
+    data and padding; with ``TAR_END_BYTES`` this gives a TAR reply's exact length up front."""
+    head = _BLOCK if _ustar_name(name, size, mtime) is not None else len(_tobuf(name, size, mtime))
+    return head + size + (-size % _BLOCK)
 
 
 class TarWriter:

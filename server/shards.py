@@ -183,6 +183,11 @@ class RangeSource(MemberSource):
         self._pos = end
         return data
 
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(fd, offset in that file, count) pieces of the bytes not yet read, for sendfile;
+        the descriptors stay valid until ``close``."""
+        return [(fd, off, n) for _, fd, off, n in self._obj.segments(self._pos, self._end)]
+
 
 class StreamSource(MemberSource):
     """A member read through a decompressing file object (ZIP or TGZ), skipping ``start``."""

@@ -25,7 +25,9 @@ from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 from urllib3 import Retry
 
-from server.archive import _tobuf, tar_header
+from server.archive import TarWriter, _tobuf, tar_header, tar_member_bytes
+from server.errors import BadRequest
+from server.names import check_objname, explain_objname
 from tests.conftest import put
 from tests.util import ServerProcess
 
@@ -91,6 +93,30 @@ def expect_error(r: httpx.Response, status: int, text: str = "") -> None:
 def test_fast_tar_header_is_tarfiles(name, size, mtime):
     """The fast TAR header path is byte-identical to tarfile's tobuf (or falls back to it)."""
     assert tar_header(name, size, mtime) == _tobuf(name, size, mtime)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(min_size=1, max_size=120), size=st.integers(0, 5000), mtime=st.integers(0, 8 ** 11 + 5))
+def test_tar_member_bytes_is_what_the_writer_emits(name, size, mtime):
+    """A sized reply's Content-Length is the sum of these: it must match the writer exactly."""
+    assert tar_member_bytes(name, size, mtime) == sum(map(len, TarWriter().member(name, mtime, b"x" * size)))
+
+
+def _verdict(check, name):
+    try:
+        check(name)
+        return None
+    except BadRequest as e:
+        return e.message
+
+
+@settings(max_examples=1000, deadline=None)
+@given(name=st.one_of(st.text(max_size=40), st.text(alphabet="ab./\x00\x1f\x7f\n é", max_size=12),
+                      st.text(alphabet="a./", min_size=1020, max_size=1030),
+                      st.text(alphabet="é", min_size=250, max_size=520)))
+def test_objname_pattern_agrees_with_the_rules(name):
+    """check_objname's precompiled pattern accepts and refuses exactly what the rules do."""
+    assert _verdict(check_objname, name) == _verdict(explain_objname, name)
 
 
 # -- the SDK, every format, streaming and multipart ----------------------------------------
@@ -364,6 +390,51 @@ def test_large_members_stream(small, fmt, strm):
         batch.add(e["objname"], archpath=e.get("archpath"), start=e.get("start"), length=e.get("length"))
     got = list(batch.get())
     assert [d for _, d in got] == [d for _, d in entries]
+
+
+def multipart_archive(r: httpx.Response) -> bytes:
+    """The archive part of a buffered (strm false) reply, byte for byte."""
+    boundary = r.headers["Content-Type"].split("boundary=", 1)[1].strip('"').encode()
+    for part in r.content.split(b"--" + boundary):
+        head, _, body = part.partition(b"\r\n\r\n")
+        if b'name="archive"' in head:
+            return body.removesuffix(b"\r\n")
+    raise AssertionError("no archive part")
+
+
+@pytest.mark.parametrize("coer", [False, True])
+def test_sized_tar_sends_large_members_from_files(small, coer):
+    """A plain TAR with members of at least 256 KiB is planned whole, carries a Content-Length,
+    and sends those members with sendfile: the bytes are exactly the buffered reply's archive."""
+    o, m = small.objs, small.members
+    entries = [({"objname": "o1"}, o["o1"]),
+               ({"objname": "large"}, o["large"]),  # chunked: sendfile over three chunk files
+               ({"objname": "large", "start": 300_000, "length": 600_000}, o["large"][300_000:900_000]),
+               ({"objname": "shard.tar", "archpath": "big/1.bin", "start": 5, "length": -1}, m["big/1.bin"][5:]),
+               ({"objname": "shard.tar", "archpath": "s.txt"}, m["s.txt"]),
+               ({"objname": "shard.tgz", "archpath": "big/2.bin"}, m["big/2.bin"]),  # decompressed: streamed
+               ({"objname": "shard.zip", "archpath": "big/1.bin", "start": 1, "length": 80_000}, m["big/1.bin"][1:80_001]),
+               ({"objname": "o2"}, o["o2"])]
+    if coer:
+        entries.insert(3, ({"objname": "nope"}, b""))
+    body = {"in": [e for e, _ in entries], "mime": ".tar", "coer": coer, "strm": True}
+    r = moss(small.url, small.bucket, body)
+    assert r.status_code == 200
+    assert int(r.headers["Content-Length"]) == len(r.content)
+    assert [d for _, d in tar_members(r.content)] == [d for _, d in entries]
+    buffered = moss(small.url, small.bucket, {**body, "strm": False})
+    assert buffered.status_code == 200
+    assert r.content == multipart_archive(buffered)
+
+
+def test_unsized_replies_stay_chunked(small):
+    """Small members, or compressed and ZIP output, keep the streamed (chunked) reply."""
+    for body in ({"in": [{"objname": "o1"}, {"objname": "o2"}], "strm": True},
+                 {"in": [{"objname": "large"}], "strm": True, "mime": ".tgz"},
+                 {"in": [{"objname": "large"}], "strm": True, "mime": ".zip"}):
+        r = moss(small.url, small.bucket, body)
+        assert r.status_code == 200
+        assert "Content-Length" not in r.headers and r.headers["Transfer-Encoding"] == "chunked"
 
 
 def test_soft_errors_after_the_200_truncate(server, dataset):

@@ -1,0 +1,364 @@
+"""One GetBatch request from plan to the archive's last byte: scheduler and assembler.
+
+Design (one request)::
+
+    plan (getbatch_read.plan_chunk)   -- in threads, in request order, a chunk at a time
+    scheduler task: plans ahead, cuts the entries into *runs*, reserves window bytes, and
+                    hands each run to a reader thread (at most ``getbatch_workers`` in flight)
+    assembler (``assemble``, awaited by the handler): awaits runs in order and writes them
+
+A *run* is consecutive small entries read by one thread call (``read_run``: one hop amortised
+over up to 64 entries). Runs grow 8, 16, 32, 64 entries so the first bytes leave early. An
+entry above ``getbatch_inline_max_bytes`` is a run of its own that is not read ahead: the
+assembler opens it at its turn and streams it in 1 MiB pieces (one piece read ahead). In a
+*sized* reply (plain TAR with every size planned before the 200, so the handler could send a
+Content-Length), an object or TAR-shard member of at least ``SENDFILE_MIN_BYTES`` is also a
+run of its own, sent at its turn from its files with ``sendfile``: no copy through memory.
+
+Invariants: read-ahead bytes are reserved before a run is read and released after it is
+written (``GetBatchState.buffered`` is the app-wide sum, the basis of admission control), so
+memory per request is bounded by ``getbatch_window_bytes`` plus two pieces. Every file is
+closed by the thread that opened it, or by a done-callback on the read that still uses it, so
+a client that disconnects leaks neither descriptors nor tasks. In a sized reply every member
+must have exactly its planned size; an entry that changed since the plan fails the request
+(after the 200: a truncated stream, which the client sees as a short body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import time
+from typing import Protocol
+
+from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_header, tar_member_bytes, tar_padding
+from server.config import KiB, MiB, ServerConfig
+from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
+from server.getbatch_read import RunResult, open_source, placeholder_name, plan_chunk, read_run
+from server.getbatch_request import Entry, MossReq
+from server.metrics import Metrics
+from server.shards import RangeSource, ShardIndexCache
+from server.store import Store
+
+PLAN_CHUNK = 512  # entries checked and looked up per thread call after the first window
+RUN_FIRST_ENTRIES = 8
+RUN_MAX_ENTRIES = 64
+RUN_MAX_BYTES = 1 * MiB
+STREAM_PIECE = 1 * MiB  # large members move in pieces of this size
+# From this size a member of a sized reply goes out with sendfile. Below it, reading ahead in
+# a thread and writing from memory is as fast (bench/bench_getbatch.py, docs/getbatch.md).
+SENDFILE_MIN_BYTES = 256 * KiB
+
+
+@dataclasses.dataclass
+class GetBatchState:
+    """App-wide GetBatch state: admission counters and the reader threads."""
+
+    config: ServerConfig
+    pool: concurrent.futures.ThreadPoolExecutor
+    shard_indexes: ShardIndexCache
+    pending: int = 0
+    buffered: int = 0  # bytes reserved for read-ahead (or a buffered reply) and not yet sent
+
+
+class Output(Protocol):
+    """Where the assembler sends the archive: bytes, and (sized replies) file ranges."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def sendfile(self, fd: int, offset: int, count: int) -> None: ...
+
+
+@dataclasses.dataclass
+class _Run:
+    entries: list[Entry]
+    reserved: int
+    future: asyncio.Future | None  # None: a large entry, sent at its turn
+    sendfile: bool = False
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class BatchJob:
+    """One GetBatch request; the handler plans the first window, then runs ``schedule`` as a
+    task and awaits ``assemble``, and always calls ``shutdown``."""
+
+    def __init__(self, req: MossReq, config: ServerConfig, store: Store, metrics: Metrics, state: GetBatchState):
+        self.config, self.store, self.metrics, self.state = config, store, metrics, state
+        self.req = req
+        self.entries = req.entries  # grows as the plan checks raw entries
+        self.loop = asyncio.get_running_loop()
+        self.planned = 0
+        self.plan_missing = 0
+        self.soft_errs = 0
+        self.reserved = 0  # this request's share of state.buffered
+        self.window_used = 0
+        self.window_cond = asyncio.Condition()
+        self.slots = asyncio.Semaphore(max(1, config.getbatch_workers))
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.writer = make_writer(req.mime)
+        self.sizes: list[tuple[int, str]] = []  # per delivered entry
+        self.rxwait_ns = 0
+        self.task: asyncio.Task | None = None
+        self.sized = False  # set by the handler when the reply carries a Content-Length
+        # a buffered reply reserves its whole size up front; only streaming counts read-ahead
+        self.count_window = req.strm
+
+    # byte accounting ----------------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        self.reserved += n
+        self.state.buffered += n
+        self.metrics.gb_buffered.set(self.state.buffered)
+
+    def unreserve(self, n: int) -> None:
+        self.reserved -= n
+        self.state.buffered -= n
+        self.metrics.gb_buffered.set(self.state.buffered)
+
+    async def _window_acquire(self, n: int) -> None:
+        cap = self.config.getbatch_window_bytes
+        async with self.window_cond:
+            await self.window_cond.wait_for(lambda: self.window_used == 0 or self.window_used + n <= cap)
+            self.window_used += n
+        if self.count_window:
+            self.reserve(n)
+
+    async def _window_release(self, n: int) -> None:
+        async with self.window_cond:
+            self.window_used -= n
+            self.window_cond.notify_all()
+        if self.count_window:
+            self.unreserve(n)
+
+    # plan ---------------------------------------------------------------------------------
+    async def plan_until(self, upto: int, chunk: int = PLAN_CHUNK) -> None:
+        upto = min(upto, self.req.n)
+        while self.planned < upto:
+            lo, hi = self.planned, min(self.planned + chunk, self.req.n)
+            self.plan_missing += await self.loop.run_in_executor(
+                self.state.pool, plan_chunk, self.store, self.state.shard_indexes, self.req, lo, hi)
+            self.planned = hi
+            self._check_soft(self.plan_missing)
+
+    def _check_soft(self, n: int) -> None:
+        limit = self.config.getbatch_max_soft_errs
+        if n > limit:
+            raise NotFound(f"moss: {n} missing entries exceed the soft-error limit of {limit} "
+                           f"(getbatch_max_soft_errs); first: {self._first_missing()}")
+
+    def _first_missing(self) -> str:
+        return next((e.err for e in self.entries if e.err), "")
+
+    def sends_file(self, e: Entry) -> bool:
+        """Whether a sized reply sends this member's bytes with sendfile."""
+        return e.kind in ("obj", "tar") and e.size >= SENDFILE_MIN_BYTES
+
+    def tar_length(self) -> int:
+        """The exact length of the TAR this job will write, once every entry is planned."""
+        assert self.planned == self.req.n
+        total = TAR_END_BYTES
+        for e in self.entries:
+            if e.kind == "missing":
+                total += tar_member_bytes(placeholder_name(e), 0, 0)
+            else:
+                total += tar_member_bytes(e.name, e.size, e.meta.atime_ns // 1_000_000_000)
+        return total
+
+    # scheduler ----------------------------------------------------------------------------
+    async def schedule(self) -> None:
+        try:
+            i, n, target = 0, self.req.n, RUN_FIRST_ENTRIES
+            inline_max = self.config.getbatch_inline_max_bytes
+            encode = isinstance(self.writer, TarWriter)
+            while i < n:
+                if i >= self.planned:
+                    await self.plan_until(self.planned + 1)
+                run: list[Entry] = []
+                nbytes = 0
+                alone = sendfile = False
+                while i < self.planned and len(run) < target:
+                    e = self.entries[i]
+                    big = e.kind != "missing" and e.size > inline_max
+                    sf = self.sized and self.sends_file(e)
+                    if big or sf:
+                        if not run:
+                            run, alone, sendfile, i = [e], True, sf, i + 1
+                        break
+                    if run and nbytes + e.size > RUN_MAX_BYTES:
+                        break
+                    run.append(e)
+                    nbytes += e.size
+                    i += 1
+                target = min(2 * target, RUN_MAX_ENTRIES)
+                await self.slots.acquire()
+                if alone:
+                    await self.queue.put(_Run(run, 0, None, sendfile))
+                    continue
+                await self._window_acquire(nbytes)
+                fut = self.loop.run_in_executor(self.state.pool, read_run, self.store, self.state.shard_indexes,
+                                                run, self.req.coer, encode)
+                await self.queue.put(_Run(run, nbytes, fut))
+            await self.queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the assembler, which owns the reply
+            await self.queue.put(_Failure(e))
+
+    # assembler ----------------------------------------------------------------------------
+    async def assemble(self, out: Output) -> None:
+        """Write every member in order to ``out``."""
+        stateless = isinstance(self.writer, TarWriter)
+        while True:
+            t0 = time.perf_counter_ns()
+            item = await self.queue.get()
+            if isinstance(item, _Failure):
+                raise item.exc
+            if item is None:
+                break
+            if item.future is None:
+                self.rxwait_ns += time.perf_counter_ns() - t0
+                try:
+                    if item.sendfile:
+                        await self._sendfile_entry(item.entries[0], out)
+                    else:
+                        await self._stream_entry(item.entries[0], out)
+                finally:
+                    self.slots.release()
+                continue
+            try:
+                res: RunResult = await item.future
+                self.rxwait_ns += time.perf_counter_ns() - t0
+                self._account(item.entries, res.sizes)
+                if stateless:
+                    await out.write(res.blob)
+                else:
+                    pieces = await self.loop.run_in_executor(self.state.pool, self._encode, res.members)
+                    for p in pieces:
+                        await out.write(p)
+            finally:
+                self.slots.release()
+                await self._window_release(item.reserved)
+        for p in self.writer.finish():
+            await out.write(p)
+
+    def _encode(self, members: list[tuple[str, int, bytes]]) -> list[bytes]:
+        out: list[bytes] = []
+        for m in members:
+            out.extend(self.writer.member(*m))
+        return out
+
+    def _check_planned(self, e: Entry, size: int, err: str) -> None:
+        """In a sized reply (its Content-Length computed from the plan) a member must be
+        exactly as planned."""
+        if self.sized and (size != e.size or bool(err) != (e.kind == "missing")):
+            raise StoreError(f"moss: ais://{e.bucket}/{e.objname} changed after the reply's length "
+                             f"was sent ({e.size} bytes planned, {size} read{', ' + err if err else ''})")
+
+    def _account(self, entries: list[Entry], sizes: list[tuple[int, str]]) -> None:
+        if self.sized:
+            for e, (size, err) in zip(entries, sizes):
+                self._check_planned(e, size, err)
+        # summed per run: a Prometheus inc takes a lock, and a run holds up to 64 entries
+        soft = obj_n = obj_size = file_n = file_size = 0
+        for e, (size, err) in zip(entries, sizes):
+            if err:
+                soft += 1
+                if not e.err:
+                    e.err = err
+            elif e.archpath:
+                file_n += 1
+                file_size += size
+            else:
+                obj_n += 1
+                obj_size += size
+        m = self.metrics
+        for counter, value in ((m.gb_soft_err_n, soft), (m.gb_obj_n, obj_n), (m.gb_obj_size, obj_size),
+                               (m.gb_file_n, file_n), (m.gb_file_size, file_size)):
+            if value:
+                counter.inc(value)
+        self.soft_errs += soft
+        self.sizes.extend(sizes)
+        self._check_soft(self.soft_errs)
+
+    async def _sendfile_entry(self, e: Entry, out: Output) -> None:
+        """A large object or TAR-shard member of a sized reply: header, file ranges, padding."""
+        src, count, mtime = await self.loop.run_in_executor(self.state.pool, open_source, self.store,
+                                                            self.state.shard_indexes, e)
+        try:
+            assert isinstance(src, RangeSource)
+            self._check_planned(e, count, "")
+            await out.write(tar_header(e.name, count, mtime))
+            for fd, offset, n in src.segments():
+                await out.sendfile(fd, offset, n)
+            await out.write(tar_padding(count))
+        finally:
+            src.close()
+        self._account([e], [(count, "")])
+
+    async def _stream_entry(self, e: Entry, out: Output) -> None:
+        """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
+        pool, w = self.state.pool, self.writer
+        try:
+            src, count, mtime = await self.loop.run_in_executor(pool, open_source, self.store,
+                                                                self.state.shard_indexes, e)
+        except (NotFound, BadRequest) as ex:
+            if not self.req.coer or isinstance(ex, RangeNotSatisfiable):
+                raise
+            self._check_planned(e, 0, ex.message)
+            for p in w.member(placeholder_name(e), 0, b""):
+                await out.write(p)
+            self._account([e], [(0, ex.message)])
+            return
+        try:
+            self._check_planned(e, count, "")
+        except StoreError:
+            src.close()
+            raise
+        stateless = isinstance(w, TarWriter)
+        cf: concurrent.futures.Future | None = None
+        try:
+            for p in w.begin(e.name, mtime, count):
+                await out.write(p)
+            left = count
+            cf = pool.submit(src.read, min(STREAM_PIECE, left)) if left else None
+            while left > 0:
+                piece = await asyncio.wrap_future(cf)
+                cf = None
+                if not piece:
+                    raise BadRequest(f"ais://{e.bucket}/{e.objname}: ended {left} bytes early")
+                left -= len(piece)
+                if left > 0:
+                    cf = pool.submit(src.read, min(STREAM_PIECE, left))
+                self.reserve(len(piece))
+                try:
+                    pieces = w.body(piece) if stateless else await self.loop.run_in_executor(pool, w.body, piece)
+                    for p in pieces:
+                        await out.write(p)
+                finally:
+                    self.unreserve(len(piece))
+            for p in w.end():
+                await out.write(p)
+        finally:
+            if cf is not None and not cf.done():
+                cf.add_done_callback(lambda _f: src.close())  # the thread still reads it
+            else:
+                src.close()
+        self._account([e], [(count, "")])
+
+    async def shutdown(self) -> None:
+        """Stop the scheduler and give back every reserved byte (also on errors)."""
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, _Run) and item.future is not None:
+                item.future.cancel()  # a thread already running finishes and closes its files
+        if self.reserved:
+            self.unreserve(self.reserved)

@@ -1,0 +1,174 @@
+"""GetBatch's blocking work, run in reader threads: the plan, and reading entries.
+
+- ``plan_chunk`` checks the next raw entries (``MossReq.check_upto``) and looks each one up:
+  its object's metadata and, for an archpath entry, the shard's index (built once per shard
+  version) to find the member. It fixes every entry's ``kind`` and planned ``size`` (ranges
+  are checked here: 416). Under ``coer`` a missing object or member, or an unreadable shard,
+  becomes kind ``missing`` (a placeholder) instead of an error.
+- ``read_run`` reads a *run* of consecutive small entries in one thread call, sharing open
+  objects and TGZ cursors between them, and (for TAR output) encodes the members too, so the
+  event loop only writes one blob per run.
+- ``open_source`` opens one entry for reading at its turn (large members, streamed or sent
+  with ``sendfile``).
+
+Invariants: every file opened here is closed before the call returns, or handed to the
+caller inside a ``MemberSource`` that closes it. An entry is read from the version the plan
+found; if a PUT or DELETE removed that version since, the current one is read instead (the
+caller compares sizes where the reply's length was announced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from server.archive import TarWriter
+from server.errors import BadRequest, NotFound, RangeNotSatisfiable
+from server.getbatch_request import MossReq, Entry, span
+from server.shards import MemberSource, RangeSource, ShardIndexCache, TgzCursor, open_member, open_version
+from server.store import ObjectMeta, OpenObject, Store
+
+MISSING_DIR = "__404__"  # placeholders are named __404__/<the member's name>
+
+
+# -- plan -----------------------------------------------------------------------------------
+def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool) -> None:
+    try:
+        meta = store.lookup(e.bucket, e.objname)
+        if e.archpath:
+            index = cache.get(store, meta)
+            _, member_size = index.find(meta, e.archpath)
+            e.kind, e.size = index.kind, span(e, member_size)[1]
+        else:
+            e.kind, e.size = "obj", span(e, meta.size)[1]
+        e.meta = meta
+    except RangeNotSatisfiable:
+        raise
+    except (NotFound, BadRequest) as err:  # missing object or member, corrupt shard
+        if not coer:
+            raise
+        e.kind, e.size, e.err = "missing", 0, err.message
+
+
+def plan_chunk(store: Store, cache: ShardIndexCache, req: MossReq, lo: int, hi: int) -> int:
+    """Check and look up entries [lo, hi); the number of placeholders among them."""
+    req.check_upto(hi, store)
+    missing = 0
+    for e in req.entries[lo:hi]:
+        _resolve(store, cache, e, req.coer)
+        missing += e.kind == "missing"
+    return missing
+
+
+def placeholder_name(e: Entry) -> str:
+    return f"{MISSING_DIR}/{e.name}"
+
+
+# -- reading --------------------------------------------------------------------------------
+class _Handles:
+    """Objects and shard cursors opened by one run, shared by its entries, closed at its end."""
+
+    def __init__(self) -> None:
+        self.objs: dict[str, OpenObject] = {}
+        self.tgz: dict[str, TgzCursor] = {}
+
+    def obj(self, store: Store, meta: ObjectMeta) -> OpenObject:
+        o = self.objs.get(meta.tag)
+        if o is None:
+            o = self.objs[meta.tag] = open_version(store, meta)
+        return o
+
+    def close(self) -> None:
+        for c in self.tgz.values():
+            c.close()
+        for o in self.objs.values():
+            o.close()
+        self.tgz.clear()
+        self.objs.clear()
+
+
+def open_source(store: Store, cache: ShardIndexCache, e: Entry, h: _Handles | None = None) -> tuple[MemberSource, int, int]:
+    """Open entry ``e`` for reading: (source, byte count, mtime). With ``h``, the shard or
+    object stays open in ``h`` (shared by a run); otherwise closing the source closes it."""
+    meta = e.meta if e.meta is not None else store.lookup(e.bucket, e.objname)
+    try:
+        obj = h.obj(store, meta) if h else open_version(store, meta)
+    except NotFound:  # replaced or deleted since the plan: take the current version, if any
+        obj = store.open(e.bucket, e.objname)
+        meta = obj.meta
+        if h:
+            h.objs[meta.tag] = obj
+    own = h is None
+    try:
+        mtime = meta.atime_ns // 1_000_000_000
+        if not e.archpath:
+            start, count = span(e, meta.size)
+            return RangeSource(obj, start, count, close_obj=own), count, mtime
+        index = cache.get(store, meta, obj)
+        _, member_size = index.find(meta, e.archpath)
+        start, count = span(e, member_size)
+        if index.kind == "tgz" and h is not None:
+            cur = h.tgz.get(meta.tag)
+            want = index.find(meta, e.archpath)[0]
+            if cur is None or cur.pos >= want:
+                if cur is not None:
+                    cur.close()
+                cur = h.tgz[meta.tag] = TgzCursor(obj)
+            return cur.open_member(index, e.archpath, start, count), count, mtime
+        return open_member(obj, index, e.archpath, start, count, close_obj=own), count, mtime
+    except BaseException:
+        if own:
+            obj.close()
+        raise
+
+
+@dataclasses.dataclass
+class RunResult:
+    blob: bytes | None  # TAR: the run's members, encoded
+    members: list[tuple[str, int, bytes]]  # other formats: (name, mtime, data) to encode in order
+    sizes: list[tuple[int, str]]  # per entry: (bytes delivered, error message if a placeholder)
+
+
+def read_run(store: Store, cache: ShardIndexCache, entries: list[Entry], coer: bool, encode: bool) -> RunResult:
+    """Read a run of small entries (blocking). Under coer a member that vanished or is
+    unreadable since the plan becomes a placeholder; otherwise the error propagates."""
+    h = _Handles()
+    members: list[tuple[str, int, bytes]] = []
+    sizes: list[tuple[int, str]] = []
+    try:
+        for e in entries:
+            name, mtime, data, err = e.name, 0, b"", e.err
+            if e.kind != "missing":
+                try:
+                    src, count, mtime = open_source(store, cache, e, h)
+                    try:
+                        data = read_fully(src, count)
+                    finally:
+                        src.close()
+                    if len(data) != count:
+                        raise BadRequest(f"ais://{e.bucket}/{e.objname}: ended {count - len(data)} bytes early")
+                except (NotFound, BadRequest) as ex:
+                    if not coer or isinstance(ex, RangeNotSatisfiable):
+                        raise
+                    data, err = b"", ex.message
+            if err:
+                name, mtime = placeholder_name(e), 0
+            members.append((name, mtime, data))
+            sizes.append((len(data), err))
+    finally:
+        h.close()
+    if encode:
+        w = TarWriter()
+        blob = b"".join([p for m in members for p in w.member(*m)])
+        return RunResult(blob, [], sizes)
+    return RunResult(None, members, sizes)
+
+
+def read_fully(src: MemberSource, count: int) -> bytes:
+    parts, left = [], count
+    while left > 0:
+        piece = src.read(left)
+        if not piece:
+            break
+        parts.append(piece)
+        left -= len(piece)
+    return b"".join(parts)
