@@ -37,8 +37,8 @@ echo "demo: server at $url (data in $work/data)"
 echo "demo: mounted $url/demo at $work/mnt"
 ls "$work/mnt"
 echo "demo: $(find "$work/mnt" -type f | wc -l) files through the mount"
+"$bin/python" scripts/demo_loader.py "$work/mnt"   # cold reads: nothing fetched yet
 diff -r "$work/dataset" "$work/mnt" && echo "demo: every file reads back byte-exact"
-"$bin/python" scripts/demo_loader.py "$work/mnt"
 
 if [ -t 0 ]; then
     read -r -p "demo: mounted at $work/mnt — press Enter to unmount and stop the server. "
