@@ -7,13 +7,24 @@ optional prefix) as the root.
 
 Metadata is learnt from listings, never from a HEAD per file: ``readdir`` pages through
 ``ObjectClient.list_dir`` and records every child (size, version) in the directory cache, so
-``ls -l``, ``stat`` and ``find`` after it cost no further requests. A lookup in a directory
-that was not listed costs one HEAD and one one-entry listing (file or directory?), run
-concurrently. Caches (cachetools, bounded in entries, expiring after ``metadata_ttl_seconds``):
+``ls -l``, ``stat`` and ``find`` after it cost no further requests.
+
+Lookups are answered from listings too. A lookup in a directory whose listing is not cached
+lists that directory, at most ``LOOKUP_LIST_MAX_PAGES`` pages (50,000 names through the
+AIStore API, 5,000 through S3); concurrent lookups in the same directory share one listing.
+A complete listing is authoritative for ``metadata_ttl_seconds``, for present AND absent names
+(exactly as after ``readdir``), so a loader opening thousands of files by path costs one GET
+per file and no metadata request. A directory larger than that is remembered as such (for the
+TTL) and its names are probed one by one: a HEAD and a one-entry listing of ``name/``, run
+concurrently, because when both exist the directory wins (HEAD first and a listing only on
+404 would answer "file" for such a name, unlike ``readdir``).
+
+Caches (cachetools, bounded in entries, expiring after ``metadata_ttl_seconds``):
 
 - ``_dirs``: (bucket, prefix) -> {name: ObjectInfo | DIR} for fully listed directories
   (sized in entries; a directory too large for the cache is simply not cached);
-- ``_attrs``: (bucket, prefix, name) -> ObjectInfo | DIR from single lookups;
+- ``_large``: (bucket, prefix) of directories too large to list for a lookup;
+- ``_attrs``: (bucket, prefix, name) -> ObjectInfo | DIR from single probes;
 - ``_missing``: (bucket, prefix, name) for ``negative_ttl_seconds``: repeated probes of absent
   names (Python imports, loaders probing suffixes) cost nothing.
 
@@ -41,6 +52,7 @@ log = logging.getLogger(__name__)
 ROOT_INODE = 1  # == pyfuse3.ROOT_INODE (checked in batchfs.fs)
 DIR = None  # a directory in the caches; files are ObjectInfo
 LOOKUP_LIST_PAGE = 1
+LOOKUP_LIST_MAX_PAGES = 5  # a lookup lists its whole directory if it fits in this many pages
 _MAX_NAME_BYTES = 1024
 
 
@@ -87,6 +99,8 @@ class Namespace:
         self._dirs = cachetools.TTLCache(maxsize=n, ttl=ttl, timer=clock, getsizeof=lambda d: len(d) + 1)
         self._attrs = cachetools.TTLCache(maxsize=max(1, n // 4), ttl=ttl, timer=clock)
         self._missing = cachetools.TTLCache(maxsize=max(1, n // 4), ttl=config.negative_ttl_seconds, timer=clock)
+        self._large = cachetools.TTLCache(maxsize=10_000, ttl=ttl, timer=clock)
+        self._listing: dict[tuple[str, str], trio.Event] = {}  # lookup listings in flight
         self.page_size = 1000 if src.kind == "s3" else 10_000
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_ns = time.time_ns()  # directories have no mtime of their own
@@ -170,12 +184,57 @@ class Namespace:
         if bucket is None:
             await self._list_all_buckets()
             return await self._resolve(bucket, prefix, name)
+        listing = await self._list_for_lookup(bucket, prefix) if (bucket, prefix) not in self._large else None
+        if listing is not None:
+            if name in listing:
+                return listing[name]
+            raise NotFound(f"{prefix}{name}: not in the directory listing")
         entry = await self._probe(bucket, prefix + name)
         if entry is False:
             self._missing[ck] = True
             raise NotFound(f"{bucket}/{prefix}{name}: no such object or directory")
         self._attrs[ck] = entry
         return entry
+
+    async def _list_for_lookup(self, bucket: str, prefix: str) -> dict | None:
+        """List a directory for a lookup: its complete listing (now cached), or None.
+
+        At most ``LOOKUP_LIST_MAX_PAGES`` pages: a larger directory is marked ``_large`` for the
+        TTL and answered by per-name probes. Concurrent lookups wait for the one listing in
+        flight, then look again (and probe if it did not produce a listing)."""
+        key = (bucket, prefix)
+        pending = self._listing.get(key)
+        if pending is not None:
+            await pending.wait()
+            return self._dirs.get(key)
+        done = self._listing[key] = trio.Event()
+        try:
+            collected: dict = {}
+            token = ""
+            for _ in range(LOOKUP_LIST_MAX_PAGES):
+                page = await self.client.list_dir(bucket, prefix, token, self.page_size)
+                collected.update(self._page_entries(prefix, page))
+                token = page.next_token
+                if not token:
+                    self._store_listing(key, collected)
+                    return collected
+            self._large[key] = True
+            log.debug("%s/%s: more than %d pages, lookups probe names", bucket, prefix, LOOKUP_LIST_MAX_PAGES)
+            return None
+        finally:
+            del self._listing[key]
+            done.set()
+
+    @staticmethod
+    def _page_entries(prefix: str, page) -> list:
+        """(name, ObjectInfo | DIR) of one listing page, sorted; a directory hides an object of
+        the same name (a later page's directory also overwrites an earlier page's object
+        when the entries are collected in a dict, since "x" sorts before "x/...")."""
+        entries = [(d, DIR) for d in page.dirs]
+        dirnames = set(page.dirs)
+        entries += [(f.key[len(prefix):], f) for f in page.files if f.key[len(prefix):] not in dirnames]
+        entries.sort(key=lambda e: e[0])
+        return entries
 
     async def _probe(self, bucket: str, key: str) -> ObjectInfo | None | bool:
         """A directory (DIR), a file (its info), or neither (False): HEAD and a one-entry
@@ -236,6 +295,21 @@ class Namespace:
         node.info, node.stamp = entry, self.clock()
         return entry
 
+    def learn(self, parent_ino: int, name: str, size: int, mtime_ns: int) -> Attr | None:
+        """Answer a lookup of file ``name`` from metadata learnt elsewhere (a prefetch plan's
+        fetched member: its size is the object's current size); the caller owns one lookup
+        reference. Known info of the same size is kept (it has the version); None if the
+        parent is not a bucket directory."""
+        parent = self.nodes.get(parent_ino)
+        if parent is None or not parent.is_dir or parent.bucket is None:
+            return None
+        ino = self._by_key.get((parent.bucket, parent.key + name))
+        node = self.nodes.get(ino) if ino is not None else None
+        if node is None or node.info is None or node.info.size != size:
+            node = self._child_node(parent, name, ObjectInfo(parent.key + name, size, "", mtime_ns))
+        node.lookups += 1
+        return self.attr(node)
+
     def invalidate(self, node: Node) -> None:
         """Forget what we know about a file (its version changed under an open handle)."""
         prefix, _, name = node.key.rpartition("/")
@@ -282,10 +356,7 @@ class Namespace:
             h.base, h.page, h.done = h.base + len(h.page), entries, True
             return
         page = await self.client.list_dir(node.bucket, node.key, h.token, self.page_size)
-        entries = [(d, DIR) for d in page.dirs]
-        dirnames = set(page.dirs)
-        entries += [(f.key[len(node.key):], f) for f in page.files if f.key[len(node.key):] not in dirnames]
-        entries.sort(key=lambda e: e[0])
+        entries = self._page_entries(node.key, page)
         h.base += len(h.page)
         h.page = entries
         h.token = page.next_token

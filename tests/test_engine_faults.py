@@ -117,7 +117,7 @@ def test_deleted_object_is_enoent_and_bugs_are_eio():
     client.put("b", "gone", b"x" * 10)
 
     def fault(op, n):
-        if op == "head":
+        if op == "list":  # a lookup lists the directory
             raise RuntimeError("a bug in a backend")
 
     async def main():

@@ -1,14 +1,16 @@
-"""Namespace without FUSE: directories from '/', listing sizes (no HEAD per file), TTL and
+"""Namespace without FUSE: directories from '/', listing sizes (no HEAD per file), lookups
+answered from one listing of their directory, per-name probes in large directories, TTL and
 negative caches, sources (all buckets, bucket, prefix), and ``find`` over 100,000 objects
 without one request per object."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from batchfs.config import Source
 from batchfs.errors import NotFound
-from batchfs.namespace import ROOT_INODE, Namespace
+from batchfs.namespace import LOOKUP_LIST_MAX_PAGES, ROOT_INODE, Namespace
 from tests.engine_util import config, engine, memory_client, read_all, resolve
 
 
@@ -55,26 +57,62 @@ def test_tree_from_names_and_sizes_from_listing():
     trio.run(main)
 
 
-def test_negative_cache_and_ttl():
+def test_lookups_are_answered_from_one_listing_of_the_directory():
     client = memory_client()
-    client.put("b", "f", b"old")
+    for i in range(50):
+        client.put("b", f"d/f{i:02d}", b"x" * i)
+    client.put("b", "d/sub/inner", b"1")
     clock = FakeClock()
     cfg = config(metadata_ttl_seconds=10, negative_ttl_seconds=2)
 
     async def main():
         ns = Namespace(cfg, client, clock=clock)
+        d = (await ns.lookup(ROOT_INODE, "d")).ino
+        client.calls.clear()
+        async with trio.open_nursery() as nursery:  # concurrent lookups share one listing
+            for i in range(0, 50, 7):
+                nursery.start_soon(ns.lookup, d, f"f{i:02d}")
+        assert (await ns.lookup(d, "f49")).size == 49
+        assert (await ns.lookup(d, "sub")).is_dir
         for _ in range(3):
-            try:
+            with pytest.raises(NotFound):
+                await ns.lookup(d, "nope")
+        assert dict(client.calls) == {"list": 1}  # no HEAD, no probe: the listing answers
+        client.put("b", "d/nope", b"new")
+        clock.now += 5  # past the negative TTL, within the metadata TTL: still the listing's answer
+        with pytest.raises(NotFound):
+            await ns.lookup(d, "nope")
+        clock.now += 6  # past the metadata TTL: listed again
+        assert (await ns.lookup(d, "nope")).size == 3
+        assert dict(client.calls) == {"list": 2}
+
+    trio.run(main)
+
+
+def test_large_directory_is_probed_per_name_with_negative_cache_and_ttl():
+    client = memory_client()
+    for i in range(LOOKUP_LIST_MAX_PAGES * 3):
+        client.put("b", f"n{i:03d}", b"")
+    client.put("b", "f", b"old")
+    client.put("b", "shadow", b"hidden")
+    client.put("b", "shadow/inner", b"1")
+    clock = FakeClock()
+    cfg = config(metadata_ttl_seconds=10, negative_ttl_seconds=2)
+
+    async def main():
+        ns = Namespace(cfg, client, clock=clock)
+        ns.page_size = 2  # the root is more than LOOKUP_LIST_MAX_PAGES pages
+        for _ in range(3):
+            with pytest.raises(NotFound):
                 await ns.lookup(ROOT_INODE, "nope")
-            except NotFound:
-                pass
+        assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 1  # one bounded attempt + a probe
         assert client.calls["head"] == 1  # later probes answered by the negative cache
         clock.now += 3
-        try:
+        with pytest.raises(NotFound):
             await ns.lookup(ROOT_INODE, "nope")
-        except NotFound:
-            pass
         assert client.calls["head"] == 2
+        assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 2  # still known as large: no relisting
+        assert (await ns.lookup(ROOT_INODE, "shadow")).is_dir  # the directory wins, as in listings
         a = await ns.lookup(ROOT_INODE, "f")
         node = ns.node(a.ino)
         v1 = node.info.version
