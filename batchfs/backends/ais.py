@@ -23,7 +23,7 @@ import httpx
 import msgpack
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import BODY, get_range, make_http_client, with_retries
+from batchfs.backends.http import BODY, Reply, lean_request, make_http_client, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -38,7 +38,7 @@ def _atime_ns(text) -> int:
         return 0
 
 
-def _check_status(resp: httpx.Response, what: str) -> None:
+def _check_status(resp: httpx.Response | Reply, what: str) -> None:
     if resp.status_code == 404:
         raise NotFound(f"{what}: not found")
     if resp.status_code >= 400:
@@ -46,7 +46,7 @@ def _check_status(resp: httpx.Response, what: str) -> None:
         raise BackendError(f"{what}: HTTP {resp.status_code}: {detail}", resp.status_code)
 
 
-def version_from_headers(h: httpx.Headers) -> str:
+def version_from_headers(h) -> str:
     return f"{h.get('Ais-Checksum-Value', '')}:{h.get('Ais-Version', '')}"
 
 
@@ -121,8 +121,8 @@ class AisClient(ObjectClient):
 
     async def head(self, bucket: str, key: str) -> HeadInfo:
         what = f"HEAD ais://{bucket}/{key}"
-        resp = await with_retries(self.config, what, lambda: self.http.head(
-            self._obj_url(bucket, key), params={"provider": "ais", "props": "chunked"}))
+        resp = await with_retries(self.config, what, lambda: lean_request(
+            self.http, "HEAD", self._obj_url(bucket, key), {"provider": "ais", "props": "chunked"}))
         _check_status(resp, what)
         h = resp.headers
         chunk = h.get("Ais-Chunks-Max-Chunk-Size")
@@ -134,8 +134,8 @@ class AisClient(ObjectClient):
         if end <= start:
             return b""
         what = f"GET ais://{bucket}/{key} [{start}, {end})"
-        resp = await with_retries(self.config, what, lambda: get_range(
-            self.http, self._obj_url(bucket, key), start, end, params={"provider": "ais"}))
+        resp = await with_retries(self.config, what, lambda: lean_request(
+            self.http, "GET", self._obj_url(bucket, key), {"provider": "ais"}, body_range=(start, end)))
         if resp.status_code == 416 and version is not None:
             raise VersionChanged(f"{what}: the object shrank (replaced)")
         _check_status(resp, what)

@@ -6,6 +6,15 @@ crosses several Python layers; on this machine that caps one stream at ~215 MiB/
 (measurements.md). ``_BigReads`` asks for ``http_read_bytes`` (1 MiB) instead, which h11
 parses just the same, and lifts a stream several-fold (docs/mount.md has the figures).
 
+Why object HEADs and GETs skip httpx's client layer (``lean_request``): per request, httpx
+spends about as much CPU again as httpcore below it (URL and header models, cookies, auth and
+redirect hooks, response wrapping): ~1.0-1.2 ms vs ~0.5 ms of CPU per 10 KiB GET on this
+machine (docs/mount-bench.md). A map-style loader makes one GET per file, so that is most of the
+daemon's time. ``lean_request`` sends the request to the SAME httpcore connection pool that
+the ``httpx.AsyncClient`` uses (one pool, one set of keep-alive connections and limits) and
+returns a small ``Reply``. When the client has another transport (tests' ``MockTransport``), it
+takes the ordinary httpx path, with the same result.
+
 Retry policy: 429, 5xx and connection errors are retried with full-jitter exponential
 backoff (0.05 s doubling, capped at 2 s), at most ``retries`` times, and the whole request,
 retries included, must finish within ``request_timeout_seconds`` or it fails with
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import httpcore
@@ -85,6 +95,31 @@ class _PooledTransport(httpx.AsyncHTTPTransport):
             keepalive_expiry=30.0,
             network_backend=_BigReads(config.http_read_bytes),
         )
+        t = config.request_timeout_seconds
+        self.timeouts = {"connect": config.connect_timeout_seconds, "read": t, "write": t, "pool": t}
+
+
+class _Headers(dict):
+    """Response headers with lower-case keys; ``get`` is case-insensitive like httpx's."""
+
+    def get(self, key: str, default=None):
+        return dict.get(self, key.lower(), default)
+
+
+class Reply:
+    """What ``lean_request`` returns: the part of ``httpx.Response`` the backends use."""
+
+    __slots__ = ("status_code", "headers", "content", "extensions")
+
+    def __init__(self, status_code: int, headers, content: bytes, extensions: dict):
+        self.status_code, self.headers, self.content, self.extensions = status_code, headers, content, extensions
+
+    @property
+    def text(self) -> str:
+        return bytes(self.content).decode("utf-8", "replace")
+
+
+_Response = httpx.Response | Reply
 
 
 BODY = "batchfs.body"  # response extension: the body of a ranged GET read by ``get_range``
@@ -117,13 +152,49 @@ async def get_range(http: httpx.AsyncClient, url: str, start: int, end: int, **k
     return resp
 
 
+async def lean_request(http: httpx.AsyncClient, method: str, url: str, params: dict | None = None,
+                       headers: dict | None = None, body_range: tuple[int, int] | None = None) -> _Response:
+    """``method url?params`` with ``headers``; with ``body_range`` (start, end) a ranged GET
+    whose 206 body is read into one buffer of the right size (``extensions[BODY]``, as
+    ``get_range``). Straight to the client's httpcore pool when it is ours (see the module
+    docstring), else through httpx. ``url`` must be quoted already."""
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    transport = getattr(http, "_transport", None)  # httpx keeps its transport here
+    if not isinstance(transport, _PooledTransport):
+        if body_range is not None:
+            return await get_range(http, url, *body_range, headers=headers or {})
+        return await http.request(method, httpx.URL(url), headers=headers)
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    if body_range is not None and "Range" not in (headers or {}):
+        raw.append((b"Range", f"bytes={body_range[0]}-{body_range[1] - 1}".encode()))
+    extensions: dict = {}
+    async with transport._pool.stream(method, url, headers=raw, extensions={"timeout": transport.timeouts}) as resp:
+        if resp.status == 206 and body_range is not None:
+            start, end = body_range
+            buf = bytearray(end - start)
+            view, pos = memoryview(buf), 0
+            async for piece in resp.aiter_stream():
+                n = len(piece)
+                if pos + n > len(buf):
+                    raise httpcore.RemoteProtocolError("range reply longer than asked")
+                view[pos:pos + n] = piece
+                pos += n
+            extensions[BODY] = buf if pos == len(buf) else buf[:pos]
+            content = b""
+        else:
+            content = await resp.aread()
+    return Reply(resp.status, _Headers((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in resp.headers),
+                 content, extensions)
+
+
 def make_http_client(config: MountConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
     return httpx.AsyncClient(transport=_PooledTransport(config), timeout=timeout, follow_redirects=True)
 
 
 async def with_retries(config: MountConfig, what: str,
-                       attempt: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+                       attempt: Callable[[], Awaitable[_Response]]) -> _Response:
     """Run ``attempt`` until it returns a response whose status is not retryable, retrying
     transient failures with jittered backoff, all within ``request_timeout_seconds``.
 
@@ -136,7 +207,8 @@ async def with_retries(config: MountConfig, what: str,
             for n in range(config.retries + 1):
                 try:
                     resp = await attempt()
-                except (httpx.TransportError, httpx.RemoteProtocolError) as e:
+                except (httpx.TransportError, httpx.RemoteProtocolError,  # httpx, or httpcore below it:
+                        httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException) as e:
                     last = f"{type(e).__name__}: {e}"
                 else:
                     if resp.status_code not in RETRY_STATUS:

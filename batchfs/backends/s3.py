@@ -19,7 +19,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import EnvProvider
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import BODY, get_range, make_http_client, with_retries
+from batchfs.backends.http import BODY, Reply, lean_request, make_http_client, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -43,7 +43,7 @@ def _iso_ns(text: str | None) -> int:
         return 0
 
 
-def _check_status(resp: httpx.Response, what: str) -> None:
+def _check_status(resp: httpx.Response | Reply, what: str) -> None:
     if resp.status_code == 404:
         raise NotFound(f"{what}: not found")
     if resp.status_code >= 400:
@@ -75,10 +75,8 @@ class S3Client(ObjectClient):
             req = AWSRequest(method=method, url=url, headers=headers)
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(req)
             headers = dict(req.headers.items())
-        if body_range is not None:  # the signed Range header is sent as is by get_range
-            start, end = body_range
-            return lambda: get_range(self.http, httpx.URL(url), start, end, headers=headers)
-        return lambda: self.http.request(method, httpx.URL(url), headers=headers)
+        # the signed Range header (if any) is sent as is
+        return lambda: lean_request(self.http, method, url, headers=headers, body_range=body_range)
 
     async def list_buckets(self) -> list[str]:
         what = f"list buckets at {self.base}"
