@@ -183,6 +183,12 @@ def request_counts(before: dict[str, float], after: dict[str, float]) -> dict[st
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (load-independent, unlike wall time)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def drop_caches() -> None:
     with contextlib.suppress(OSError):  # root only; tmpfs server data is unaffected, by design
         os.sync()
@@ -346,6 +352,7 @@ def main() -> int:
     results: dict[str, dict[str, list[float]]] = {}
     rss: dict[str, int] = {}
     requests: dict[str, dict[str, dict[str, float]]] = {}  # test -> side -> op -> requests (last round)
+    cpu: dict[str, dict[str, list[float]]] = {}  # test -> side -> daemon CPU seconds per round
     server = ServerProcess([work / "data"], "--chunk-size", str(CHUNK), "--log-level", "WARNING").start()
     mounts: list[Mount] = []
     try:
@@ -360,8 +367,10 @@ def main() -> int:
                 prof = a.profile / f"{test}-{side}-{len(results.get(test, {}).get(side, []))}.txt" \
                     if (a.profile and side.startswith("batchfs")) else None
                 before = server.metrics()
+                cpu0 = cpu_seconds(m.pid)
                 with Profiler(prof, m.pid):
                     value = fn(mnt)
+                cpu.setdefault(test, {}).setdefault(side, []).append(cpu_seconds(m.pid) - cpu0)
                 requests.setdefault(test, {})[side] = request_counts(before, server.metrics())
                 return value
             finally:
@@ -417,6 +426,13 @@ def main() -> int:
         server.stop()
     report(results, rss, a, sides)
     per = {"seq": 1, "loader": a.loader_reads, "find": a.many}
+    units = {"seq": (1 / a.big_gib, "s per GiB"), "loader": (1000 / a.loader_reads, "ms per file"),
+             "find": (1000 / a.many, "ms per file")}
+    print("\ndaemon CPU (user + system, median of rounds):")
+    for test, by_side in cpu.items():
+        scale, unit = units[test]
+        print(f"  {test}: " + ", ".join(f"{side} {statistics.median(v) * scale:.3g}" for side, v in by_side.items())
+              + f" ({unit})")
     print("\nserver requests per file (last round):")
     for test, by_side in requests.items():
         for side, ops in by_side.items():
