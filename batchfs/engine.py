@@ -9,6 +9,12 @@ Page-cache policy (measured, see docs/mount.md): files of at least ``direct_io_m
 are opened with ``direct_io`` (1 MiB FUSE reads instead of 128 KiB page-cache fills, ~10x
 the throughput through pyfuse3); smaller files use the page cache, and keep it across opens
 (``keep_cache``) only while the object's version is the one the kernel cached.
+
+Prefetch plans (``batchfs.plans``): a lookup of a planned object is answered from its fetched
+member (no metadata request), and opening it hands the planned bytes to ``fs.py`` to put
+into the kernel's page cache (``Opened.store``) with ``keep_cache``, so the file's reads
+never come back to the daemon; the handle still holds the bytes in case the kernel drops
+pages before they are read.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Opened:
     fh: int
     direct_io: bool
     keep_cache: bool
+    store: bytes | None = None  # the whole file, to put into the page cache before replying
 
 
 class Engine:
@@ -55,6 +62,13 @@ class Engine:
 
     # -- metadata ----------------------------------------------------------------------------
     async def lookup(self, parent: int, name: str) -> Attr:
+        if self.plans is not None and self.plans.plans:
+            p = self.ns.nodes.get(parent)
+            if p is not None and p.is_dir and p.bucket is not None and "/" not in name:
+                got = await self.plans.peek(p.bucket, p.key + name)
+                attr = self.ns.learn(parent, name, got[0], got[1] * 10**9) if got is not None else None
+                if attr is not None:
+                    return attr
         return await self.ns.lookup(parent, name)
 
     async def getattr(self, ino: int) -> Attr:
@@ -92,7 +106,8 @@ class Engine:
             raise IsADirectory(f"inode {ino} is a directory")
         info = await self.ns.current(node)
         data = await self.plans.take(node.bucket, node.key) if self.plans is not None else None
-        if data is not None and len(data) == info.size:
+        planned = data is not None and len(data) == info.size
+        if planned:
             from batchfs.plans import PlannedReader
 
             fr = PlannedReader(data)
@@ -101,6 +116,9 @@ class Engine:
         fh = next(self._fh)
         self._files[fh] = (node, fr)
         direct = info.size >= self.config.direct_io_min_bytes
+        if planned and not direct:  # the page cache gets the fetched bytes: they are current
+            node.page_cache_version = info.version
+            return Opened(fh, False, True, data)
         keep = not direct and node.page_cache_version == info.version
         node.page_cache_version = "" if direct else info.version
         return Opened(fh, direct, keep)

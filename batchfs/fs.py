@@ -127,7 +127,18 @@ class Operations(pyfuse3.Operations):
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise ReadOnly("the mount is read-only")
         o = await self.engine.open(inode)
-        return pyfuse3.FileInfo(fh=o.fh, direct_io=o.direct_io, keep_cache=o.keep_cache)
+        keep = o.keep_cache
+        if o.store is not None:
+            # Planned bytes go into the page cache before the open reply (keep_cache keeps them):
+            # the file's reads then never reach the daemon. If the kernel refuses (ENOSYS,
+            # ENOMEM; maybe after storing part), drop its cache instead: reads come here, where
+            # the handle serves the same bytes.
+            try:
+                pyfuse3.notify_store(inode, 0, o.store)
+            except OSError as e:
+                log.debug("notify_store(%d): %s", inode, e)
+                keep = False
+        return pyfuse3.FileInfo(fh=o.fh, direct_io=o.direct_io, keep_cache=keep)
 
     @_boundary
     async def read(self, fh, off, size):

@@ -17,6 +17,13 @@ returned at once if fetched, awaited (at most ``wait_seconds``) if its batch is 
 and ``None`` (read through as usual) otherwise. The reader's handle keeps the bytes; the
 plan drops its reference, so memory is held once.
 
+Lookups: before the open comes the kernel's lookup of the name. ``registry.peek(bucket,
+key)`` answers it from the same entry (waiting for its batch the same way) WITHOUT consuming
+it: the fetched member's size and mtime are what the object is now, so a planned path costs
+no metadata request (a HEAD and a listing otherwise). The planned bytes then go into the
+kernel's page cache at ``open`` (``fs.py``: ``notify_store``), so the loader's reads of a
+planned file never reach the daemon.
+
 Bounds: a plan holds at most ``window`` fetched batches; across all plans, no new batch
 starts while ``memory_bytes`` are held (so the bound is ``memory_bytes`` plus one batch);
 an entry larger than ``entry_max_bytes`` is not held (its reads go through). Fetched data
@@ -49,28 +56,30 @@ class PlanConfig:
 
 
 class _Collect:
-    """A MemberSink that keeps each member's bytes for the plan."""
+    """A MemberSink that keeps each member's bytes for the plan (copied once, at its end)."""
 
     def __init__(self, plan: "Plan", indices: Sequence[int]):
         self.plan, self.indices = plan, indices
         self._i = -1
-        self._buf: bytearray | None = None
+        self._mtime = 0
+        self._parts: list | None = None
 
     async def begin(self, head: MemberHead) -> None:
         self._i = self.indices[head.index]
+        self._mtime = head.mtime
         big = head.size > self.plan.registry.config.entry_max_bytes
-        self._buf = None if head.missing or big else bytearray()
+        self._parts = None if head.missing or big else []
         if head.missing or big:
             self.plan._give_up(self._i, f"{self.plan.paths[self._i]}: {'not found' if head.missing else 'too large to hold'}")
 
-    async def data(self, chunk: bytes) -> None:
-        if self._buf is not None:
-            self._buf += chunk
+    async def data(self, chunk) -> None:
+        if self._parts is not None:
+            self._parts.append(chunk)
 
     async def end(self) -> None:
-        if self._buf is not None:
-            self.plan._store(self._i, bytes(self._buf))
-        self._buf = None
+        if self._parts is not None:
+            self.plan._store(self._i, b"".join(self._parts), self._mtime)
+        self._parts = None
 
 
 class Plan:
@@ -86,6 +95,7 @@ class Plan:
         self.consumed = bytearray(n)  # 1 once taken or given up on
         self.left = [min(self.batch_size, n - b * self.batch_size) for b in range(self.nbatches)]
         self.data: dict[int, bytes] = {}
+        self.mtimes: dict[int, int] = {}  # entry -> the member's mtime (seconds), while held
         # keyed by object, not path: the engine knows a file by (bucket, key)
         self.by_path: dict[tuple[str, str], collections.deque[int]] = collections.defaultdict(collections.deque)
         for i, t in enumerate(targets):
@@ -138,10 +148,11 @@ class Plan:
             self.fetching.discard(b)
             self.batch_done[b].set()
 
-    def _store(self, i: int, data: bytes) -> None:
+    def _store(self, i: int, data: bytes, mtime: int = 0) -> None:
         if self.consumed[i]:
             return
         self.data[i] = data
+        self.mtimes[i] = mtime
         self.registry.held += len(data)
         self.counts["fetched"] += 1
         self.counts["bytes_fetched"] += len(data)
@@ -158,6 +169,7 @@ class Plan:
         self.consumed[i] = 1
         self.counts["consumed"] += 1
         data = self.data.pop(i, None)
+        self.mtimes.pop(i, None)
         if data is not None:
             self.registry.held -= len(data)
         b = i // self.batch_size
@@ -167,21 +179,43 @@ class Plan:
         self.registry.wake()
 
     # -- readers -----------------------------------------------------------------------------
-    async def take(self, obj: tuple[str, str]) -> bytes | None:
+    def _first(self, obj: tuple[str, str]) -> int | None:
+        """The earliest unconsumed entry for ``obj`` (dropping consumed ones from the queue)."""
         q = self.by_path.get(obj)
         while q and self.consumed[q[0]]:
             q.popleft()
         if not q:
+            self.by_path.pop(obj, None)
             return None
-        i = q.popleft()
-        if not q:
-            del self.by_path[obj]
+        return q[0]
+
+    async def _await(self, i: int) -> None:
+        """Wait for entry ``i``'s batch if it is in flight, or inside the window and about to
+        be: waiting beats a second fetch."""
         b = i // self.batch_size
         self.last_activity = time.monotonic()
-        # In flight, or inside the window and about to be: waiting beats a second fetch.
         if i not in self.data and self.state == "running" and (b in self.fetching or b < self.cursor + self.window):
             with trio.move_on_after(self.registry.config.wait_seconds):
                 await self.batch_done[b].wait()
+
+    async def peek(self, obj: tuple[str, str]) -> tuple[int, int] | None:
+        """(size, mtime in seconds) of the earliest unconsumed entry for ``obj`` once fetched,
+        without consuming it; None if there is none or it could not be fetched."""
+        i = self._first(obj)
+        if i is None:
+            return None
+        await self._await(i)
+        data = self.data.get(i)
+        return None if data is None else (len(data), self.mtimes.get(i, 0))
+
+    async def take(self, obj: tuple[str, str]) -> bytes | None:
+        i = self._first(obj)
+        if i is None:
+            return None
+        self.by_path[obj].popleft()
+        if not self.by_path[obj]:
+            del self.by_path[obj]
+        await self._await(i)
         data = self.data.get(i)
         if data is None:
             self.counts["read_through"] += 1
@@ -229,6 +263,16 @@ class PlanRegistry:
     def wanted(self, bucket: str, key: str) -> bool:
         """Cheap check for the read path: is any plan holding or fetching this object?"""
         return any((bucket, key) in p.by_path for p in self.plans.values())
+
+    async def peek(self, bucket: str, key: str) -> tuple[int, int] | None:
+        """(size, mtime in seconds) of the planned object ``key`` that the next ``take`` would
+        return, for answering a lookup without a request; None if no plan has it fetched."""
+        for plan in list(self.plans.values()):
+            if (bucket, key) in plan.by_path:
+                got = await plan.peek((bucket, key))
+                if got is not None:
+                    return got
+        return None
 
     async def take(self, bucket: str, key: str) -> bytes | None:
         """The planned bytes of object ``key`` for one reader (see the design note), or None."""

@@ -15,8 +15,11 @@ kernel's readahead, which may revisit a little) is dropped. Bounds:
 - memory: the producer waits while ``produced - base >= buffer_bytes`` and no reader is waiting
   beyond ``produced``; pieces are appended at most ``PIECE`` bytes at a time, so the buffer never
   holds more than ``buffer_bytes + PIECE``;
-- time to first byte: a read returns as soon as its bytes exist (the batch's size does not
-  matter); a read that waits longer than ``read_timeout_seconds`` fails;
+- time to first byte: a read returns once ``min(size, return_min_bytes)`` of its bytes exist
+  (or the batch ended), with as much as is there: a short read, which read(2) callers
+  (tarfile, GNU tar, BufferedReader) loop on. So a reader asking for 1 MiB at a time gets the
+  first member as soon as it arrived, not when the first MiB did, whatever the batch's size;
+  a read that waits longer than ``read_timeout_seconds`` fails;
 - a read before ``base`` raises :class:`Rewound` (the caller may restart the batch: the same
   manifest gives the same bytes).
 
@@ -58,6 +61,9 @@ class Rewound(InvalidArgument):
 class ViewConfig:
     buffer_bytes: int = 4 * 2**20  # TAR bytes held per batch file, ahead of and behind readers
     keep_behind_bytes: int = 1 * 2**20  # kept behind the furthest read (readahead re-reads)
+    # A read returns once this much (or all it asked for, if less) is there: large enough that
+    # a fast producer is read in few FUSE requests, small enough for a quick first byte.
+    return_min_bytes: int = 64 * 2**10
     read_timeout_seconds: float = 60.0  # a read waiting longer for its bytes fails with EIO
 
 
@@ -109,9 +115,9 @@ class TarView:
         self.missing += head.missing
         await self._put(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
 
-    async def data(self, chunk: bytes) -> None:
+    async def data(self, chunk) -> None:
         for i in range(0, len(chunk), PIECE):
-            await self._put(chunk[i:i + PIECE])
+            await self._put(bytes(chunk[i:i + PIECE]))  # a copy: chunk may be a view of the socket's buffer
 
     async def end(self) -> None:
         pad = -self._member_size % tarfile.BLOCKSIZE
@@ -138,9 +144,10 @@ class TarView:
             raise Rewound(f"offset {offset} was already read past (the view holds {self.base}..{self.produced})")
         self._trim(offset - self.config.keep_behind_bytes)
         want = offset + size
+        enough = offset + min(size, self.config.return_min_bytes)
         try:
             with trio.fail_after(self.config.read_timeout_seconds):
-                while self.produced < want and not self.finished:
+                while self.produced < enough and not self.finished:
                     self._trim(offset - self.config.keep_behind_bytes)  # a skip forward holds nothing
                     self._want_end = max(self._want_end, want)
                     self._notify()

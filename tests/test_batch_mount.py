@@ -1,11 +1,14 @@
-"""`.batch/` through a real mount of a real server: shell tools, tarfile, GNU tar, errors,
-concurrency, plans serving reads of another process, and read_batch."""
+"""`.batch/` through a real mount of a real server: shell tools, tarfile, GNU tar, webdataset,
+errors, concurrency, plans serving reads of another process (lookups without requests, bytes
+put into the page cache at open), and read_batch."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import json
+import mmap
 import os
 import random
 import subprocess
@@ -19,8 +22,31 @@ import batchfs
 from tests.mountutil import MountProcess
 
 
-def gets(server) -> float:
-    return sum(v for k, v in server.metrics().items() if k.startswith('batchfs_requests_total{op="get"'))
+def gets(server, op: str = "get") -> float:
+    return sum(v for k, v in server.metrics().items() if k.startswith(f'batchfs_requests_total{{op="{op}"'))
+
+
+def resident_pages(path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages in all), by mincore(2): no read, no fault."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw), pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
 
 
 def getbatches(server) -> float:
@@ -148,3 +174,39 @@ def test_read_batch_helper(mnt, data):
     with pytest.raises(FileNotFoundError):
         batchfs.read_batch([mnt / "train" / "missing.jpg"])
     assert os.listdir(mnt / ".batch") == []  # the helper cleans up
+
+
+def test_webdataset_reads_views_by_path_and_pipe(mnt, data):
+    wds = pytest.importorskip("webdataset")
+    names = sorted(data)[:20]
+    for i, url in enumerate((lambda p: str(p), lambda p: f"pipe:cat {p}")):
+        ctl = mnt / ".batch" / f"w{i}"
+        ctl.write_text("\n".join(names) + "\n")
+        samples = list(wds.WebDataset(url(ctl), shardshuffle=False))
+        assert [s["__key__"] for s in samples] == [n.removesuffix(".jpg") for n in names]
+        assert [s["jpg"] for s in samples] == [data[n] for n in names]
+
+
+def test_planned_files_cost_no_metadata_request_and_arrive_in_the_page_cache(server, mnt, data):
+    names = sorted(data)[:40]
+    os.stat(mnt / "train")  # the directory itself is looked up the ordinary way
+    (mnt / ".batch" / "p.plan").write_text("# plan: batch_size=8 window=2\n" + "\n".join(names) + "\n")
+    before = {op: gets(server, op) for op in ("get", "head", "list")}
+    for n in names:
+        assert os.stat(mnt / n).st_size == len(data[n])  # the lookup waits for the entry's batch
+        with open(mnt / n, "rb") as f:  # open puts the bytes into the page cache...
+            assert resident_pages(mnt / n) == (-(-len(data[n]) // mmap.PAGESIZE),) * 2
+            assert f.read() == data[n]  # ...so this read never reaches the daemon
+    assert {op: gets(server, op) for op in before} == before
+    prog = json.loads((mnt / ".batch" / "p.plan").read_text())
+    assert prog["entries"]["served"] == 40 and prog["batches"]["requests"] == 5
+
+
+def test_planned_bytes_replace_stale_cached_pages(server, bucket, mnt, data):
+    name = sorted(data)[0]
+    assert (mnt / name).read_bytes() == data[name]  # cached by the kernel (version 1)
+    new = bytes(b ^ 0xFF for b in data[name])  # same size: the kernel keeps its attributes
+    httpx.put(f"{server.url}/v1/objects/{bucket}/{name}", content=new).raise_for_status()
+    (mnt / ".batch" / "v.plan").write_text(name + "\n")
+    assert (mnt / name).read_bytes() == new
+    assert json.loads((mnt / ".batch" / "v.plan").read_text())["entries"]["served"] == 1

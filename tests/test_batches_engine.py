@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from batchfs.backends.ais import AisClient
 from batchfs.backends.memory import MemoryClient
-from batchfs.batchclient import BatchClientConfig, EmulatedBatchSource, make_source
+from batchfs.batchclient import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source
 from batchfs.batches import BatchConfig, BatchManager
 from batchfs.config import MountConfig, Source
 from batchfs.errors import BatchfsError
@@ -259,7 +259,10 @@ def test_order_with_duplicates_over_getbatch(server, bucket, dataset, n):
     got = members(trio.run(main))
     assert [m for m, _ in got] == names
     assert all(dataset[m] == d for m, d in got)
-    assert getbatch_count(server) - before == -(-n // 4096)  # one request per 4096 entries, never one per entry
+    # one request up to 1,024 entries; beyond, parts of 128, 256, … 4,096: never one per entry
+    parts = GetBatchSource(None, "", BatchClientConfig(part_entries=4096))._parts(n)
+    assert [k for _, k in parts] == ([n] if n <= 1024 else [128, 256, 512, 1024, 2048, 4096, n - 8064])
+    assert getbatch_count(server) - before == len(parts)
 
 
 def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
