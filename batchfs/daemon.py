@@ -177,11 +177,14 @@ def serve_blocking(config: MountConfig, announce: Callable[[str], None], log_err
     import trio
 
     announced = threading.Event()
+    lock = threading.Lock()  # the ready thread and this one may both try to announce
 
     def once(line: str) -> None:
-        if not announced.is_set():
+        with lock:
+            if announced.is_set():
+                return
             announced.set()
-            announce(line)
+        announce(line)
 
     def on_ready() -> None:
         threading.Thread(target=_announce_when_mounted, args=(config, once), daemon=True,
@@ -198,7 +201,7 @@ def serve_blocking(config: MountConfig, announce: Callable[[str], None], log_err
                 log.error("%s", e)
             once(f"ERROR {e}")
         else:
-            log.error("mount failed", exc_info=group)
+            log.error("the filesystem stopped on an error", exc_info=group)
             once(f"ERROR cannot mount on {config.mountpoint}: {type(e).__name__}: {e}")
         return 1
     finally:

@@ -419,6 +419,7 @@ def main() -> int:
                 finally:
                     m.close()
                     mounts.remove(m)
+                    shutil.rmtree(mnt, ignore_errors=True)
                 print(f"rss {side}: {rss[side] / MiB:.0f} MiB", file=sys.stderr)
     finally:
         for m in mounts:
