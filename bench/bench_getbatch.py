@@ -1,14 +1,16 @@
 """GetBatch benchmark: the paper's Table 1 on this machine, time to first byte, and memory.
 
-    python bench/bench_getbatch.py [--runs 3] [--seconds 2] [--threads 8] [--skip-rss]
+    python bench/bench_getbatch.py [--runs 3] [--seconds 2] [--threads 1,4,8] [--skip-rss]
 
 1. Throughput of individual GETs vs GetBatch (batch 32/64/128) for 10 KiB, 100 KiB and 1 MiB
-   objects. Same client for both sides: one ``httpx.Client`` (connection pool) shared by
-   ``--threads`` threads; each GetBatch reply is split into its members with ``tarfile``, so
-   both sides end with one ``bytes`` per object. Medians of ``--runs`` runs; ratios are
-   GetBatch objects/s over individual-GET objects/s.
+   objects (``BENCH_SIZES=10240,262144`` picks other sizes, in bytes). Same client for both
+   sides: one ``httpx.Client`` (a pool of as many connections as threads) shared by N threads,
+   for each N in ``--threads``; each GetBatch reply is split into its members with
+   ``tarfile``, so both sides end with one buffer per object. Modes are interleaved within a
+   run, so a noisy neighbour hits them alike; medians of ``--runs`` runs; ratios are GetBatch
+   objects/s over individual-GET objects/s at the same thread count.
 2. Time to first byte of a streamed GetBatch of 100 vs 10,000 entries (10 KiB objects), with
-   and without ``coer`` (without it every entry is looked up before the 200).
+   and without ``coer``: from sending the (already encoded) request to the first body bytes.
 3. Server RSS (from /proc) while streaming a 2 GiB batch (8 x 256 MiB chunked objects).
 
 The server is a real ``batchfs-server`` process on a free port, in a temporary directory.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import io
+import json
 import os
 import random
 import statistics
@@ -35,9 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.util import ServerProcess  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
-SIZES = [(10 * KiB, "10 KiB", 1024), (100 * KiB, "100 KiB", 512), (1 * MiB, "1 MiB", 256)]
-# BENCH_SIZES=10240,102400 limits the table to those object sizes (bytes)
-SIZES = [s for s in SIZES if str(s[0]) in os.environ.get("BENCH_SIZES", str(s[0])).split(",")] or SIZES
+
+
+def _label(size: int) -> str:
+    return f"{size // MiB} MiB" if size % MiB == 0 else f"{size // KiB} KiB" if size % KiB == 0 else f"{size} B"
+
+
+def _sizes() -> list[tuple[int, str, int]]:
+    """(bytes, label, objects loaded): 10 KiB, 100 KiB, 1 MiB unless BENCH_SIZES says."""
+    wanted = [int(v) for v in os.environ.get("BENCH_SIZES", f"{10 * KiB},{100 * KiB},{MiB}").split(",") if v]
+    return [(size, _label(size), max(128, min(1024, 256 * MiB // size))) for size in wanted]
+
+
+SIZES = _sizes()
 BATCHES = [32, 64, 128]
 
 
@@ -85,8 +98,13 @@ def run_for(seconds: float, threads: int, op) -> tuple[int, int, float]:
     return sum(n for n, _ in totals), sum(b for _, b in totals), elapsed
 
 
-def table1(client, url, bucket, names_by_size, args) -> list[str]:
-    rows = ["| object size | mode | objects/s | MB/s | vs individual GETs |", "|---|---|---|---|---|"]
+def load_average() -> str:
+    return "load average " + " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def table1(client, url, bucket, names_by_size, args, threads: int) -> list[str]:
+    rows = [f"client threads: {threads}; {load_average()} at the start",
+            "| object size | mode | objects/s | MB/s | vs individual GETs |", "|---|---|---|---|---|"]
     for size, label, _ in SIZES:
         names = names_by_size[size]
 
@@ -108,7 +126,7 @@ def table1(client, url, bucket, names_by_size, args) -> list[str]:
         mbs: dict[str, list[float]] = {m: [] for m, _ in modes}
         for _ in range(args.runs):  # modes interleaved, so a noisy neighbour hits every mode alike
             for mode, op in modes:
-                n, b, el = run_for(args.seconds, args.threads, op)
+                n, b, el = run_for(args.seconds, threads, op)
                 rates[mode].append(n / el)
                 mbs[mode].append(b / el / 1e6)
         base = statistics.median(rates["individual GET"])
@@ -116,19 +134,26 @@ def table1(client, url, bucket, names_by_size, args) -> list[str]:
             rate, mb = statistics.median(rates[mode]), statistics.median(mbs[mode])
             rows.append(f"| {label} | {mode} | {rate:,.0f} | {mb:,.1f} | {rate / base:.1f}x |")
             print(rows[-1], flush=True)
+    rows.append(f"({load_average()} at the end)")
     return rows
 
 
 def ttfb(client, url, bucket, names, args) -> list[str]:
-    rows = ["| entries | coer | time to first byte (median) | whole reply |", "|---|---|---|---|"]
+    """Time to first byte, and the request's own floor: the time to a 400 for the same body
+    with its first entry made invalid (receiving and parsing the JSON, nothing else)."""
+    rows = [f"{load_average()} at the start",
+            "| entries | coer | time to first byte (median) | 400 for the same body | whole reply |",
+            "|---|---|---|---|---|"]
     rng = random.Random(7)
+    headers = {"Content-Type": "application/json"}
     for n in (100, 10_000):
         for coer in (True, False):
-            firsts, totals = [], []
+            firsts, floors, totals = [], [], []
             for _ in range(max(5, args.runs)):
-                body = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "coer": coer, "strm": True}
+                doc = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "coer": coer, "strm": True}
+                body = json.dumps(doc).encode()
                 t0 = time.perf_counter()
-                with client.stream("GET", f"{url}/v1/ml/moss/{bucket}", json=body) as r:
+                with client.stream("GET", f"{url}/v1/ml/moss/{bucket}", content=body, headers=headers) as r:
                     r.raise_for_status()
                     it = r.iter_raw()
                     next(it)
@@ -136,9 +161,16 @@ def ttfb(client, url, bucket, names, args) -> list[str]:
                     for _ in it:
                         pass
                 totals.append(time.perf_counter() - t0)
+                doc["in"][0] = {"objname": "../bad"}
+                body = json.dumps(doc).encode()
+                t0 = time.perf_counter()
+                r = client.request("GET", f"{url}/v1/ml/moss/{bucket}", content=body, headers=headers)
+                floors.append(time.perf_counter() - t0)
+                assert r.status_code == 400, r.status_code
             rows.append(f"| {n:,} | {str(coer).lower()} | {statistics.median(firsts) * 1e3:.1f} ms | "
-                        f"{statistics.median(totals) * 1e3:.0f} ms |")
+                        f"{statistics.median(floors) * 1e3:.1f} ms | {statistics.median(totals) * 1e3:.0f} ms |")
             print(rows[-1], flush=True)
+    rows.append(f"({load_average()} at the end)")
     return rows
 
 
@@ -193,28 +225,38 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0, help="duration of one run of one mode")
-    p.add_argument("--threads", type=int, default=8, help="client threads sharing one httpx.Client")
+    p.add_argument("--threads", default="1,4,8",
+                   help="comma-separated client thread counts (each shares one httpx.Client)")
     p.add_argument("--skip-rss", action="store_true")
     p.add_argument("--only", choices=["table", "ttfb", "rss"])
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-getbatch-") as tmpdir:
         tmp = Path(tmpdir)
-        out = [f"python bench/bench_getbatch.py --runs {args.runs} --seconds {args.seconds} --threads {args.threads}", ""]
+        thread_counts = [int(t) for t in args.threads.split(",")]
+        out = [f"BENCH_SIZES={','.join(str(s) for s, _, _ in SIZES)} python bench/bench_getbatch.py --runs {args.runs} "
+               f"--seconds {args.seconds} --threads {args.threads}", ""]
         if args.only in (None, "table", "ttfb"):
             srv = ServerProcess([tmp / "d1", tmp / "d2"])
             srv.start()
+            print(f"server pid {srv.proc.pid} (for py-spy)", flush=True)
             try:
-                limits = httpx.Limits(max_connections=args.threads, max_keepalive_connections=args.threads)
+                most = max(thread_counts)
+                limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
                 with httpx.Client(timeout=120, limits=limits) as client:
                     client.post(f"{srv.url}/v1/buckets/bench", json={"action": "create-bck"}).raise_for_status()
                     names = {size: load(client, srv.url, "bench", label.replace(" ", ""), size, count)
                              for size, label, count in SIZES}
                     if args.only in (None, "table"):
-                        out += table1(client, srv.url, "bench", names, args) + [""]
+                        for threads in thread_counts:
+                            out += table1(client, srv.url, "bench", names, args, threads) + [""]
                     if args.only in (None, "ttfb"):
-                        out += ttfb(client, srv.url, "bench", names[10 * KiB], args) + [""]
+                        ttfb_names = names.get(10 * KiB) or load(client, srv.url, "bench", "10KiB", 10 * KiB, 1024)
+                        out += ttfb(client, srv.url, "bench", ttfb_names, args) + [""]
             finally:
                 srv.stop()
+                problems = [line for line in srv.output if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+                if problems:  # a benchmark over a misbehaving server measures nothing
+                    print("server log:\n" + "".join(problems[-20:]), file=sys.stderr)
         if args.only in (None, "rss") and not args.skip_rss:
             out += rss_run(tmp)
     print("\n".join(out))

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # Entries checked and planned before a streamed reply's 200. Up to here every bad or missing
 # entry is a clean 4xx; past it, time to first byte stops growing with the batch
 # (docs/getbatch.md has the measurements behind the number).
-PRECHECK_ENTRIES = 64
+PRECHECK_ENTRIES = 256
 
 GB_STATE = web.AppKey("getbatch", GetBatchState)
 
@@ -116,8 +116,7 @@ class _Truncated(Exception):
 
 
 async def _stream(request: web.Request, job: BatchJob, metrics: Metrics) -> web.StreamResponse:
-    first = job.req.n if not job.req.coer else PRECHECK_ENTRIES
-    await job.plan_until(first, chunk=first if job.req.coer else 512)
+    await job.plan_until(PRECHECK_ENTRIES, chunk=PRECHECK_ENTRIES)
     resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime]})
     if await _sized_plan(job):
         job.sized = True
@@ -208,7 +207,7 @@ async def moss(request: web.Request) -> web.StreamResponse:
             check_bucket(default_bucket)
             store.require_bucket(default_bucket)
         req = parse_request(await read_json(request), default_bucket, config)
-        req.check_upto(req.n, store)
+        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, store)
         await _admit(state, metrics)
     except StoreError:
         metrics.gb_err_n.inc()

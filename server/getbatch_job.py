@@ -30,22 +30,21 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from typing import Protocol
 
-from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_header, tar_member_bytes, tar_padding
+from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_member_bytes
 from server.config import KiB, MiB, ServerConfig
-from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
-from server.getbatch_read import RunResult, open_source, placeholder_name, plan_chunk, read_run
+from server.errors import NotFound, StoreError
+from server.getbatch_large import Output, send_from_files, stream_in_pieces
+from server.getbatch_read import RunResult, placeholder_name, plan_chunk, read_run
 from server.getbatch_request import Entry, MossReq
 from server.metrics import Metrics
-from server.shards import RangeSource, ShardIndexCache
+from server.shards import ShardIndexCache
 from server.store import Store
 
 PLAN_CHUNK = 512  # entries checked and looked up per thread call after the first window
 RUN_FIRST_ENTRIES = 8
 RUN_MAX_ENTRIES = 64
 RUN_MAX_BYTES = 1 * MiB
-STREAM_PIECE = 1 * MiB  # large members move in pieces of this size
 # From this size a member of a sized reply goes out with sendfile. Below it, reading ahead in
 # a thread and writing from memory is as fast (bench/bench_getbatch.py, docs/getbatch.md).
 SENDFILE_MIN_BYTES = 256 * KiB
@@ -60,14 +59,6 @@ class GetBatchState:
     shard_indexes: ShardIndexCache
     pending: int = 0
     buffered: int = 0  # bytes reserved for read-ahead (or a buffered reply) and not yet sent
-
-
-class Output(Protocol):
-    """Where the assembler sends the archive: bytes, and (sized replies) file ranges."""
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def sendfile(self, fd: int, offset: int, count: int) -> None: ...
 
 
 @dataclasses.dataclass
@@ -105,6 +96,7 @@ class BatchJob:
         self.rxwait_ns = 0
         self.task: asyncio.Task | None = None
         self.sized = False  # set by the handler when the reply carries a Content-Length
+        self.first_out = asyncio.Event()  # the first member is on its way to the client
         # a buffered reply reserves its whole size up front; only streaming counts read-ahead
         self.count_window = req.strm
 
@@ -197,11 +189,15 @@ class BatchJob:
                 await self.slots.acquire()
                 if alone:
                     await self.queue.put(_Run(run, 0, None, sendfile))
-                    continue
-                await self._window_acquire(nbytes)
-                fut = self.loop.run_in_executor(self.state.pool, read_run, self.store, self.state.shard_indexes,
-                                                run, self.req.coer, encode)
-                await self.queue.put(_Run(run, nbytes, fut))
+                else:
+                    await self._window_acquire(nbytes)
+                    fut = self.loop.run_in_executor(self.state.pool, read_run, self.store, self.state.shard_indexes,
+                                                    run, self.req.coer, encode)
+                    await self.queue.put(_Run(run, nbytes, fut))
+                # Read ahead only once the first member is out: reader threads (and the next
+                # plan chunk) hold the GIL in 5 ms slices, which would delay the event loop's
+                # first write by several of them (time to first byte of a 10,000-entry batch).
+                await self.first_out.wait()
             await self.queue.put(None)
         except asyncio.CancelledError:
             raise
@@ -221,24 +217,24 @@ class BatchJob:
                 break
             if item.future is None:
                 self.rxwait_ns += time.perf_counter_ns() - t0
+                self.first_out.set()  # its own reads happen at its turn anyway
                 try:
-                    if item.sendfile:
-                        await self._sendfile_entry(item.entries[0], out)
-                    else:
-                        await self._stream_entry(item.entries[0], out)
+                    send = send_from_files if item.sendfile else stream_in_pieces
+                    await send(self, item.entries[0], out)
                 finally:
                     self.slots.release()
                 continue
             try:
                 res: RunResult = await item.future
                 self.rxwait_ns += time.perf_counter_ns() - t0
-                self._account(item.entries, res.sizes)
+                self.account(item.entries, res.sizes)
                 if stateless:
                     await out.write(res.blob)
                 else:
                     pieces = await self.loop.run_in_executor(self.state.pool, self._encode, res.members)
                     for p in pieces:
                         await out.write(p)
+                self.first_out.set()
             finally:
                 self.slots.release()
                 await self._window_release(item.reserved)
@@ -251,17 +247,17 @@ class BatchJob:
             out.extend(self.writer.member(*m))
         return out
 
-    def _check_planned(self, e: Entry, size: int, err: str) -> None:
+    def check_planned(self, e: Entry, size: int, err: str) -> None:
         """In a sized reply (its Content-Length computed from the plan) a member must be
         exactly as planned."""
         if self.sized and (size != e.size or bool(err) != (e.kind == "missing")):
             raise StoreError(f"moss: ais://{e.bucket}/{e.objname} changed after the reply's length "
                              f"was sent ({e.size} bytes planned, {size} read{', ' + err if err else ''})")
 
-    def _account(self, entries: list[Entry], sizes: list[tuple[int, str]]) -> None:
+    def account(self, entries: list[Entry], sizes: list[tuple[int, str]]) -> None:
         if self.sized:
             for e, (size, err) in zip(entries, sizes):
-                self._check_planned(e, size, err)
+                self.check_planned(e, size, err)
         # summed per run: a Prometheus inc takes a lock, and a run holds up to 64 entries
         soft = obj_n = obj_size = file_n = file_size = 0
         for e, (size, err) in zip(entries, sizes):
@@ -283,71 +279,6 @@ class BatchJob:
         self.soft_errs += soft
         self.sizes.extend(sizes)
         self._check_soft(self.soft_errs)
-
-    async def _sendfile_entry(self, e: Entry, out: Output) -> None:
-        """A large object or TAR-shard member of a sized reply: header, file ranges, padding."""
-        src, count, mtime = await self.loop.run_in_executor(self.state.pool, open_source, self.store,
-                                                            self.state.shard_indexes, e)
-        try:
-            assert isinstance(src, RangeSource)
-            self._check_planned(e, count, "")
-            await out.write(tar_header(e.name, count, mtime))
-            for fd, offset, n in src.segments():
-                await out.sendfile(fd, offset, n)
-            await out.write(tar_padding(count))
-        finally:
-            src.close()
-        self._account([e], [(count, "")])
-
-    async def _stream_entry(self, e: Entry, out: Output) -> None:
-        """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
-        pool, w = self.state.pool, self.writer
-        try:
-            src, count, mtime = await self.loop.run_in_executor(pool, open_source, self.store,
-                                                                self.state.shard_indexes, e)
-        except (NotFound, BadRequest) as ex:
-            if not self.req.coer or isinstance(ex, RangeNotSatisfiable):
-                raise
-            self._check_planned(e, 0, ex.message)
-            for p in w.member(placeholder_name(e), 0, b""):
-                await out.write(p)
-            self._account([e], [(0, ex.message)])
-            return
-        try:
-            self._check_planned(e, count, "")
-        except StoreError:
-            src.close()
-            raise
-        stateless = isinstance(w, TarWriter)
-        cf: concurrent.futures.Future | None = None
-        try:
-            for p in w.begin(e.name, mtime, count):
-                await out.write(p)
-            left = count
-            cf = pool.submit(src.read, min(STREAM_PIECE, left)) if left else None
-            while left > 0:
-                piece = await asyncio.wrap_future(cf)
-                cf = None
-                if not piece:
-                    raise BadRequest(f"ais://{e.bucket}/{e.objname}: ended {left} bytes early")
-                left -= len(piece)
-                if left > 0:
-                    cf = pool.submit(src.read, min(STREAM_PIECE, left))
-                self.reserve(len(piece))
-                try:
-                    pieces = w.body(piece) if stateless else await self.loop.run_in_executor(pool, w.body, piece)
-                    for p in pieces:
-                        await out.write(p)
-                finally:
-                    self.unreserve(len(piece))
-            for p in w.end():
-                await out.write(p)
-        finally:
-            if cf is not None and not cf.done():
-                cf.add_done_callback(lambda _f: src.close())  # the thread still reads it
-            else:
-                src.close()
-        self._account([e], [(count, "")])
 
     async def shutdown(self) -> None:
         """Stop the scheduler and give back every reserved byte (also on errors)."""

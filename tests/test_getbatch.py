@@ -27,6 +27,7 @@ from urllib3 import Retry
 
 from server.archive import TarWriter, _tobuf, tar_header, tar_member_bytes
 from server.errors import BadRequest
+from server.getbatch import PRECHECK_ENTRIES
 from server.names import check_objname, explain_objname
 from tests.conftest import put
 from tests.util import ServerProcess
@@ -437,16 +438,30 @@ def test_unsized_replies_stay_chunked(small):
         assert "Content-Length" not in r.headers and r.headers["Transfer-Encoding"] == "chunked"
 
 
-def test_soft_errors_after_the_200_truncate(server, dataset):
-    """Soft errors found after the 200 (past the first plan chunk) can only truncate the stream:
-    the archive ends without its end-of-archive blocks, so the reader sees fewer members."""
-    n = 100
-    entries = [{"objname": "a.bin"} for _ in range(n)]
-    for i in range(80, 90):  # 10 missing entries, past the limit of 8
-        entries[i] = {"objname": f"gone{i}"}
+def _late(i: int) -> int:
+    return PRECHECK_ENTRIES + i  # past the entries checked before the 200
+
+
+LATE = [  # (id, changes to a batch of a.bin entries, coer)
+    ("soft errors past the limit", {_late(i): {"objname": f"gone{i}"} for i in range(10)}, True),
+    ("missing without coer", {_late(5): {"objname": "gone"}}, False),
+    ("bad name", {_late(5): {"objname": "a/../b"}}, False),
+    ("bad range", {_late(5): {"objname": "a.bin", "start": -1, "length": 1}}, True),
+    ("unknown bucket", {_late(5): {"objname": "a.bin", "bucket": "no-such-bucket"}}, True),
+]
+
+
+@pytest.mark.parametrize("changes,coer", [c[1:] for c in LATE], ids=[c[0] for c in LATE])
+def test_late_errors_truncate_the_stream(server, dataset, changes, coer):
+    """A problem in an entry past the first PRECHECK_ENTRIES is found after the 200 and can only
+    truncate the stream: the archive ends without its end blocks, so the reader sees fewer
+    members than it asked for (every one of them right). The same problem earlier, or in a
+    buffered request, is a clean 4xx."""
+    n = PRECHECK_ENTRIES + 100
+    entries = [changes.get(i, {"objname": "a.bin"}) for i in range(n)]
     with httpx.Client(timeout=30) as c:
         with c.stream("GET", f"{server.url}/v1/ml/moss/{dataset['bucket']}",
-                      json={"in": entries, "coer": True, "strm": True}) as r:
+                      json={"in": entries, "coer": coer, "strm": True}) as r:
             assert r.status_code == 200
             data = b""
             with pytest.raises(httpx.HTTPError):
@@ -456,9 +471,13 @@ def test_soft_errors_after_the_200_truncate(server, dataset):
     with pytest.raises(tarfile.TarError):
         with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tf:
             for m in tf:
+                assert tf.extractfile(m).read() == dataset["objs"]["a.bin"]
                 got.append(m.name)
             raise tarfile.ReadError("archive ended cleanly")  # unreachable when truncated without end blocks
-    assert len(got) < n
+    assert len(got) <= min(changes)
+    early = [changes.get(i + PRECHECK_ENTRIES, {"objname": "a.bin"}) for i in range(n)]
+    assert moss(server.url, dataset["bucket"], {"in": early, "coer": coer, "strm": True}).status_code >= 400
+    assert moss(server.url, dataset["bucket"], {"in": entries, "coer": coer, "strm": False}).status_code >= 400
     assert httpx.get(f"{server.url}/v1/health").status_code == 200
 
 
