@@ -177,6 +177,14 @@ class _Reader:
             left -= len(parts[-1])
         return b"".join(parts)
 
+    async def drain(self, limit: int) -> None:
+        """Read what is left of the body, up to ``limit`` bytes: a body read to its end lets the
+        connection go back to the pool (closing it instead costs a new connection per batch)."""
+        while self._have <= limit and await self._fill():
+            pass
+        self._chunks.clear()
+        self._have = 0
+
     async def pieces(self, n: int):
         """Yield up to ``n`` bytes as memoryviews of what arrived (valid until the next call);
         stops short only at EOF."""
@@ -348,6 +356,10 @@ class GetBatchSource:
             extra = None  # the trailer after the last member is not worth failing a complete batch
         if extra is not None:
             raise BatchFetchError(first + len(part), f"server sent an unexpected member {extra.name!r}")
+        await r.drain(DRAIN_MAX_BYTES)
+
+
+DRAIN_MAX_BYTES = 64 * 1024  # the rest of a reply (end-of-archive blocks) read so its connection is reused
 
 
 def _moss_in(t: Target) -> dict:

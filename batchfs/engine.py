@@ -31,6 +31,12 @@ from batchfs.namespace import Attr, DirHandle, Namespace, Node
 from batchfs.reader import FileReader, Reader
 
 
+def cache_tag(info) -> str:
+    """What a file's page cache is valid for: its version, or, for metadata learnt without
+    one (a plan's fetched member), its size and mtime. Never "" (= the kernel holds nothing)."""
+    return info.version or f"~{info.size}:{info.mtime_ns}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Opened:
     fh: int
@@ -117,10 +123,10 @@ class Engine:
         self._files[fh] = (node, fr)
         direct = info.size >= self.config.direct_io_min_bytes
         if planned and not direct:  # the page cache gets the fetched bytes: they are current
-            node.page_cache_version = info.version
+            node.page_cache_version = cache_tag(info)
             return Opened(fh, False, True, data)
-        keep = not direct and node.page_cache_version == info.version
-        node.page_cache_version = "" if direct else info.version
+        keep = not direct and node.page_cache_version == cache_tag(info)
+        node.page_cache_version = "" if direct else cache_tag(info)
         return Opened(fh, direct, keep)
 
     async def read(self, fh: int, offset: int, length: int) -> bytes:

@@ -298,14 +298,16 @@ class Namespace:
     def learn(self, parent_ino: int, name: str, size: int, mtime_ns: int) -> Attr | None:
         """Answer a lookup of file ``name`` from metadata learnt elsewhere (a prefetch plan's
         fetched member: its size is the object's current size); the caller owns one lookup
-        reference. Known info of the same size is kept (it has the version); None if the
-        parent is not a bucket directory."""
+        reference. Known, unexpired info of the same size is kept (it has the version);
+        otherwise the learnt info (no version) holds for the metadata TTL. None if the parent
+        is not a bucket directory."""
         parent = self.nodes.get(parent_ino)
         if parent is None or not parent.is_dir or parent.bucket is None:
             return None
         ino = self._by_key.get((parent.bucket, parent.key + name))
         node = self.nodes.get(ino) if ino is not None else None
-        if node is None or node.info is None or node.info.size != size:
+        if (node is None or node.info is None or node.info.size != size
+                or self.clock() - node.stamp >= self.config.metadata_ttl_seconds):
             node = self._child_node(parent, name, ObjectInfo(parent.key + name, size, "", mtime_ns))
         node.lookups += 1
         return self.attr(node)
