@@ -1,5 +1,5 @@
 """The HTTP client under every network backend: one pooled ``httpx.AsyncClient`` on trio,
-tuned socket reads, and the retry loop.
+tuned socket reads, a lean path for object requests, and the retry loop.
 
 Why a custom network backend: httpcore asks the socket for 64 KiB per read, and each read
 crosses several Python layers; on this machine that caps one stream at ~215 MiB/s
@@ -8,12 +8,15 @@ parses just the same, and lifts a stream several-fold (docs/mount.md has the fig
 
 Why object HEADs and GETs skip httpx's client layer (``lean_request``): per request, httpx
 spends about as much CPU again as httpcore below it (URL and header models, cookies, auth and
-redirect hooks, response wrapping): ~1.0-1.2 ms vs ~0.5 ms of CPU per 10 KiB GET on this
-machine (docs/mount-bench.md). A map-style loader makes one GET per file, so that is most of the
-daemon's time. ``lean_request`` sends the request to the SAME httpcore connection pool that
-the ``httpx.AsyncClient`` uses (one pool, one set of keep-alive connections and limits) and
-returns a small ``Reply``. When the client has another transport (tests' ``MockTransport``), it
-takes the ordinary httpx path, with the same result.
+redirect hooks, response wrapping), and httpcore's pool machinery as much again as the HTTP
+parsing itself. CPU per 10 KiB GET on this machine: httpx ~1.0-1.2 ms, httpcore ~0.55 ms,
+h11 over a plain trio socket (``http1.Http1Pool``) ~0.2-0.35 ms. A map-style loader makes one
+GET per file, so that is most of the daemon's time per file (docs/mount-bench.md). So
+``lean_request`` sends ``http://`` object requests through ``Http1Pool`` (h11 still parses and
+validates every response) and ``https://`` ones straight to the httpcore pool under the httpx
+client; both follow redirects (an AIStore proxy redirects object requests to a target) and
+return a small ``Reply``. Listings and bucket requests stay on httpx. When the client has
+another transport (tests' ``MockTransport``), everything takes the ordinary httpx path.
 
 Retry policy: 429, 5xx and connection errors are retried with full-jitter exponential
 backoff (0.05 s doubling, capped at 2 s), at most ``retries`` times, and the whole request,
@@ -32,12 +35,15 @@ import httpcore
 import httpx
 import trio
 
+from batchfs.backends.http1 import ConnectionFailed, Http1Pool
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, RequestTimeout
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+REDIRECT_STATUS = {301, 302, 303, 307, 308}
+MAX_REDIRECTS = 5
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 
@@ -97,6 +103,22 @@ class _PooledTransport(httpx.AsyncHTTPTransport):
         )
         t = config.request_timeout_seconds
         self.timeouts = {"connect": config.connect_timeout_seconds, "read": t, "write": t, "pool": t}
+        self.config = config
+        self.http1: dict[str, Http1Pool] = {}  # by host[:port], for http:// object requests
+
+    def http1_pool(self, netloc: str) -> Http1Pool:
+        pool = self.http1.get(netloc)
+        if pool is None:
+            host, _, port = netloc.rpartition(":") if netloc.rpartition(":")[2].isdigit() else (netloc, "", "80")
+            pool = self.http1[netloc] = Http1Pool(
+                host.strip("[]"), int(port), host_header=netloc, max_connections=self.config.parallel_total + 8,
+                connect_timeout_seconds=self.config.connect_timeout_seconds, read_bytes=self.config.http_read_bytes)
+        return pool
+
+    async def aclose(self) -> None:
+        for pool in self.http1.values():
+            await pool.aclose()
+        await super().aclose()
 
 
 class _Headers(dict):
@@ -165,6 +187,19 @@ async def lean_request(http: httpx.AsyncClient, method: str, url: str, params: d
         if body_range is not None:
             return await get_range(http, url, *body_range, headers=headers or {})
         return await http.request(method, httpx.URL(url), headers=headers)
+    for _ in range(MAX_REDIRECTS):  # an AIStore proxy redirects object requests to a target
+        resp = await _lean_once(transport, method, url, headers, body_range)
+        location = resp.headers.get("location") if resp.status_code in REDIRECT_STATUS else None
+        if not location:
+            return resp
+        url = urllib.parse.urljoin(url, location)
+    raise BackendError(f"{method} {url}: more than {MAX_REDIRECTS} redirects")
+
+
+async def _lean_once(transport: _PooledTransport, method: str, url: str, headers: dict | None,
+                     body_range: tuple[int, int] | None) -> Reply:
+    if url.startswith("http://"):
+        return await _http1_request(transport, method, url, headers, body_range)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     if body_range is not None and "Range" not in (headers or {}):
         raw.append((b"Range", f"bytes={body_range[0]}-{body_range[1] - 1}".encode()))
@@ -188,6 +223,22 @@ async def lean_request(http: httpx.AsyncClient, method: str, url: str, params: d
                  content, extensions)
 
 
+async def _http1_request(transport: _PooledTransport, method: str, url: str, headers: dict | None,
+                         body_range: tuple[int, int] | None) -> Reply:
+    netloc, _, path = url[len("http://"):].partition("/")
+    hdrs = [(k, v) for k, v in (headers or {}).items() if k.lower() != "host"]
+    into = None
+    if body_range is not None:
+        start, end = body_range
+        into = bytearray(end - start)
+        if not any(k.lower() == "range" for k, _ in hdrs):
+            hdrs.append(("Range", f"bytes={start}-{end - 1}"))
+    r = await transport.http1_pool(netloc).request(method, "/" + path, hdrs, into)
+    if into is not None and r.body is into:
+        return Reply(r.status, _Headers(r.headers), b"", {BODY: into})
+    return Reply(r.status, _Headers(r.headers), r.body, {})
+
+
 def make_http_client(config: MountConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
     return httpx.AsyncClient(transport=_PooledTransport(config), timeout=timeout, follow_redirects=True)
@@ -208,7 +259,8 @@ async def with_retries(config: MountConfig, what: str,
                 try:
                     resp = await attempt()
                 except (httpx.TransportError, httpx.RemoteProtocolError,  # httpx, or httpcore below it:
-                        httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException) as e:
+                        httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException,
+                        ConnectionFailed) as e:
                     last = f"{type(e).__name__}: {e}"
                 else:
                     if resp.status_code not in RETRY_STATUS:

@@ -1,0 +1,157 @@
+"""The keep-alive HTTP/1.1 client for object requests (``batchfs.backends.http1``): reuse,
+servers that close idle connections, cut bodies, other framings, refused connections, and the
+AIStore backend over it: redirects (AIStore proxies redirect to targets), retries of 503s and
+cut connections, and against the real server."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from batchfs.backends.ais import AisClient
+from batchfs.backends.http1 import ConnectionFailed, Http1Pool
+from batchfs.config import MountConfig, Source
+from batchfs.errors import VersionChanged
+from server.store import Store
+from tests.util import ServerProcess
+
+
+async def _read_head(stream: trio.SocketStream) -> bytes:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some(65536)
+        if not data:
+            return b""
+        buf += data
+    return buf
+
+
+async def scripted_server(nursery: trio.Nursery, replies: list[tuple[bytes, bool]]) -> tuple[int, list]:
+    """A TCP server answering each request with the next scripted (bytes, close-after) reply;
+    returns its port and the list of connections it accepted (one entry per connection)."""
+    accepted: list[int] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        accepted.append(1)
+        async with stream:
+            while replies:
+                if not await _read_head(stream):
+                    return
+                data, close = replies.pop(0)
+                await stream.send_all(data)
+                if close:
+                    return
+
+    listeners = await nursery.start(trio.serve_tcp, handler, 0)
+    return listeners[0].socket.getsockname()[1], accepted
+
+
+def _pool(port: int) -> Http1Pool:
+    return Http1Pool("127.0.0.1", port, host_header=f"127.0.0.1:{port}", max_connections=4,
+                     connect_timeout_seconds=2.0)
+
+
+def _ok(body: bytes, status: str = "206 Partial Content", extra: str = "") -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_reuse_stale_connection_retry_and_other_framings():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            replies = [
+                (_ok(b"abcd"), False),  # 1: read into the buffer
+                (_ok(b"efgh"), True),  # 2: same connection; the server then closes it
+                (_ok(b"ijkl"), False),  # 3: the pool's idle connection is stale -> new one
+                (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", False),  # 4
+                (_ok(b"nope", "404 Not Found"), False),  # 5: another status: body as bytes
+            ]
+            port, accepted = await scripted_server(nursery, replies)
+            pool = _pool(port)
+            for want in (b"abcd", b"efgh", b"ijkl"):
+                buf = bytearray(4)
+                r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
+                assert r.status == 206 and r.body is buf and bytes(buf) == want
+            assert len(accepted) == 2  # requests 1-2 shared a connection; 3 retried on a new one
+            r = await pool.request("GET", "/o", [], bytearray(3))
+            assert r.status == 200 and r.body == b"xyz"
+            assert not pool._idle  # unknown length framing: not reused
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert r.status == 404 and r.body == b"nope" and pool._idle
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_cut_body_fails_and_the_connection_is_not_reused():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cut = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
+            port, _ = await scripted_server(nursery, [(cut, True)])
+            pool = _pool(port)
+            with pytest.raises(ConnectionFailed, match="90 bytes before"):
+                await pool.request("GET", "/o", [], bytearray(100))
+            assert not pool._idle
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_refused_connection_is_a_retryable_failure():
+    async def main():
+        with trio.socket.socket() as s:  # a port nobody listens on
+            await s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(ConnectionFailed):
+            await _pool(port).request("GET", "/o", [], None)
+
+    trio.run(main)
+
+
+def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections_over_http1():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            v = "Ais-Checksum-Value: c\r\nAis-Version: 1\r\n"
+            replies = [(_ok(b"", "307 Temporary Redirect", "Location: /v1/objects/b/o?provider=ais&target=1\r\n"), False),
+                       (_ok(b"busy", "503 Service Unavailable"), False),
+                       (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab", True),
+                       (_ok(b"abcd", extra=v), False)]
+            port, accepted = await scripted_server(nursery, replies)
+            c = AisClient(MountConfig(Source("ais", f"http://127.0.0.1:{port}", "b"), Path("/x"), retries=3))
+            try:
+                assert bytes(await c.get("b", "o", 0, 4, "c:1")) == b"abcd"
+            finally:
+                await c.aclose()
+            assert not replies and len(accepted) == 2
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
+    store = Store([tmp_path / "d"], 1 << 20)
+    store.create_bucket("b")
+    data = os.urandom(3 * (1 << 20) + 5)
+    store.put_bytes("b", "k", data)
+    server = ServerProcess([tmp_path / "d"]).start()
+    try:
+        async def main():
+            c = AisClient(MountConfig(Source("ais", server.url, "b"), Path("/x")))
+            try:
+                head = await c.head("b", "k")
+                assert head.info.size == len(data) and head.chunk_size == 1 << 20
+                assert await c.get("b", "k", 5, len(data), head.info.version) == data[5:]
+                got = await c.get("b", "k", 0, 10)
+                assert bytes(got) == data[:10]
+                with pytest.raises(VersionChanged):
+                    await c.get("b", "k", 0, 10, "other:1")
+                assert len(c.http._transport.http1) == 1  # one pool, reused throughout
+            finally:
+                await c.aclose()
+
+        trio.run(main)
+    finally:
+        server.stop()
