@@ -42,7 +42,7 @@ import random
 import tarfile
 import urllib.parse
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import httpx
 import trio
@@ -211,14 +211,52 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return out
 
 
-async def _next_header(r: _Reader) -> tarfile.TarInfo | None:
+class _Head(NamedTuple):
+    name: str
+    size: int
+    mtime: int
+
+
+_ZERO_BLOCK = bytes(BLOCK)
+_POSIX_MAGIC = tarfile.POSIX_MAGIC  # b"ustar\x0000": what tarfile writes for USTAR and PAX
+
+
+def _octal(field: bytes) -> int:
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)  # as tarfile.nti, for octal fields
+
+
+def quick_header(buf: bytes) -> _Head | None:
+    """A plain USTAR regular-file header (what GetBatch sends for names of up to 100 ASCII
+    bytes) parsed without ``TarInfo.frombuf``, which costs ~3x as much (it parses every field
+    and sums the block twice); None for any other header, which then goes to tarfile. The
+    checksum is still verified."""
+    if buf[156] not in (0x30, 0) or buf[257:265] != _POSIX_MAGIC or buf[124] & 0x80 or buf[136] & 0x80:
+        return None
+    try:
+        chksum, size, mtime = _octal(buf[148:156]), _octal(buf[124:136]), _octal(buf[136:148])
+    except ValueError:
+        return None
+    if chksum != sum(buf) - sum(buf[148:156]) + 8 * 0x20:  # the checksum field counts as spaces
+        return None
+    name = buf[:100].split(b"\0", 1)[0]
+    prefix = buf[345:500].split(b"\0", 1)[0]
+    if prefix:
+        name = prefix + b"/" + name
+    return _Head(name.decode("utf-8", "surrogateescape"), size, mtime)
+
+
+async def _next_header(r: _Reader) -> _Head | None:
     """The next member's header with extensions applied; None at the end of the archive."""
     long_name = None
     pax: dict[str, str] = {}
     while True:
         buf = await r.exact(BLOCK)
-        if not buf or buf == bytes(BLOCK):
+        if not buf or buf == _ZERO_BLOCK:
             return None
+        if long_name is None and not pax:
+            head = quick_header(buf)
+            if head is not None:
+                return head
         try:
             info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
         except tarfile.HeaderError as e:
@@ -238,7 +276,7 @@ async def _next_header(r: _Reader) -> tarfile.TarInfo | None:
             info.name = pax["path"]
         if "size" in pax and pax["size"].isdigit():
             info.size = int(pax["size"])
-        return info
+        return _Head(info.name, info.size, int(info.mtime))
 
 
 class GetBatchSource:

@@ -4,8 +4,9 @@ Design note
 -----------
 ``TarView.run()`` is the producer: it drives a batch source (``batchclient``), which calls
 this object's ``begin``/``data``/``end`` (the ``MemberSink`` protocol) for member 0, 1, …
-in manifest order. Each member becomes a header built by ``tarfile.TarInfo.tobuf`` (pax
-format: long and non-ASCII names survive), its bytes, and padding; the archive ends with
+in manifest order. Each member becomes a header (``server.archive.tar_header``: the bytes of
+``tarfile.TarInfo.tobuf`` in pax format, so long and non-ASCII names survive, with a fast path
+for plain names), its bytes, and padding; the archive ends with
 tarfile's two zero blocks. With ``mime=tgz`` that stream goes through one gzip compressor.
 
 Readers call ``read(offset, size)`` at increasing offsets. The view keeps only the bytes
@@ -43,6 +44,7 @@ import trio
 from batchfs.batchclient import BatchFetchError, BatchSource, MemberHead
 from batchfs.errors import BatchfsError, InvalidArgument
 from batchfs.manifest import Target
+from server.archive import tar_header  # the server's GetBatch headers: tobuf's bytes, 6x faster
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +110,9 @@ class TarView:
             self._notify()
 
     async def begin(self, head: MemberHead) -> None:
-        info = tarfile.TarInfo(head.name)
-        info.size, info.mtime, info.mode = head.size, head.mtime, 0o644
-        info.uname = info.gname = "root"
         self._member_size = head.size
         self.missing += head.missing
-        await self._put(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        await self._put(tar_header(head.name, head.size, head.mtime))
 
     async def data(self, chunk) -> None:
         for i in range(0, len(chunk), PIECE):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from batchfs.backends.ais import AisClient
 from batchfs.backends.memory import MemoryClient
-from batchfs.batchclient import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source
+from batchfs.batchclient import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source, quick_header
 from batchfs.batches import BatchConfig, BatchManager
 from batchfs.config import MountConfig, Source
 from batchfs.errors import BatchfsError
@@ -235,6 +235,27 @@ def dataset(server, bucket):
         for k, v in objs.items():
             c.put(f"{server.url}/v1/objects/{bucket}/{k}", content=v).raise_for_status()
     return objs
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(min_size=1, max_size=160).filter(lambda n: "\0" not in n), st.integers(0, 2**40),
+       st.integers(0, 2**33), st.sampled_from([tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT]))
+def test_quick_header_agrees_with_tarfile(name, size, mtime, fmt):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = size, mtime
+    try:
+        buf = info.tobuf(fmt, "utf-8", "surrogateescape")[:tarfile.BLOCKSIZE]
+    except ValueError:
+        return  # not representable in this format
+    ref = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
+    got = quick_header(buf)
+    if got is not None:  # taken only for plain regular-file headers, and then exactly tarfile's reading
+        assert (got.name, got.size, got.mtime) == (ref.name, ref.size, ref.mtime) and ref.type == tarfile.REGTYPE
+    elif fmt != tarfile.GNU_FORMAT and ref.type == tarfile.REGTYPE and len(name.encode()) <= 100 and name.isascii():
+        assert size >= 8**11 or mtime >= 8**11  # plain names are missed only for numbers USTAR cannot hold
+    broken = bytearray(buf)
+    broken[0] ^= 1  # a flipped bit fails the checksum: tarfile's parser then reports it
+    assert quick_header(bytes(broken)) is None
 
 
 @pytest.mark.parametrize("n", [1, 128, 10_000])
