@@ -330,14 +330,15 @@ class GetBatchSource:
     async def fetch(self, targets: Sequence[Target], coer: bool, sink: MemberSink) -> None:
         if not targets:
             return
-        parts = [(i, targets[i:i + k]) for i, k in self._parts(len(targets))]
+        parts = self._parts(len(targets))
         turns = [trio.Event() for _ in parts]
         turns[0].set()
         depth = trio.Semaphore(self.config.pipeline_depth)
 
-        async def run_part(k: int, first: int, part: Sequence[Target], task_status=trio.TASK_STATUS_IGNORED):
+        async def run_part(k: int, first: int, count: int, task_status=trio.TASK_STATUS_IGNORED):
             async with depth:
                 task_status.started()
+                part = targets[first:first + count]  # sliced at its turn: targets may be made on access
                 try:
                     resp = await self._open(part, first)
                 except BatchFetchError as e:
@@ -353,9 +354,9 @@ class GetBatchSource:
                 turns[k + 1].set()
 
         async with _nursery() as nursery:
-            for k, (first, part) in enumerate(parts):
+            for k, (first, count) in enumerate(parts):
                 # start() returns once the part holds a pipeline slot: parts open in order
-                await nursery.start(run_part, k, first, part)
+                await nursery.start(run_part, k, first, count)
 
     async def _consume(self, resp: httpx.Response, first: int, part: Sequence[Target], coer: bool,
                        sink: MemberSink) -> None:

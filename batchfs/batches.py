@@ -33,6 +33,7 @@ import errno
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 import trio
 
@@ -69,7 +70,7 @@ class BatchFile:
         self.buf = bytearray()
         self.reason: str | None = None
         self.manifest: mf.Manifest | None = None
-        self.targets: list[mf.Target] = []
+        self.targets: Sequence[mf.Target] = []
         self.view: TarView | None = None
         self.plan: Plan | None = None
         self._scope: trio.CancelScope | None = None
@@ -118,14 +119,14 @@ class BatchFile:
         cfg, mgr = self.mgr.config, self.mgr
         try:
             m = mf.parse(bytes(self.buf), name=self.name, mountpoint=mgr.mountpoint, limits=cfg.limits)
-            self.targets = [mf.resolve(e, mgr.bucket, mgr.prefix, m.onob) for e in m.entries]
+            self.targets = mf.resolve_all(m.entries, mgr.bucket, mgr.prefix, m.onob)
         except mf.ManifestError as e:
             self._fail(str(e))
         self.buf = bytearray()  # the parsed form is all we keep
         self.manifest = m
         self.state = "running"
         if m.plan is not None:
-            self.plan = mgr.plans.add(self.name, [e.path for e in m.entries], self.targets, m.plan)
+            self.plan = mgr.plans.add(self.name, mf.entry_paths(m.entries), self.targets, m.plan)
             self._start(self.plan.run)
         else:
             self._start_view()

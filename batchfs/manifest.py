@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from batchfs.errors import InvalidArgument
 
@@ -53,9 +55,11 @@ class Limits:
     max_window: int = 64  # plan window upper bound (batches fetched ahead)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One manifest entry: either ``path`` (mount-relative) or ``objname`` (+ ``bucket``)."""
+class Entry(NamedTuple):
+    """One manifest entry: either ``path`` (mount-relative) or ``objname`` (+ ``bucket``).
+
+    Entries and targets are named tuples, immutable like frozen dataclasses but built ~3x
+    faster: a 10,000-entry manifest makes 20,000 of them before its batch can start."""
 
     path: str | None = None
     bucket: str | None = None
@@ -71,9 +75,35 @@ class PlanSpec:
     window: int | None = None
 
 
+class PathEntries(Sequence):
+    """The entries of a text manifest of plain paths, each made when it is asked for: such a
+    manifest is checked by one regex, and a 10,000-line batch starts without building 20,000
+    entries and targets first (time to first byte)."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return tuple(map(Entry, self.paths[i])) if isinstance(i, slice) else Entry(self.paths[i])
+
+    def __iter__(self):
+        return map(Entry, self.paths)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.paths))
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    entries: tuple[Entry, ...]
+    entries: Sequence[Entry]  # a tuple, or PathEntries
     mime: str = "tar"  # "tar" or "tgz"
     coer: bool = False
     onob: bool = False
@@ -106,7 +136,7 @@ def parse(data: bytes, *, name: str = "", mountpoint: str | None = None, limits:
         m = _from_text(text, mp, limits, name)
     if not m.entries:
         raise ManifestError("manifest has no entries")
-    if m.plan is not None:
+    if m.plan is not None and not isinstance(m.entries, PathEntries):
         for i, e in enumerate(m.entries):
             if e.path is None or e.archpath is not None or e.start or e.length:
                 raise ManifestError(f"entry {i}: plan entries must be whole files named by path")
@@ -114,8 +144,19 @@ def parse(data: bytes, *, name: str = "", mountpoint: str | None = None, limits:
 
 
 def _from_text(text: str, mp: str | None, limits: Limits, name: str) -> Manifest:
-    paths: list[Entry] = []
     plan = PlanSpec() if name.endswith(PLAN_SUFFIX) else None
+    if _PLAIN_TEXT.fullmatch(text):  # every line a plain path: no per-line checks in Python
+        lines = text.split("\n")
+        if not lines[-1]:
+            lines.pop()
+        if len(lines) > limits.max_entries:
+            raise ManifestError(f"manifest has more than {limits.max_entries} entries")
+        return Manifest(PathEntries(lines), plan=plan)
+    return _from_lines(text, mp, limits, plan)
+
+
+def _from_lines(text: str, mp: str | None, limits: Limits, plan: PlanSpec | None) -> Manifest:
+    paths: list[Entry] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line:
@@ -237,8 +278,32 @@ def _objname(value, where: str) -> str:
     return _relative(value, f"{where} objname", collapse=False)
 
 
+# A path that is already normal and breaks no rule: segments of characters other than "/",
+# control characters and lone surrogates, none of them "." or "..", the first not ".batch".
+# One regex match (~0.5 us) instead of the general checks (~3 us): a 10,000-entry manifest is
+# parsed before its batch can start, so this is part of a large batch's time to first byte.
+# (Also kept out: the line breaks str.splitlines() knows beyond the control characters.)
+# tests/test_manifest.py checks that the general path returns such a path unchanged.
+_SEG = r"[^\x00-\x1f\x7f\x85\u2028\u2029/\ud800-\udfff]+"
+_PLAIN_PATTERN = r"(?!\.batch(?:/|{end}))(?:(?!\.\.?/){seg}/)*(?!\.\.?{end}){seg}"
+_PLAIN = re.compile(_PLAIN_PATTERN.format(end=r"\Z", seg=_SEG))
+_PLAIN_MAX_CHARS = MAX_PATH_BYTES // 4  # at most 4 UTF-8 bytes a character: no need to encode
+# A text manifest of plain paths (at most _PLAIN_MAX_CHARS each), one per line, nothing else:
+# lines start with neither "#" (a comment) nor whitespace and end without whitespace (what
+# str.strip() removes is what \s matches).
+_EOL = r"(?:\n|\Z)"
+_PLAIN_TEXT = re.compile(r"(?:(?=[^\n]{1,%d}%s)(?![#\s])%s(?<!\s)%s)+"
+                         % (_PLAIN_MAX_CHARS, _EOL, _PLAIN_PATTERN.format(end=_EOL, seg=_SEG), _EOL))
+
+
 def normalize_path(value, mp: str | None, where: str) -> str:
     """A mount-relative path without ``.``/empty segments; absolute ones must be under ``mp``."""
+    if isinstance(value, str) and len(value) <= _PLAIN_MAX_CHARS and _PLAIN.fullmatch(value):
+        return value
+    return _normalize(value, mp, where)
+
+
+def _normalize(value, mp: str | None, where: str) -> str:
     if not isinstance(value, str):
         raise ManifestError(f"{where}: a path must be a string, got {type(value).__name__}")
     if value.startswith("/"):
@@ -284,8 +349,7 @@ def _is_int(v) -> bool:
 
 
 # -- from entries to objects --------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
+class Target(NamedTuple):
     """An entry resolved against the mount's source: what to fetch and the TAR member name."""
 
     bucket: str
@@ -320,3 +384,32 @@ def resolve(entry: Entry, bucket: str | None, prefix: str = "", onob: bool = Fal
     if entry.archpath:
         member = f"{member}/{entry.archpath}"
     return Target(b, obj, member, entry.archpath, entry.start, entry.length)
+
+
+class _PathTargets(Sequence):
+    """``resolve`` of ``PathEntries`` in one bucket, made when asked for (see PathEntries)."""
+
+    __slots__ = ("paths", "bucket", "prefix")
+
+    def __init__(self, paths: list[str], bucket: str, prefix: str):
+        self.paths, self.bucket, self.prefix = paths, bucket, prefix
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [Target(self.bucket, self.prefix + p, p) for p in self.paths[i]]
+        return Target(self.bucket, self.prefix + self.paths[i], self.paths[i])
+
+
+def resolve_all(entries: Sequence[Entry], bucket: str | None, prefix: str = "", onob: bool = False) -> Sequence[Target]:
+    """``resolve`` of every entry (raising for the first that cannot be), lazily for plain
+    paths in a one-bucket mount, which always resolve."""
+    if isinstance(entries, PathEntries) and bucket is not None:
+        return _PathTargets(entries.paths, bucket, prefix)
+    return [resolve(e, bucket, prefix, onob) for e in entries]
+
+
+def entry_paths(entries: Sequence[Entry]) -> list[str]:
+    return entries.paths if isinstance(entries, PathEntries) else [e.path for e in entries]

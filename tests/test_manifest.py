@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchfs import manifest as mf
 from batchfs.manifest import Entry, Limits, ManifestError, PlanSpec, Target, parse, resolve
 
 MP = "/mnt/data"
@@ -179,3 +180,27 @@ def test_fuzz_mutated_manifests(edits):
         else:
             data[pos:pos + len(blob)] = blob  # overwrite
     _check(bytes(data))
+
+
+_char = st.sampled_from(["a", "b", ".", "/", "#", " ", "\t", "\r", "\x85", "\u2028", "\u00a0", "é", "\ud800", ".batch"])
+_line = st.lists(_char, max_size=8).map("".join)
+
+
+@FUZZ
+@given(st.lists(_line, min_size=1, max_size=6), st.booleans())
+def test_fast_paths_agree_with_the_general_checks(lines, final_newline):
+    """The one-regex fast paths (whole text manifests, single paths) take only input that the
+    general line-by-line checks accept unchanged."""
+    text = "\n".join(lines) + ("\n" if final_newline else "")
+
+    def outcome(fn):
+        try:
+            return fn().entries
+        except ManifestError:
+            return "rejected"
+
+    assert outcome(lambda: mf._from_text(text, None, Limits(), "f")) == \
+        outcome(lambda: mf._from_lines(text, None, Limits(), None))
+    for line in lines:
+        if mf._PLAIN.fullmatch(line):
+            assert mf._normalize(line, None, "x") == line
