@@ -23,6 +23,12 @@ Invariants:
   writes per 8 MiB chunk, which cost as much CPU as the whole read path. Hits are read back
   with one ``readinto`` into a buffer of the right size. Smaller entries are SQLite blobs.
 - Entries persist across unmount/remount: the same cache directory serves the next mount.
+- A miss costs no disk I/O: ``_present`` is a one-hash Bloom filter (``FILTER_BITS`` bits,
+  2 MiB) of the keys on disk, filled from the cache's keys at open and on every write; a key
+  whose bit is clear is a miss without a thread hop and a SQLite query (~0.1 ms of CPU per
+  small file for a cold loader). A set bit may be a false positive (a real lookup then misses);
+  a key written by another process after this one opened the cache is not seen (a miss: the
+  object is read from the server, correct but not accelerated).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ BLOCK = 4096
 ENTRY_OVERHEAD_BYTES = 3 * BLOCK  # up to two new fan-out directories and a SQLite row
 SQLITE_HEADROOM_BYTES = 2 * 1024 * 1024  # WAL growth between checkpoints, page slack
 DISK_THREADS = 4
+FILTER_BITS = 1 << 24
 WRITE_SLICE_BYTES = 4 * 1024 * 1024  # the pieces file entries are written in
 # A SQLite transaction costs ~0.3 ms of CPU: small entries (a loader's 10 KiB files) are
 # written in batches gathered for this long, which makes the per-entry cost ~0.05 ms.
@@ -116,6 +123,10 @@ def _read_entry(f) -> bytearray | None:
     return buf
 
 
+def _slot(key: str) -> int:
+    return hash(key) & (FILTER_BITS - 1)  # per-process hashes are fine: the filter is rebuilt at open
+
+
 def _pending_size(data: bytes | int) -> int:
     return 64 if isinstance(data, int) else len(data)
 
@@ -127,8 +138,10 @@ def _on_disk(n: int) -> int:
 class DiskChunkCache:
     """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end."""
 
-    def __init__(self, cache: diskcache.Cache, quota_bytes: int, used_bytes: int, write_buffer_bytes: int):
+    def __init__(self, cache: diskcache.Cache, quota_bytes: int, used_bytes: int, write_buffer_bytes: int,
+                 present: bytearray | None = None):
         self._cache = cache
+        self._present = present if present is not None else bytearray(FILTER_BITS // 8)
         self.quota_bytes = quota_bytes
         self.used_bytes = used_bytes  # estimate of what du reports, reservations included
         self.full = used_bytes + SQLITE_HEADROOM_BYTES >= quota_bytes
@@ -146,13 +159,26 @@ class DiskChunkCache:
             cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
                                     statistics=False, sqlite_wal_autocheckpoint=64,
                                     sqlite_journal_size_limit=1024 * 1024)
-            return cache, _du(directory)
+            present = bytearray(FILTER_BITS // 8)
+            for key in cache.iterkeys():
+                if isinstance(key, str):
+                    i = _slot(key)
+                    present[i >> 3] |= 1 << (i & 7)
+            return cache, _du(directory), present
 
-        cache, used = await trio.to_thread.run_sync(do_open)
+        cache, used, present = await trio.to_thread.run_sync(do_open)
         log.info("disk cache %s: %d of %d bytes used", directory, used, quota_bytes)
-        return cls(cache, quota_bytes, used, write_buffer_bytes)
+        return cls(cache, quota_bytes, used, write_buffer_bytes, present)
+
+    def _maybe_present(self, key: str) -> bool:
+        i = _slot(key)
+        return bool(self._present[i >> 3] & (1 << (i & 7)))
 
     async def get(self, key: str) -> bytes | None:
+        if not self._maybe_present(key):
+            self.misses += 1
+            return None
+
         def read():
             try:
                 raw = self._cache.get(key, default=None, read=True, retry=True)
@@ -224,6 +250,9 @@ class DiskChunkCache:
                 try:
                     await trio.to_thread.run_sync(self._write_batch, batch, limiter=self._limiter)
                     self.writes += len(batch)
+                    for key, _, _ in batch:
+                        i = _slot(key)
+                        self._present[i >> 3] |= 1 << (i & 7)
                 except Exception as e:  # disk full, I/O error: read through from now on
                     log.warning("disk cache write failed, reading through from now on: %s", e)
                     self.used_bytes -= sum(cost for _, _, cost in batch)
@@ -250,6 +279,9 @@ class DiskChunkCache:
             self._cache.set(key, _EntryReader(header, data), read=True, retry=True)
 
     async def get_geometry(self, key: str) -> int | None:
+        if not self._maybe_present(key):
+            return None
+
         def read():
             try:
                 v = self._cache.get(key, default=None, retry=True)

@@ -76,6 +76,31 @@ def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
     trio.run(main)
 
 
+def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
+    async def main():
+        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        real_get = cache._cache.get
+
+        def no_disk(*a, **k):
+            raise AssertionError("a miss looked at the disk")
+
+        cache._cache.get = no_disk
+        assert await cache.get("never-written") is None
+        cache._cache.get = real_get
+        cache.put("small", b"s" * 100)
+        cache.put("big", b"b" * 100_000)
+        await _drain(cache)
+        assert await cache.get("small") == b"s" * 100
+        cache.close()
+        again = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
+        assert await again.get("big") == b"b" * 100_000 and await again.get("small") == b"s" * 100
+        again._cache.get = no_disk
+        assert await again.get("other") is None
+        again.close()
+
+    trio.run(main)
+
+
 def test_write_failure_means_read_through(tmp_path: Path):
     async def main():
         cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
