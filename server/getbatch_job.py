@@ -8,7 +8,9 @@ Design (one request)::
     assembler (``assemble``, awaited by the handler): awaits runs in order and writes them
 
 A *run* is consecutive small entries read by one thread call (``read_run``: one hop amortised
-over up to 64 entries). Runs grow 8, 16, 32, 64 entries so the first bytes leave early. An
+over up to 64 entries). Runs grow 8, 16, 32, 64 entries so the first bytes leave early, and
+nothing more is read until the first member is written (reader threads contend with the
+event loop for the GIL, which delayed that first write by ~10 ms in a 10,000-entry batch). An
 entry above ``getbatch_inline_max_bytes`` is a run of its own that is not read ahead: the
 assembler opens it at its turn and streams it in 1 MiB pieces (one piece read ahead). In a
 *sized* reply (plain TAR with every size planned before the 200, so the handler could send a
@@ -45,8 +47,9 @@ PLAN_CHUNK = 512  # entries checked and looked up per thread call after the firs
 RUN_FIRST_ENTRIES = 8
 RUN_MAX_ENTRIES = 64
 RUN_MAX_BYTES = 1 * MiB
-# From this size a member of a sized reply goes out with sendfile. Below it, reading ahead in
-# a thread and writing from memory is as fast (bench/bench_getbatch.py, docs/getbatch.md).
+# From this size a member of a sized reply goes out with sendfile. Measured (docs/getbatch.md):
+# at 256 KiB and 1 MiB sendfile wins; at 100 KiB reading ahead in a thread and writing from
+# memory is faster, since each sendfile member costs its own open hop and socket flush.
 SENDFILE_MIN_BYTES = 256 * KiB
 
 

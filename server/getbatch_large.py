@@ -60,7 +60,6 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
     job.account([e], [(count, "")])
 
 
-
 async def stream_in_pieces(job: BatchJob, e: Entry, out: Output) -> None:
     """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
     pool, w = job.state.pool, job.writer
