@@ -9,7 +9,7 @@ Invariants:
   LRU would evict exactly what comes next (the Petastorm-at-Uber lesson). The quota counts
   what ``du`` counts: file blocks, a per-entry allowance for directories and SQLite rows, and
   fixed headroom for the SQLite files (whose WAL is kept small by pragmas).
-- The cache only accelerates. Every entry carries its length and xxh64; a truncated,
+- The cache only accelerates. Every entry carries its length and xxh3-64; a truncated,
   corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
   (disk full, I/O error) stops further writes: read-through.
 - Writes never block reads: ``put`` queues the bytes for a writer task and returns; when more
@@ -44,9 +44,11 @@ import diskcache
 import trio
 import xxhash
 
+from batchfs.chunkmem import uninitialized
+
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<QQ")  # length, xxh64 of the payload
+_HEADER = struct.Struct("<QQ")  # length, xxh3-64 of the payload (xxh64 in older entries)
 BLOCK = 4096
 ENTRY_OVERHEAD_BYTES = 3 * BLOCK  # up to two new fan-out directories and a SQLite row
 SQLITE_HEADROOM_BYTES = 2 * 1024 * 1024  # WAL growth between checkpoints, page slack
@@ -111,14 +113,20 @@ class _EntryReader:
         return self._parts.pop() if self._parts else b""
 
 
+def _digest_ok(payload, digest: int) -> bool:
+    """Entries carry xxh3-64 (2.5x faster than xxh64 here: 0.045 vs 0.11 s of CPU per GiB);
+    entries written before the change carry xxh64 and stay valid."""
+    return xxhash.xxh3_64_intdigest(payload) == digest or xxhash.xxh64_intdigest(payload) == digest
+
+
 def _read_entry(f) -> bytearray | None:
     """Payload of a file entry (header checked), or None if truncated or corrupt."""
     header = f.read(_HEADER.size)
     if len(header) != _HEADER.size:
         return None
     n, digest = _HEADER.unpack(header)
-    buf = bytearray(n)
-    if f.readinto(buf) != n or f.read(1) or xxhash.xxh64_intdigest(buf) != digest:
+    buf = uninitialized(n)
+    if f.readinto(buf) != n or f.read(1) or not _digest_ok(buf, digest):
         return None
     return buf
 
@@ -196,7 +204,7 @@ class DiskChunkCache:
             if isinstance(raw, bytes) and len(raw) >= _HEADER.size:
                 n, digest = _HEADER.unpack_from(raw)
                 payload = memoryview(raw)[_HEADER.size:]
-                if len(payload) == n and xxhash.xxh64_intdigest(payload) == digest:
+                if len(payload) == n and _digest_ok(payload, digest):
                     return payload, False
             try:  # corrupt or truncated: drop it, it was a miss
                 self._cache.delete(key, retry=True)
@@ -272,7 +280,7 @@ class DiskChunkCache:
         if isinstance(data, int):  # a geometry entry
             self._cache.set(key, data, retry=True)
             return
-        header = _HEADER.pack(len(data), xxhash.xxh64_intdigest(data))
+        header = _HEADER.pack(len(data), xxhash.xxh3_64_intdigest(data))
         if len(header) + len(data) < self._cache.disk.min_file_size:
             self._cache.set(key, header + data, retry=True)  # a SQLite blob
         else:

@@ -24,6 +24,8 @@ the server's own chunk size (``Ais-Chunks-Max-Chunk-Size`` from HEAD) close to
   total is bounded by the budget whatever the number of open files (Mountpoint #987).
 * **Concurrency.** Range GETs across the mount are limited by one semaphore
   (``parallel_total``) and each is bounded in time by ``request_timeout_seconds``.
+* **Chunk memory** is allocated without zeroing and stays mapped after use
+  (``batchfs.chunkmem``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import logging
 import trio
 
 from batchfs.backends.base import ObjectClient, ObjectInfo
+from batchfs.chunkmem import keep_freed_chunks_mapped
 from batchfs.config import MountConfig
 from batchfs.datacache import DiskChunkCache, MemoryChunkCache, chunk_key, geometry_key
 from batchfs.errors import RequestTimeout, VersionChanged
@@ -68,6 +69,7 @@ class Reader:
 
     @classmethod
     async def create(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery) -> "Reader":
+        keep_freed_chunks_mapped(config.memory_budget_bytes // 4)
         disk = None
         if config.cache_dir is not None:
             disk = await DiskChunkCache.open(config.cache_dir, config.cache_quota_bytes)

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 import trio
+import xxhash
 
-from batchfs.datacache import DiskChunkCache, MemoryChunkCache, _du
+from batchfs.datacache import _HEADER, DiskChunkCache, MemoryChunkCache, _du
 from tests.engine_util import KiB, MiB, engine, memory_client, read_all
 
 
@@ -97,6 +98,19 @@ def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
         again._cache.get = no_disk
         assert await again.get("other") is None
         again.close()
+
+    trio.run(main)
+
+
+def test_entries_written_with_xxh64_stay_valid(tmp_path: Path):
+    async def main():
+        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        for key, data in (("small", os.urandom(100)), ("big", os.urandom(300 * KiB))):
+            cache._cache.set(key, _HEADER.pack(len(data), xxhash.xxh64_intdigest(data)) + data)  # the old format
+            cache.close()
+            cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+            assert await cache.get(key) == data
+        cache.close()
 
     trio.run(main)
 

@@ -36,6 +36,7 @@ import httpx
 import trio
 
 from batchfs.backends.http1 import ConnectionFailed, Http1Pool
+from batchfs.chunkmem import uninitialized
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, RequestTimeout
 
@@ -230,7 +231,7 @@ async def _http1_request(transport: _PooledTransport, method: str, url: str, hea
     into = None
     if body_range is not None:
         start, end = body_range
-        into = bytearray(end - start)
+        into = uninitialized(end - start)  # http1 fills all of it or drops it
         if not any(k.lower() == "range" for k, _ in hdrs):
             hdrs.append(("Range", f"bytes={start}-{end - 1}"))
     r = await transport.http1_pool(netloc).request(method, "/" + path, hdrs, into)

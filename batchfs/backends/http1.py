@@ -31,6 +31,10 @@ import time
 import h11
 import trio
 
+# Reads until the response head is parsed: a small object's whole reply fits, and a large
+# body goes mostly through recv_into rather than through h11's buffer (three copies).
+HEAD_READ_BYTES = 64 * 1024
+
 
 class ConnectionFailed(Exception):
     """The connection broke or the server's reply was malformed: retryable."""
@@ -126,7 +130,7 @@ class Http1Pool:
         try:
             while out:
                 out = out[await sock.send(out):]
-            data = await sock.recv(self.read_bytes)
+            data = await sock.recv(HEAD_READ_BYTES)
         except OSError as e:
             raise _StaleConnection(f"{self.host_header}: {e}") from None
         if not data:
@@ -135,7 +139,7 @@ class Http1Pool:
         while True:  # the response head
             event = parser.next_event()
             if event is h11.NEED_DATA:
-                parser.receive_data(await sock.recv(self.read_bytes))
+                parser.receive_data(await sock.recv(HEAD_READ_BYTES))
                 continue
             if isinstance(event, h11.InformationalResponse):
                 continue
