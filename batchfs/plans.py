@@ -195,8 +195,11 @@ class Plan:
         b = i // self.batch_size
         self.last_activity = time.monotonic()
         if i not in self.data and self.state == "running" and (b in self.fetching or b < self.cursor + self.window):
+            t = time.monotonic()
             with trio.move_on_after(self.registry.config.wait_seconds):
                 await self.batch_done[b].wait()
+            self.counts["waits"] += 1  # a reader came before its batch: the plan is not far enough ahead
+            self.counts["wait_seconds"] += time.monotonic() - t
 
     async def peek(self, obj: tuple[str, str]) -> tuple[int, int] | None:
         """(size, mtime in seconds) of the earliest unconsumed entry for ``obj`` once fetched,
@@ -235,6 +238,7 @@ class Plan:
                             "cursor": self.cursor, "requests": c["requests"]},
                 "bytes": {"fetched": c["bytes_fetched"], "served": c["bytes_served"],
                           "held": sum(map(len, self.data.values()))},
+                "readers_waited": {"times": c["waits"], "seconds": round(c["wait_seconds"], 3)},
                 "errors": self.errors}
 
 

@@ -1,43 +1,131 @@
-"""Benchmark of .batch: (a) 128 x 10 KiB through a TAR view vs one by one through the mount,
-cold; (b) an unmodified map-style loader with plans vs without; (c) the same loader on local
-disk. Ratios of medians over several runs, each on objects never read before (cold caches).
+"""Benchmark of ``.batch/``: TAR views and prefetch plans against the per-file path and peers.
 
-    python bench/bench_batch.py [--runs 5] [--batch 128] [--size 10240]
+    (a) 128 x 10 KiB read through a TAR view (manifest written, then ``tarfile`` in stream
+        mode with 1 MiB reads) vs the same number of files read one by one through the mount,
+        cold; plus the TAR view's time to first byte and throughput, and the time to first
+        byte of a 10,000-entry batch vs a 100-entry batch (issue 4: within 2x).
+    (b) an unmodified map-style loader (``DataLoader``, ``num_workers=2``, batches of 64, a
+        ``Dataset`` whose ``__getitem__`` is ``open(path).read()``) over random 10 KiB and
+        100 KiB samples: batchfs with plans (``PlanSampler``), batchfs without, s3fs and
+        rclone mounts of the same server (``bench_mount.mount_side``);
+    (c) the same loader on local disk (files in the page cache: the limit), and the FUSE
+        floor: the same loader over the batchfs mount again, every file already in the
+        kernel's page cache (only open/flush/release reach the daemon).
 
-s3fs/rclone comparisons of (b) are not run here yet.
+Every round mounts each side afresh and reads files nobody read before (cold mount caches;
+the server's own files stay in the page cache, alike for every side); rounds rotate the order
+of the sides. Reported: medians over ``--runs`` rounds, ratios of medians, the daemon's CPU per
+sample, the server's requests per sample (from /metrics), and the load average.
+
+    python bench/bench_batch.py [--runs 3] [--sides plans,noplans,s3fs,rclone,local,floor]
+
+Run as root (FUSE mounts). Data is written straight into the server's store before it starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchfs.sampler import EpochSampler, PlanSampler  # noqa: E402
-from tests.mountutil import MountProcess  # noqa: E402
+from bench.bench_mount import mount_side, request_counts  # noqa: E402
+from server.store import Store  # noqa: E402
 from tests.util import ServerProcess  # noqa: E402
 
+KiB, MiB = 1024, 1 << 20
+BUCKET = "bb"
+LOADER_BATCH = 64
+SIDES = ("plans", "noplans", "s3fs", "rclone", "local", "floor")
+MOUNT_KIND = {"plans": "batchfs-nocache", "noplans": "batchfs-nocache", "floor": "batchfs-nocache",
+              "s3fs": "s3fs", "rclone": "rclone"}
 
-def load(url: str, bucket: str, prefix: str, n: int, size: int) -> list[str]:
-    names = [f"{prefix}/{i:05d}.bin" for i in range(n)]
-    with httpx.Client() as c, ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda k: c.put(f"{url}/v1/objects/{bucket}/{k}", content=os.urandom(size)).raise_for_status(),
-                      names))
-    return names
+
+# ---------------------------------------------------------------- data
+
+
+def names(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}/{i:05d}.bin" for i in range(n)]
+
+
+def load(data_dir: Path, sets: dict[str, tuple[int, int]]) -> None:
+    """Write every set (prefix -> (count, size)) into the store, random bytes per object."""
+    store = Store([data_dir], 8 * MiB)
+    store.create_bucket(BUCKET)
+    rng = random.Random(1)
+    for prefix, (n, size) in sets.items():
+        for name in names(prefix, n):
+            store.put_bytes(BUCKET, name, rng.randbytes(size))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far: what a side costs, whatever the machine's load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- (a) TAR views
+
+
+def read_view(ctl: Path, listing: list[str], bufsize: int = MiB) -> tuple[float, float, int]:
+    """Submit ``listing`` as batch ``ctl`` and read its TAR view with tarfile (stream mode,
+    ``bufsize`` reads): (seconds to the first byte, seconds in all, bytes of members)."""
+    t0 = time.perf_counter()
+    with open(ctl, "w") as f:
+        f.write("\n".join(listing) + "\n")
+    fd = os.open(ctl, os.O_RDONLY)
+    first = None
+    got = n = 0
+    try:
+        class Raw:  # tarfile's stream mode reads a file object; time the first read(2)
+            def read(self, size):
+                nonlocal first
+                b = os.read(fd, size)
+                if first is None:
+                    first = time.perf_counter() - t0
+                return b
+
+        with tarfile.open(fileobj=Raw(), mode="r|", bufsize=bufsize) as tf:
+            for m in tf:
+                got += len(tf.extractfile(m).read())
+                n += 1
+    finally:
+        os.close(fd)
+    total = time.perf_counter() - t0
+    os.unlink(ctl)
+    if n != len(listing):
+        raise RuntimeError(f"view {ctl.name}: {n} members, expected {len(listing)}")
+    return first, total, got
+
+
+def read_each(root: Path, listing: list[str]) -> tuple[float, int]:
+    t = time.perf_counter()
+    got = 0
+    for k in listing:
+        with open(root / k, "rb") as f:
+            got += len(f.read())
+    return time.perf_counter() - t, got
+
+
+# ---------------------------------------------------------------- (b) the loader
 
 
 class Dataset:
+    """The unmodified map-style Dataset: a path list and open(path).read()."""
+
     def __init__(self, paths):
         self.paths = paths
 
@@ -49,79 +137,189 @@ class Dataset:
             return f.read()
 
 
-def loader_seconds(paths, plans: bool, batch: int, mount: Path | None) -> float:
+def run_loader(paths: list[str], seed: int, size: int, plan_mount: Path | None = None) -> float:
+    """Samples/s of one epoch of a DataLoader (2 workers) over ``paths`` in a seeded random order."""
     from torch.utils.data import BatchSampler, DataLoader
 
-    order = EpochSampler(len(paths), seed=1)
-    bs = BatchSampler(order, batch, False)
-    sampler = PlanSampler(bs, paths, mount=mount, window=8) if plans else bs
+    bs = BatchSampler(EpochSampler(len(paths), seed=seed), LOADER_BATCH, False)
+    sampler = PlanSampler(bs, paths, mount=plan_mount, window=8) if plan_mount else bs
     dl = DataLoader(Dataset(paths), batch_sampler=sampler, num_workers=2, collate_fn=list)
     t = time.perf_counter()
-    n = sum(len(b) for b in dl)
+    n = 0
+    for batch in dl:
+        n += len(batch)
+        if any(len(b) != size for b in batch):
+            raise RuntimeError("short sample")
     dt = time.perf_counter() - t
-    if plans:
+    if plan_mount:
         sampler.close()
-    assert n == len(paths)
-    return dt
+    if n != len(paths):
+        raise RuntimeError(f"{n} samples of {len(paths)}")
+    return len(paths) / dt
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--size", type=int, default=10 * 1024)
-    ap.add_argument("--loader-samples", type=int, default=2048)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-batch-"))
-    srv = ServerProcess([tmp / "d1", tmp / "d2"]).start()
-    mnt = tmp / "mnt"
-    try:
-        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck", "name": "", "value": None}).raise_for_status()
-        m = MountProcess({"kind": "ais", "endpoint": srv.url, "bucket": "b"}, mnt).start()
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=128, help="(a) entries per TAR view")
+    ap.add_argument("--size", type=int, default=10 * KiB, help="(a) object size")
+    ap.add_argument("--samples", type=int, default=4096, help="(b) 10 KiB samples per epoch (100 KiB: a quarter)")
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--tests", default="a,ttfb,b")
+    ap.add_argument("--work", type=Path, default=None, help="work dir (default: a new one under /tmp)")
+    a = ap.parse_args()
+    sides = [s for s in a.sides.split(",") if s]
+    tests = a.tests.split(",")
+    work = Path(tempfile.mkdtemp(prefix="bench-batch-", dir=a.work))
+    sizes = {10 * KiB: a.samples, 100 * KiB: a.samples // 4}
+    sets: dict[str, tuple[int, int]] = {}
+    for r in range(a.runs):
+        sets[f"av{r}"] = sets[f"as{r}"] = (a.batch, a.size)
+        sets[f"t100-{r}"] = (100, 10 * KiB)
+        for size, n in sizes.items():
+            for side in sides:
+                if side not in ("local", "floor"):  # floor re-reads the plans set, local is local
+                    sets[f"l{size // KiB}k-{side}{r}"] = (n, size)
+    sets["t10000"] = (10_000, 10 * KiB)
+    t = time.perf_counter()
+    load(work / "data", sets)
+    print(f"loaded {sum(n for n, _ in sets.values())} objects in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    server = ServerProcess([work / "data"], "--log-level", "WARNING").start()
+    res: dict[str, list[float]] = {}
+    reqs: dict[str, dict[str, float]] = {}
+    cpu: dict[str, list[float]] = {}
+
+    def note(key: str, value: float) -> None:
+        res.setdefault(key, []).append(value)
+
+    @contextlib.contextmanager
+    def mounted(side: str, tag: str, per: int):
+        """A fresh mount of ``side``; counts the daemon's CPU and the server's requests per
+        sample (``per`` samples) from the mount, or from the last ``start()``."""
+        mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
+        m = mount_side(MOUNT_KIND[side], BUCKET, mnt, server.url, work)
+        base = {}
+
+        def start() -> None:
+            base.update(metrics=server.metrics(), cpu=cpu_seconds(m.pid))
+
         try:
-            view, single = [], []
-            for r in range(args.runs):
-                a = load(srv.url, "b", f"a{r}", args.batch, args.size)
-                b = load(srv.url, "b", f"b{r}", args.batch, args.size)
-                t = time.perf_counter()
-                ctl = mnt / ".batch" / f"r{r}"
-                ctl.write_text("\n".join(a) + "\n")
-                with tarfile.open(ctl, "r|") as tf:
-                    got = sum(len(tf.extractfile(x).read()) for x in tf)
-                view.append(time.perf_counter() - t)
-                os.unlink(ctl)
-                t = time.perf_counter()
-                got2 = sum(len((mnt / k).read_bytes()) for k in b)
-                single.append(time.perf_counter() - t)
-                assert got == got2 == args.batch * args.size
-            tv, ts = statistics.median(view), statistics.median(single)
-            print(f"(a) {args.batch} x {args.size} B cold: TAR view {tv * 1e3:.1f} ms, one by one {ts * 1e3:.1f} ms, "
-                  f"ratio {ts / tv:.1f}x (median of {args.runs})")
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                print("(b)/(c) skipped: torch is not installed")
-                return
-            for size in (10 * 1024, 100 * 1024):
-                n = args.loader_samples if size == 10 * 1024 else args.loader_samples // 4
-                with_p = load(srv.url, "b", f"p{size}", n, size)
-                without = load(srv.url, "b", f"q{size}", n, size)
-                local = tmp / f"local{size}"
-                local.mkdir()
-                for k in with_p:
-                    (local / k.replace("/", "_")).write_bytes((mnt / k).read_bytes())
-                tp = loader_seconds([str(mnt / k) for k in with_p[:0]] or [str(mnt / k) for k in with_p], True, 64, mnt)
-                tn = loader_seconds([str(mnt / k) for k in without], False, 64, None)
-                tl = loader_seconds([str(local / k.replace("/", "_")) for k in with_p], False, 64, None)
-                print(f"(b) loader {n} x {size // 1024} KiB: plans {n / tp:.0f} samples/s, no plans {n / tn:.0f} "
-                      f"samples/s, ratio {tn / tp:.1f}x")
-                print(f"(c) local disk {n / tl:.0f} samples/s: plans reach {tl / tp:.2f} of it")
+            start()
+            yield mnt, start
+            cpu.setdefault(tag, []).append((cpu_seconds(m.pid) - base["cpu"]) / per)
+            reqs[tag] = {op: v / per for op, v in request_counts(base["metrics"], server.metrics()).items()}
         finally:
-            m.stop()
+            m.close()
+            shutil.rmtree(mnt, ignore_errors=True)
+
+    try:
+        for r in range(a.runs):
+            if "a" in tests:
+                with mounted("plans", "a", 2 * a.batch) as (mnt, _):
+                    first, total, got = read_view(mnt / ".batch" / f"a{r}", names(f"av{r}", a.batch))
+                    each, got2 = read_each(mnt, names(f"as{r}", a.batch))
+                    if got != got2 != a.batch * a.size:
+                        raise RuntimeError("(a) byte counts differ")
+                    note("a view s", total)
+                    note("a view ttfb s", first)
+                    note("a each s", each)
+                    note("a ratio", each / total)
+                print(f"round {r} (a): view {total * 1e3:.1f} ms (first byte {first * 1e3:.1f} ms), "
+                      f"one by one {each * 1e3:.1f} ms", file=sys.stderr)
+            if "ttfb" in tests:
+                with mounted("plans", "ttfb", 1) as (mnt, _):
+                    for n, listing in ((100, names(f"t100-{r}", 100)), (10_000, names("t10000", 10_000))):
+                        first, total, got = read_view(mnt / ".batch" / f"t{n}-{r}", listing)
+                        note(f"ttfb {n} s", first)
+                        note(f"view {n} MB/s", got / total / 1e6)
+                    note("ttfb ratio", res["ttfb 10000 s"][-1] / res["ttfb 100 s"][-1])
+                print(f"round {r} ttfb: 100 entries {res['ttfb 100 s'][-1] * 1e3:.1f} ms, 10,000 entries "
+                      f"{res['ttfb 10000 s'][-1] * 1e3:.1f} ms ({res['view 10000 MB/s'][-1]:.0f} MB/s)",
+                      file=sys.stderr)
+            if "b" in tests:
+                import torch  # noqa: F401  (fails here, not in a worker, if torch is missing)
+
+                order = sides[r % len(sides):] + sides[:r % len(sides)]
+                for size, n in sizes.items():
+                    kb = size // KiB
+                    for side in order:
+                        tag = f"{kb}k {side}"
+                        if side == "local":
+                            local = work / f"local{kb}k-{r}"
+                            local.mkdir()
+                            rng = random.Random(r)
+                            paths = [str(local / f"{i:05d}.bin") for i in range(n)]
+                            for p in paths:
+                                Path(p).write_bytes(rng.randbytes(size))
+                            v = run_loader(paths, r, size)
+                            shutil.rmtree(local)
+                        elif side == "floor":
+                            with mounted("floor", tag, n) as (mnt, start):
+                                paths = [str(mnt / k) for k in names(f"l{kb}k-plans{r}", n)]
+                                run_loader(paths, r, size, mnt)  # an epoch with plans fills the page cache
+                                start()
+                                v = run_loader(paths, r + 1, size)  # then: every file from the page cache
+                        else:
+                            with mounted(side, tag, n) as (mnt, _):
+                                paths = [str(mnt / k) for k in names(f"l{kb}k-{side}{r}", n)]
+                                v = run_loader(paths, r, size, mnt if side == "plans" else None)
+                        note(tag, v)
+                        print(f"round {r} (b) {tag}: {v:.0f} samples/s", file=sys.stderr)
     finally:
-        srv.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report(res, reqs, cpu, a, sizes, sides)
+    return 0
+
+
+def report(res, reqs, cpu, a, sizes, sides) -> None:
+    med = {k: statistics.median(v) for k, v in res.items()}
+    head = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"\n{a.runs} rounds, medians; commit {head or '?'}; load average at the end "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    if "a view s" in med:
+        mb = a.batch * a.size / 1e6
+        print(f"(a) {a.batch} x {a.size // KiB} KiB cold: TAR view {med['a view s'] * 1e3:.1f} ms "
+              f"(first byte {med['a view ttfb s'] * 1e3:.1f} ms, {mb / med['a view s']:.0f} MB/s), "
+              f"one by one {med['a each s'] * 1e3:.1f} ms: {med['a each s'] / med['a view s']:.1f}x "
+              f"(median of per-round ratios {med['a ratio']:.1f}x; target >= 20x)")
+    if "ttfb 100 s" in med:
+        print(f"TTFB through the mount: 100 entries {med['ttfb 100 s'] * 1e3:.1f} ms, 10,000 entries "
+              f"{med['ttfb 10000 s'] * 1e3:.1f} ms: {med['ttfb 10000 s'] / med['ttfb 100 s']:.2f}x (target <= 2x); "
+              f"10,000-entry view read at {med['view 10000 MB/s']:.0f} MB/s")
+    rows = [s for s in sides if any(f"{kb // KiB}k {s}" in med for kb in sizes)]
+    if rows:
+        print("\n| loader, samples/s | " + " | ".join(f"{kb // KiB} KiB" for kb in sizes) + " |")
+        print("|---|" + "---|" * len(sizes))
+        for s in rows:
+            print(f"| {s} | " + " | ".join(f"{med.get(f'{kb // KiB}k {s}', float('nan')):.0f}" for kb in sizes) + " |")
+        print("\n| ratio | " + " | ".join(f"{kb // KiB} KiB" for kb in sizes) + " | target |")
+        print("|---|" + "---|" * (len(sizes) + 1))
+        for other, target in (("noplans", ">= 10x"), ("s3fs", ">= 10x"), ("rclone", ">= 10x"),
+                              ("local", "report"), ("floor", "report")):
+            cells = []
+            for kb in sizes:
+                p, o = med.get(f"{kb // KiB}k plans"), med.get(f"{kb // KiB}k {other}")
+                cells.append("—" if p is None or o is None else
+                              (f"{p / o:.2f}" if other in ("local", "floor") else f"{p / o:.1f}x"))
+            print(f"| plans vs {other} | " + " | ".join(cells) + f" | {target} |")
+        for other in ("noplans", "s3fs", "rclone"):  # the most any prefetching could give here
+            cells = []
+            for kb in sizes:
+                f, o = med.get(f"{kb // KiB}k floor"), med.get(f"{kb // KiB}k {other}")
+                cells.append("—" if f is None or o is None else f"{f / o:.1f}x")
+            print(f"| floor vs {other} (bound) | " + " | ".join(cells) + " | — |")
+    if cpu:
+        print("\ndaemon CPU per sample (median), ms: " + ", ".join(
+            f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in cpu.items()))
+    print("server requests per sample (last round): " + "; ".join(
+        f"{k}: " + ", ".join(f"{op} {n:.3g}" for op, n in sorted(ops.items())) for k, ops in reqs.items()))
+    print("\nall rounds:", json.dumps({k: [round(x, 4) for x in v] for k, v in res.items()}))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
