@@ -37,7 +37,7 @@ from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_member_byt
 from server.config import KiB, MiB, ServerConfig
 from server.errors import NotFound, StoreError
 from server.getbatch_large import Output, send_from_files, stream_in_pieces
-from server.getbatch_read import RunResult, placeholder_name, plan_chunk, read_run
+from server.getbatch_read import RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
 from server.getbatch_request import Entry, MossReq
 from server.metrics import Metrics
 from server.shards import ShardIndexCache
@@ -194,8 +194,13 @@ class BatchJob:
                     await self.queue.put(_Run(run, 0, None, sendfile))
                 else:
                     await self._window_acquire(nbytes)
-                    fut = self.loop.run_in_executor(self.state.pool, read_run, self.store, self.state.shard_indexes,
-                                                    run, self.req.coer, encode)
+                    res = read_run_cached(self.store, run, encode)
+                    if res is not None:
+                        fut = self.loop.create_future()
+                        fut.set_result(res)
+                    else:
+                        fut = self.loop.run_in_executor(self.state.pool, read_run, self.store,
+                                                        self.state.shard_indexes, run, self.req.coer, encode)
                     await self.queue.put(_Run(run, nbytes, fut))
                 # Read ahead only once the first member is out: reader threads (and the next
                 # plan chunk) hold the GIL in 5 ms slices, which would delay the event loop's

@@ -428,6 +428,34 @@ def test_sized_tar_sends_large_members_from_files(small, coer):
     assert r.content == multipart_archive(buffered)
 
 
+def _drop_page_cache(srv) -> int:
+    """Evict the server's object files from the page cache (only those files)."""
+    n = 0
+    for d in srv.data_dirs:
+        for path in (d / "objs").rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                n += 1
+    return n
+
+
+def test_cold_objects_read_in_threads(small):
+    """Runs of small objects are read on the event loop only when their bytes are in the page
+    cache (RWF_NOWAIT); with the cache dropped they go to reader threads: same bytes."""
+    body = {"in": [{"objname": f"o{i}"} for i in range(40)] + [{"objname": "o3", "start": 7, "length": 50}],
+            "strm": True}
+    warm = moss(small.url, small.bucket, body)
+    assert warm.status_code == 200
+    assert _drop_page_cache(small) > 40
+    cold = moss(small.url, small.bucket, body)
+    assert cold.status_code == 200 and cold.content == warm.content
+    assert [d for _, d in tar_members(cold.content)] == [small.objs[f"o{i}"] for i in range(40)] + [small.objs["o3"][7:57]]
+
+
 def test_unsized_replies_stay_chunked(small):
     """Small members, or compressed and ZIP output, keep the streamed (chunked) reply."""
     for body in ({"in": [{"objname": "o1"}, {"objname": "o2"}], "strm": True},
