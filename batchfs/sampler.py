@@ -135,15 +135,17 @@ class PlanSampler:
     """Wrap ``sampler`` (yielding indices, or lists of indices) and plan what it will yield.
 
     ``paths[i]`` is the file ``Dataset.__getitem__(i)`` reads. With an index sampler,
-    ``batch_size`` is the loader's batch size (one GetBatch per batch); with a batch
-    sampler it is taken from the batches. ``window`` is how many batches the mount fetches
-    ahead of what the readers consumed.
+    ``batch_size`` is the loader's batch size; with a batch sampler it is taken from the
+    batches. The mount fetches whole loader batches, at least ``fetch_entries`` entries per
+    GetBatch (fewer, larger requests cost the mount and the server less per sample: ~10% and
+    ~25% less CPU at 256 than at 64 entries of 10 KiB), and keeps about ``window`` loader
+    batches ahead of what the readers consumed, whatever the request size.
     """
 
     def __init__(self, sampler, paths: Sequence[str | os.PathLike], *, mount: str | os.PathLike | None = None,
-                 batch_size: int | None = None, window: int = 8, plan_batches: int = 16):
+                 batch_size: int | None = None, window: int = 8, plan_batches: int = 16, fetch_entries: int = 256):
         self.sampler, self.window, self.plan_batches = sampler, window, plan_batches
-        self.batch_size = batch_size
+        self.batch_size, self.fetch_entries = batch_size, fetch_entries
         self.mount = os.path.abspath(mount) if mount is not None else find_mount(paths[0])
         self.paths = _relative(paths, self.mount)
         self._tag = f"plan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -180,9 +182,11 @@ class PlanSampler:
         return items
 
     def _plan(self, paths: list[str], batch_size: int) -> None:
+        fetch = min(len(paths), batch_size * max(1, self.fetch_entries // batch_size))
+        window = max(1, -(-self.window * batch_size // fetch))  # in fetch batches
         name = os.path.join(self.mount, CONTROL_DIR, f"{self._tag}-{next(self._seq)}.plan")
         with open(name, "w") as f:
-            json.dump({"in": paths, "plan": {"batch_size": batch_size, "window": self.window}}, f)
+            json.dump({"in": paths, "plan": {"batch_size": fetch, "window": window}}, f)
         self._live.append(name)
         while len(self._live) > 3:  # the chunk being consumed, the one before (stragglers), the next
             self._remove(self._live.pop(0))

@@ -118,13 +118,13 @@ def test_dataloader_with_plans_reads_prefetched_data(server, bucket, tmp_path):
                     sum(v for k, v in mt.items() if k.startswith('batchfs_requests_total{op="get"')))
 
         gb0, get0 = counts()
-        planned = PlanSampler(BatchSampler(order, batch_size=16, drop_last=False), paths, window=8)
+        planned = PlanSampler(BatchSampler(order, batch_size=16, drop_last=False), paths, window=8, fetch_entries=32)
         loader = DataLoader(ds, batch_sampler=planned, num_workers=2, collate_fn=list)
         got = _collect(loader)
         planned.close()
         gb1, get1 = counts()
         assert got == expected  # every sample's bytes, in the sampler's order
-        assert gb1 - gb0 == n // 16  # one GetBatch per batch
+        assert gb1 - gb0 == n // 32  # one GetBatch per two loader batches (fetch_entries=32)
         assert get1 - get0 == 0  # and no per-object GET
         order.set_epoch(1)
         plain = DataLoader(ds, batch_size=16, sampler=order, num_workers=2, collate_fn=list)
