@@ -333,16 +333,20 @@ class GetBatchSource:
         parts = self._parts(len(targets))
         turns = [trio.Event() for _ in parts]
         turns[0].set()
+        answered = [trio.Event() for _ in parts]  # the part's response has begun (or failed)
         depth = trio.Semaphore(self.config.pipeline_depth)
 
         async def run_part(k: int, first: int, count: int, task_status=trio.TASK_STATUS_IGNORED):
             async with depth:
                 task_status.started()
                 part = targets[first:first + count]  # sliced at its turn: targets may be made on access
+                if k:  # the server starts the previous part alone: its first byte is not delayed
+                    await answered[k - 1].wait()
                 try:
                     resp = await self._open(part, first)
                 except BatchFetchError as e:
                     resp, error = None, e
+                answered[k].set()
                 await turns[k].wait()
                 if resp is None:
                     raise error
