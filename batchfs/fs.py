@@ -200,12 +200,26 @@ class Operations(pyfuse3.Operations):
         return self._entry(self.batch_control.setattr(inode, attr.st_size if fields.update_size else None))
 
 
+def _source_name(source) -> str:
+    """What `mount` and `df` show in the device column: the SOURCE as the user wrote it."""
+    if source.kind == "s3":
+        name = f"s3://{source.bucket}/{source.prefix}"
+    else:
+        name = "/".join(p for p in (source.endpoint.rstrip("/"), source.bucket or "", source.prefix) if p)
+    return name.rstrip("/").replace(",", "%2C")  # a comma would split the option string
+
+
 def _mount_options(config: MountConfig) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions
     # no kernel "ro": it would refuse `.batch/` writes; every other write answers EROFS
-    opts |= {"fsname=batchfs", "subtype=batchfs", "default_permissions"}
+    opts.add("default_permissions")
     for o in config.fuse_options:
         opts |= {p for p in o.split(",") if p}
+    # the user's fsname=/subtype= win; otherwise the device column shows the SOURCE
+    if not any(o.startswith("fsname=") for o in opts):
+        opts.add(f"fsname={_source_name(config.source)}")
+    if not any(o.startswith("subtype=") for o in opts):
+        opts.add("subtype=batchfs")
     return opts
 
 

@@ -175,6 +175,31 @@ def test_fstab_helper_mounts_for_real(server, bucket, mnt, tmp_path):
         assert cli("umount", str(mnt)).returncode == 0
 
 
+def _mount_source_field(mnt: Path) -> tuple[str, str]:
+    """(fstype, source) of the mount at ``mnt`` from /proc/self/mountinfo."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if left.split()[4] == str(mnt).replace(" ", "\\040"):
+            fstype, source = right.split()[:2]
+            return fstype, source
+    raise AssertionError(f"{mnt} not in mountinfo")
+
+
+def test_device_column_shows_the_source_unless_fsname_given(server, bucket, mnt):
+    put(server, bucket, "f", b"1")
+    assert cli("mount", f"{server.url}/{bucket}", str(mnt)).returncode == 0
+    try:
+        assert _mount_source_field(mnt) == ("fuse.batchfs", f"{server.url}/{bucket}")
+    finally:
+        assert cli("umount", str(mnt)).returncode == 0
+    wait_until(lambda: not is_mounted(mnt), what="unmount")
+    assert cli("mount", f"{server.url}/{bucket}", str(mnt), "-o", "fsname=mydata").returncode == 0
+    try:
+        assert _mount_source_field(mnt) == ("fuse.batchfs", "mydata")
+    finally:
+        assert cli("umount", str(mnt)).returncode == 0
+
+
 def _unit_commands(conf: dict[str, str]) -> dict[str, list[str]]:
     """ExecStart/ExecStop of batchfs@.service, expanded as systemd does: $VAR splits on
     whitespace, ${VAR} is one word; the installed path replaced with this environment's CLI."""
