@@ -6,65 +6,29 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import boto3
 import httpx
-import pytest
 
 from tests.mountutil import MountProcess
-from tests.util import BIN, ServerProcess
+from tests.util import BIN, ServerProcess, ServiceProcess
 
 MiB = 1 << 20
 KEYS = {"AWS_ACCESS_KEY_ID": "AKIDBATCHFS", "AWS_SECRET_ACCESS_KEY": "batchfs-secret-key"}
 
 
-class MotoServer:
-    def __init__(self):
-        self.proc = None
-        self.url = ""
-        self.lines: list[str] = []
+class MotoServer(ServiceProcess):
+    """moto's S3 server (an independent S3 implementation) on 127.0.0.1:0."""
 
-    def start(self, timeout: float = 30) -> "MotoServer":
-        self.proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        found = threading.Event()
+    url_re = r"Running on (http://[\d.]+:\d+)"
 
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = re.search(r"Running on (http://[\d.]+:\d+)", line)
-                if m and not self.url:
-                    self.url = m.group(1)
-                    found.set()
+    def command(self) -> list[str]:
+        return [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", "0"]
 
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("moto_server exited:\n" + "".join(self.lines))
-            if found.wait(0.05):
-                try:
-                    httpx.get(self.url + "/", timeout=2)
-                    return self
-                except httpx.HTTPError:
-                    continue
-        self.stop()
-        raise RuntimeError("moto_server did not start:\n" + "".join(self.lines))
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def healthy(self) -> bool:
+        httpx.get(self.url + "/", timeout=2)  # any answer means it serves
+        return True
 
 
 def _s3(url: str):

@@ -22,31 +22,36 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-class ServerProcess:
-    """A ``batchfs-server`` subprocess on 127.0.0.1:0; ``url`` is set once it is healthy."""
+class ServiceProcess:
+    """A server subprocess that prints the URL it listens on; ``url`` is set once healthy.
 
-    def __init__(self, data_dirs: list[Path], *args: str, env: dict | None = None):
-        self.data_dirs = data_dirs
-        self.args = list(args)
+    Subclasses give ``command()``, the regex whose group 1 is the URL (``url_re``) and
+    ``healthy()``."""
+
+    url_re = r"(http://\S+)"
+
+    def __init__(self, env: dict | None = None):
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.output: list[str] = []
 
-    def start(self, timeout: float = 30.0) -> "ServerProcess":
-        cmd = [str(BIN / "batchfs-server"), "--listen", "127.0.0.1:0"]
-        for d in self.data_dirs:
-            cmd += ["--data", str(d)]
-        cmd += self.args
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(self.env or {})})
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0):
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **(self.env or {})})
         found = threading.Event()
 
         def pump() -> None:  # keep draining output so the server never blocks on a full pipe
             assert self.proc and self.proc.stdout
             for line in self.proc.stdout:
                 self.output.append(line)
-                m = re.search(r"listening on (http://\S+)", line)
+                m = re.search(self.url_re, line)
                 if m and not self.url:
                     self.url = m.group(1)
                     found.set()
@@ -55,13 +60,13 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{''.join(self.output)}")
+                raise RuntimeError(f"{self.command()[0]} exited with {self.proc.returncode}:\n{''.join(self.output)}")
             if found.wait(0.05):
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
+                    if self.healthy():
                         return self
         self.stop()
-        raise RuntimeError(f"server not healthy within {timeout}s:\n{''.join(self.output)}")
+        raise RuntimeError(f"{self.command()[0]} not healthy within {timeout}s:\n{''.join(self.output)}")
 
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc is None:
@@ -75,6 +80,32 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcess(ServiceProcess):
+    """A ``batchfs-server`` subprocess on 127.0.0.1:0."""
+
+    url_re = r"listening on (http://\S+)"
+
+    def __init__(self, data_dirs: list[Path], *args: str, env: dict | None = None):
+        super().__init__(env)
+        self.data_dirs = data_dirs
+        self.args = list(args)
+
+    def command(self) -> list[str]:
+        cmd = [str(BIN / "batchfs-server"), "--listen", "127.0.0.1:0"]
+        for d in self.data_dirs:
+            cmd += ["--data", str(d)]
+        return cmd + self.args
+
+    def healthy(self) -> bool:
+        return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+
     def metrics(self) -> dict[str, float]:
         """Parse /metrics into {'name{labels}': value}."""
         out = {}
@@ -83,9 +114,3 @@ class ServerProcess:
                 key, _, value = line.rpartition(" ")
                 out[key] = float(value)
         return out
-
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -24,7 +24,7 @@ import httpx
 import msgpack
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import BODY, Reply, lean_request, make_http_client, with_retries
+from batchfs.backends.http import Reply, lean_request, make_http_client, range_body, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -143,9 +143,4 @@ class AisClient(ObjectClient):
         _check_status(resp, what)
         if version is not None and version_from_headers(resp.headers) != version:
             raise VersionChanged(f"{what}: version {version_from_headers(resp.headers)} is not the open {version}")
-        data = resp.extensions.pop(BODY, None)  # the response sits in a reference cycle: do not leave 8 MiB in it
-        if data is None:  # a server that ignored Range
-            data = resp.content[start:end]
-        if len(data) != end - start:
-            raise BackendError(f"{what}: got {len(data)} bytes")
-        return data
+        return range_body(resp, start, end, what)

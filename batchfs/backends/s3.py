@@ -19,7 +19,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import EnvProvider
 
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.backends.http import BODY, Reply, lean_request, make_http_client, with_retries
+from batchfs.backends.http import Reply, lean_request, make_http_client, range_body, with_retries
 from batchfs.config import MountConfig
 from batchfs.errors import BackendError, NotFound, VersionChanged
 
@@ -130,9 +130,4 @@ class S3Client(ObjectClient):
         etag = resp.headers.get("ETag", "")
         if version is not None and etag != version:
             raise VersionChanged(f"{what}: ETag {etag} is not the open {version}")
-        data = resp.extensions.pop(BODY, None)  # the response sits in a reference cycle: do not leave 8 MiB in it
-        if data is None:  # a server that ignored Range
-            data = resp.content[start:end]
-        if len(data) != end - start:
-            raise BackendError(f"{what}: got {len(data)} bytes")
-        return data
+        return range_body(resp, start, end, what)
