@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.util import end_process
+
 _RUNNER = r"""
 import json, logging, sys
 from pathlib import Path
@@ -101,15 +103,10 @@ class MountProcess:
             if r.returncode != 0:
                 subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], capture_output=True)
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(timeout)  # an unmounted daemon exits by itself
         except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+            pass
+        return end_process(self.proc, timeout)
 
     def __enter__(self) -> "MountProcess":
         return self.start()

@@ -22,6 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def end_process(proc: subprocess.Popen, timeout: float) -> int:
+    """Terminate, then kill if it outlives ``timeout``; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class ServiceProcess:
     """A server subprocess that prints the URL it listens on; ``url`` is set once healthy.
 
@@ -71,14 +83,7 @@ class ServiceProcess:
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return end_process(self.proc, timeout)
 
     def __enter__(self):
         return self.start()
