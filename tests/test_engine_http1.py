@@ -5,7 +5,9 @@ cut connections, and against the real server."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,16 +51,26 @@ async def scripted_server(nursery: trio.Nursery, replies: list[tuple[bytes, bool
     return listeners[0].socket.getsockname()[1], accepted
 
 
-def _pool(port: int) -> Http1Pool:
+def _pool(port: int, thread_body_min_bytes: int = 1 << 20, **kw) -> Http1Pool:
     return Http1Pool("127.0.0.1", port, host_header=f"127.0.0.1:{port}", max_connections=4,
-                     connect_timeout_seconds=2.0)
+                     connect_timeout_seconds=2.0, thread_body_min_bytes=thread_body_min_bytes, **kw)
+
+
+# Every scripted exchange runs both ways: on the trio loop, and (bodies of >= 1 byte) on a
+# worker thread over a blocking duplicate of the socket.
+DRIVERS = pytest.mark.parametrize("threshold", [1 << 20, 1], ids=["loop", "thread"])
+
+
+def _nonblocking(sock) -> bool:
+    return bool(fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
 
 
 def _ok(body: bytes, status: str = "206 Partial Content", extra: str = "") -> bytes:
     return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
-def test_reuse_stale_connection_retry_and_other_framings():
+@DRIVERS
+def test_reuse_stale_connection_retry_and_other_framings(threshold):
     async def main():
         async with trio.open_nursery() as nursery:
             replies = [
@@ -69,11 +81,13 @@ def test_reuse_stale_connection_retry_and_other_framings():
                 (_ok(b"nope", "404 Not Found"), False),  # 5: another status: body as bytes
             ]
             port, accepted = await scripted_server(nursery, replies)
-            pool = _pool(port)
+            pool = _pool(port, threshold)
             for want in (b"abcd", b"efgh", b"ijkl"):
                 buf = bytearray(4)
                 r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
                 assert r.status == 206 and r.body is buf and bytes(buf) == want
+                # a thread's blocking duplicate must leave the pooled socket non-blocking for trio
+                assert all(_nonblocking(c.sock) for c in pool._idle)
             assert len(accepted) == 2  # requests 1-2 shared a connection; 3 retried on a new one
             r = await pool.request("GET", "/o", [], bytearray(3))
             assert r.status == 200 and r.body == b"xyz"
@@ -86,15 +100,71 @@ def test_reuse_stale_connection_retry_and_other_framings():
     trio.run(main)
 
 
-def test_cut_body_fails_and_the_connection_is_not_reused():
+@DRIVERS
+def test_cut_body_fails_and_the_connection_is_not_reused(threshold):
     async def main():
         async with trio.open_nursery() as nursery:
             cut = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
             port, _ = await scripted_server(nursery, [(cut, True)])
-            pool = _pool(port)
+            pool = _pool(port, threshold)
             with pytest.raises(ConnectionFailed, match="90 bytes before"):
                 await pool.request("GET", "/o", [], bytearray(100))
             assert not pool._idle
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def stalling_server(nursery: trio.Nursery, sent: bytes) -> tuple[int, list]:
+    """Answers one request with ``sent`` (a head and part of a body), then neither sends nor
+    closes; records b"eof" once the client's side of the connection is shut down or closed."""
+    events: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            if await _read_head(stream):
+                await stream.send_all(sent)
+                while await stream.receive_some(65536):
+                    pass
+                events.append(b"eof")
+
+    listeners = await nursery.start(trio.serve_tcp, handler, 0)
+    return listeners[0].socket.getsockname()[1], events
+
+
+STALL = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4000000\r\n\r\n" + b"x" * 1000
+
+
+def test_cancelling_a_threaded_read_ends_the_thread_at_once():
+    """A cancelled read on a worker thread returns at once, its connection is shut down (so
+    the blocked thread wakes and exits), and nothing goes back to the pool."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port, events = await stalling_server(nursery, STALL)
+            pool = _pool(port, 1, read_timeout_seconds=60.0)
+            t0 = time.monotonic()
+            with trio.move_on_after(0.3) as scope:
+                await pool.request("GET", "/o", [], bytearray(4000000))
+            assert scope.cancelled_caught and time.monotonic() - t0 < 2.0
+            with trio.fail_after(5):  # the server sees the connection end: the thread let go of it
+                while not events:
+                    await trio.sleep(0.01)
+            assert not pool._idle
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_stalled_server_fails_a_threaded_read_within_the_read_timeout():
+    """Without any cancellation, SO_RCVTIMEO bounds each blocking receive of a worker thread."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port, _ = await stalling_server(nursery, STALL)
+            pool = _pool(port, 1, read_timeout_seconds=0.3)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionFailed):
+                await pool.request("GET", "/o", [], bytearray(4000000))
+            assert time.monotonic() - t0 < 3.0 and not pool._idle
             nursery.cancel_scope.cancel()
 
     trio.run(main)

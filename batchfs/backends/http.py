@@ -113,7 +113,8 @@ class _PooledTransport(httpx.AsyncHTTPTransport):
             host, _, port = netloc.rpartition(":") if netloc.rpartition(":")[2].isdigit() else (netloc, "", "80")
             pool = self.http1[netloc] = Http1Pool(
                 host.strip("[]"), int(port), host_header=netloc, max_connections=self.config.parallel_total + 8,
-                connect_timeout_seconds=self.config.connect_timeout_seconds, read_bytes=self.config.http_read_bytes)
+                connect_timeout_seconds=self.config.connect_timeout_seconds, read_bytes=self.config.http_read_bytes,
+                read_timeout_seconds=self.config.request_timeout_seconds)
         return pool
 
     async def aclose(self) -> None:
