@@ -1,5 +1,6 @@
 """The keep-alive HTTP/1.1 client for object requests (``batchfs.backends.http1``): reuse,
-servers that close idle connections, cut bodies, other framings, refused connections, and the
+servers that close idle connections, cut bodies, other framings, 1xx heads, HEAD, malformed
+replies and header injection, worker-thread reads (cancelled, stalled), refused connections, and the
 AIStore backend over it: redirects (AIStore proxies redirect to targets), retries of 503s and
 cut connections, and against the real server."""
 
@@ -94,6 +95,36 @@ def test_reuse_stale_connection_retry_and_other_framings(threshold):
             assert not pool._idle  # unknown length framing: not reused
             r = await pool.request("GET", "/o", [], bytearray(4))
             assert r.status == 404 and r.body == b"nope" and pool._idle
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@DRIVERS
+def test_informational_heads_head_requests_and_malformed_replies(threshold):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            replies = [
+                (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(b"wxyz"), False),  # a 1xx head is skipped
+                (b"HTTP/1.1 200 OK\r\nContent-Length: 12345\r\nAis-Version: 7\r\n\r\n", False),  # HEAD: no body
+                (_ok(b"abcd"), False),  # the HEAD's connection is reused for this one
+                (b"HTTP/1.1 2OO OK\r\nContent-Length: 4\r\n\r\nabcd", True),  # malformed status line
+            ]
+            port, accepted = await scripted_server(nursery, replies)
+            pool = _pool(port, threshold)
+            buf = bytearray(4)
+            r = await pool.request("GET", "/o", [], buf)
+            assert r.status == 206 and bytes(buf) == b"wxyz"
+            r = await pool.request("HEAD", "/o", [])
+            assert r.status == 200 and r.body == b"" and r.headers["ais-version"] == "7" and pool._idle
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert bytes(r.body) == b"abcd" and len(accepted) == 1
+            with pytest.raises(ConnectionFailed):
+                await pool.request("GET", "/o", [], bytearray(4))
+            assert not pool._idle
+            with pytest.raises(ValueError, match="malformed"):  # header injection is refused
+                await pool.request("GET", "/o", [("Range", "bytes=0-3\r\nX-Evil: 1")], bytearray(4))
             await pool.aclose()
             nursery.cancel_scope.cancel()
 
