@@ -50,8 +50,10 @@ except SourceError as e:
 
 
 class MountProcess:
-    def __init__(self, source: dict, mountpoint: Path, env: dict | None = None, **config):
+    def __init__(self, source: dict, mountpoint: Path, env: dict | None = None, cwd: Path | None = None,
+                 **config):
         self.env = env
+        self.cwd = cwd  # the daemon imports batchfs from here first (benchmarks A/B code trees)
         self.spec = {"source": source, "mountpoint": str(mountpoint), **{
             k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()}}
         self.mountpoint = Path(mountpoint)
@@ -63,7 +65,7 @@ class MountProcess:
 
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(self.spec)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd,
                                      env=self.env if self.env is not None else os.environ.copy())
 
         def pump() -> None:
