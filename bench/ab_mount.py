@@ -3,7 +3,7 @@
 Each variant is ``NAME=TREE`` or ``NAME=TREE?JSON``: TREE is a checkout of this repository
 (``.`` for this one, or ``git worktree add /tmp/base HEAD~1`` for the code before a change)
 whose ``batchfs`` the mount runs, JSON are ``MountConfig`` overrides (``"cache_dir": "fresh"``
-gives a fresh, empty cache directory per mount). One server and one data set serve every
+gives a fresh, empty cache directory per mount; ``"env": {...}`` sets the daemon's environment). One server and one data set serve every
 variant; rounds alternate the order of the variants, and every measurement is a fresh mount
 with the kernel caches dropped (cold).
 
@@ -102,10 +102,11 @@ def main() -> None:
         for r in range(a.rounds):
             for name, tree, overrides in (variants if r % 2 == 0 else variants[::-1]):
                 config = dict(overrides)
+                env = {**os.environ, **config.pop("env", {})}
                 if config.get("cache_dir") == "fresh":
                     config["cache_dir"] = tempfile.mkdtemp(prefix="cache-", dir=work)
                 with MountProcess({"kind": "ais", "endpoint": srv.url, "bucket": "b"}, work / "mnt",
-                                  cwd=tree, **config) as m:
+                                  cwd=tree, env=env, **config) as m:
                     subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
                     pid = m.proc.pid
                     before = (cpu_seconds(f"/proc/{pid}/stat"), cpu_seconds(f"/proc/{pid}/task/{pid}/stat"),
