@@ -1,8 +1,10 @@
 """The keep-alive HTTP/1.1 client for object requests (``batchfs.backends.http1``): reuse,
-servers that close idle connections, cut bodies, other framings, 1xx heads, HEAD, malformed
-replies and header injection, worker-thread reads (cancelled, stalled), refused connections, and the
-AIStore backend over it: redirects (AIStore proxies redirect to targets), retries of 503s and
-cut connections, and against the real server."""
+servers that close idle connections, cut bodies, other framings, replies split across many
+reads, servers ignoring Range, 1xx heads, HEAD, malformed replies, bytes after a reply's end,
+upgrades and header injection, body buffers freed on success, failure and cancellation,
+worker-thread reads (cancelled, stalled, cancelled before the thread starts), refused
+connections, and the AIStore backend over it: redirects (AIStore proxies redirect to
+targets), retries of 503s and cut connections, and against the real server."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import fcntl
 import gc
 import os
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -34,9 +37,11 @@ async def _read_head(stream: trio.SocketStream) -> bytes:
     return buf
 
 
-async def scripted_server(nursery: trio.Nursery, replies: list[tuple[bytes, bool]]) -> tuple[int, list]:
+async def scripted_server(nursery: trio.Nursery, replies: list[tuple[bytes | list[bytes], bool]]) -> tuple[int, list]:
     """A TCP server answering each request with the next scripted (bytes, close-after) reply;
-    returns its port and the list of connections it accepted (one entry per connection)."""
+    a reply given as a list of pieces is sent piece by piece with a short pause between, so
+    that the client (usually) receives it in as many reads. Returns the server's port and the
+    list of connections it accepted (one entry per connection)."""
     accepted: list[int] = []
 
     async def handler(stream: trio.SocketStream) -> None:
@@ -46,7 +51,10 @@ async def scripted_server(nursery: trio.Nursery, replies: list[tuple[bytes, bool
                 if not await _read_head(stream):
                     return
                 data, close = replies.pop(0)
-                await stream.send_all(data)
+                for n, piece in enumerate(data if isinstance(data, list) else [data]):
+                    if n:
+                        await trio.sleep(0.005)  # pacing, not waiting for anything: separate reads
+                    await stream.send_all(piece)
                 if close:
                     return
 
@@ -133,29 +141,116 @@ def test_informational_heads_head_requests_and_malformed_replies(threshold):
     trio.run(main)
 
 
+@DRIVERS
+def test_replies_split_across_reads_servers_ignoring_range_and_close_delimited_bodies(threshold):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            replies = [
+                # 1: head split inside a header name, a header value and the body
+                ([b"HTTP/1.1 206 Partial Content\r\nContent-Le", b"ngth: 8\r\nX-A: b", b"c\r\n\r\nab", b"cdef", b"gh"], False),
+                # 2: a server ignoring Range: the whole object, as bytes; the connection stays usable
+                (_ok(b"0123456789", "200 OK"), False),
+                # 3: a 206 of another length than asked: as bytes, not in the buffer
+                (_ok(b"abc"), False),
+                # 4: the server says it will close: not reused
+                (_ok(b"wxyz", extra="Connection: close\r\n"), True),
+                # 5: HTTP/1.0: not reused
+                (b"HTTP/1.0 206 Partial Content\r\nContent-Length: 4\r\n\r\nklmn", True),
+                # 6: a body delimited by the connection's close, in pieces
+                ([b"HTTP/1.1 200 OK\r\n\r\nclo", b"se-", b"delimited"], True),
+            ]
+            port, accepted = await scripted_server(nursery, replies)
+            pool = _pool(port, threshold)
+            buf = bytearray(8)
+            r = await pool.request("GET", "/o", [("Range", "bytes=0-7")], buf)
+            assert r.body is buf and bytes(buf) == b"abcdefgh" and r.headers["x-a"] == "bc" and pool._idle
+            buf = bytearray(4)
+            r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
+            assert r.status == 200 and r.body == b"0123456789" and r.body is not buf and pool._idle
+            r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
+            assert r.status == 206 and r.body == b"abc" and r.body is not buf and pool._idle
+            assert len(accepted) == 1
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert bytes(r.body) == b"wxyz" and not pool._idle
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert bytes(r.body) == b"klmn" and not pool._idle
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert r.status == 200 and r.body == b"close-delimited" and not pool._idle
+            assert len(accepted) == 3 and not replies  # 1-4 on one connection, then one each
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@DRIVERS
+def test_bytes_after_the_end_of_a_reply_and_upgrades_fail_the_request(threshold):
+    """A second response (or junk) after a complete one means the framing is lost: taking
+    either as the answer, or keeping the connection, would answer later requests wrongly."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            replies = [
+                (_ok(b"abcd") + b"HTTP/1.1 204 No Content\r\n\r\n", True),
+                (_ok(b"abcd") + b"junk", True),
+                (b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n", True),
+                (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", True),
+            ]
+            port, _ = await scripted_server(nursery, replies)
+            pool = _pool(port, threshold)
+            for match in ("after the end", "after the end", "Upgrade", "Transfer-Encoding"):
+                with pytest.raises(ConnectionFailed, match=match):
+                    await pool.request("GET", "/o", [], bytearray(4))
+                assert not pool._idle
+            assert not replies
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 class _Buffer(bytearray):  # a bytearray that can be weakly referenced
     pass
+
+
+async def _freed(alive: weakref.ref) -> None:
+    with trio.fail_after(2):  # a worker thread lets go of its frame just after replying
+        while alive() is not None:
+            await trio.sleep(0.001)
 
 
 @DRIVERS
 def test_a_body_buffer_is_freed_as_soon_as_the_caller_drops_it(threshold):
     """No reference cycle may hold the (8 MiB, in the mount) body buffer until a garbage
-    collection: streaming 4 GiB once grew the daemon to 900 MiB that way."""
+    collection: streaming 4 GiB once grew the daemon to 900 MiB that way. Likewise after a
+    failed or a cancelled read (a cancelled read-ahead is routine): an exception raised out
+    of a worker thread sits in a cycle inside trio, with the buffer in its frames."""
     async def main():
         async with trio.open_nursery() as nursery:
-            port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False), (_ok(b"nope", "404 Not Found"), False)])
+            port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False), (_ok(b"nope", "404 Not Found"), False),
+                                                      (b"HTTP/1.1 2OO OK\r\n\r\n", True)])
+            stall_port, _ = await stalling_server(nursery, STALL)
             pool = _pool(port, threshold)
+            stalled = _pool(stall_port, threshold if threshold == 1 else 1 << 30, read_timeout_seconds=60.0)
             gc.disable()
             try:
-                for status in (206, 404):
+                for status in (206, 404, None):
                     buf = _Buffer(4)
                     alive = weakref.ref(buf)
-                    r = await pool.request("GET", "/o", [], buf)
-                    assert r.status == status
-                    del buf, r
-                    with trio.fail_after(2):  # a worker thread lets go of its frame just after replying
-                        while alive() is not None:
-                            await trio.sleep(0.001)
+                    if status is None:
+                        with pytest.raises(ConnectionFailed):
+                            await pool.request("GET", "/o", [], buf)
+                    else:
+                        r = await pool.request("GET", "/o", [], buf)
+                        assert r.status == status
+                        del r
+                    del buf
+                    await _freed(alive)
+                buf = _Buffer(4000000)
+                alive = weakref.ref(buf)
+                with trio.move_on_after(0.2) as scope:
+                    await stalled.request("GET", "/o", [], buf)
+                assert scope.cancelled_caught
+                del buf
+                await _freed(alive)
             finally:
                 gc.enable()
             await pool.aclose()
@@ -229,6 +324,59 @@ def test_a_stalled_server_fails_a_threaded_read_within_the_read_timeout():
             with pytest.raises(ConnectionFailed):
                 await pool.request("GET", "/o", [], bytearray(4000000))
             assert time.monotonic() - t0 < 3.0 and not pool._idle
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_slow_reply_on_a_reused_connection_is_not_taken_for_a_stale_one():
+    """The read timeout expiring before a reply's first byte is a slow server, not one that
+    closed the idle connection: the request fails once instead of going out again at once."""
+    async def main():
+        accepted: list[int] = []
+
+        async def handler(stream: trio.SocketStream) -> None:
+            accepted.append(1)
+            async with stream:
+                if await _read_head(stream):
+                    await stream.send_all(_ok(b"abcd"))
+                while await stream.receive_some(65536):  # the next request is never answered
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            port = (await nursery.start(trio.serve_tcp, handler, 0))[0].socket.getsockname()[1]
+            pool = _pool(port, 1, read_timeout_seconds=0.3)
+            await pool.request("GET", "/o", [], bytearray(4))
+            assert pool._idle
+            with pytest.raises(ConnectionFailed, match="read timeout"):
+                await pool.request("GET", "/o", [], bytearray(4))
+            assert len(accepted) == 1 and not pool._idle
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_read_cancelled_before_its_worker_thread_starts_closes_the_socket_duplicate():
+    """The blocking duplicate belongs to the worker thread once it starts; a read cancelled
+    while waiting for a thread must close it itself (else: an fd open until the garbage
+    collector finds it, and a ResourceWarning)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False)])
+            pool = _pool(port, 1)
+            tokens = [object() for _ in range(pool._threads.total_tokens)]
+            for token in tokens:  # every worker thread busy
+                await pool._threads.acquire_on_behalf_of(token)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ResourceWarning)
+                with trio.move_on_after(0.2) as scope:
+                    await pool.request("GET", "/o", [], bytearray(4))
+                gc.collect()
+            assert scope.cancelled_caught
+            assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+            assert not pool._idle
+            for token in tokens:
+                pool._threads.release_on_behalf_of(token)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

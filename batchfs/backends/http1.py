@@ -26,15 +26,24 @@ Invariants:
   timers).
 - A connection goes back to the pool only after a complete response whose framing we know
   (Content-Length, no ``Connection: close``); on any error or cancellation it is closed, so a
-  half-read response can never be mistaken for the next one.
+  half-read response can never be mistaken for the next one. Bytes received after the end of
+  a response (a second response, junk) fail the request: the framing is lost.
 - A reused connection that fails before any byte of the response (the server closed it while
-  idle) is retried once at once on a new connection, as httpcore does; every other failure is
-  a ``ConnectionFailed`` for the caller's retry policy (``http.with_retries``).
+  idle) is retried once at once on a new connection, as httpcore does (a read timeout there is
+  a slow server, not a stale connection: not retried); every other failure, malformed replies
+  and upgrades included, is a ``ConnectionFailed`` for the caller's retry policy
+  (``http.with_retries``).
 - Time bounds: connecting is bounded by ``connect_timeout_seconds``; the whole request is
   bounded by the caller (``with_retries`` runs it under ``trio.fail_after``). A request on a
   worker thread is abandoned when cancelled and its connection shut down, which ends the
   thread's blocking call at once; ``read_timeout_seconds`` bounds each blocking call as well.
 - At most ``max_connections`` worker threads (one per request in flight), from trio's cache.
+  An abandoned thread keeps its slot until it ends, which the shutdown makes prompt.
+- The blocking duplicate of a socket is closed exactly once: by its worker thread, or by the
+  request if it was cancelled before the thread took it.
+- No body buffer outlives the request in a reference cycle, whatever the outcome: the parser
+  and its callbacks are unlinked, and a worker thread returns its exception (frames cleared)
+  in a list the request empties, rather than raising it (see ``_drive_blocking``).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import re
 import socket
 import struct
 import time
+import traceback
 
 import httptools
 import trio
@@ -142,8 +152,12 @@ class Http1Pool:
             else:
                 reply, reusable = await _drive_on_loop(conn.sock, steps, self.read_bytes)
             return reply
-        except (OSError, httptools.HttpParserError) as e:
-            raise ConnectionFailed(f"{self.host_header}: {type(e).__name__}: {e}") from None
+        except (OSError, httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            # HttpParserUpgrade (a 101 with Upgrade) is not an HttpParserError; a callback's
+            # own exception is only the context of the HttpParserCallbackError that wraps it
+            cause = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else None
+            detail = f"{e}: {cause}" if cause is not None else str(e)
+            raise ConnectionFailed(f"{self.host_header}: {type(e).__name__}: {detail}") from None
         finally:
             if reusable and not self.closed:
                 conn.idle_since = time.monotonic()
@@ -156,16 +170,31 @@ class Http1Pool:
         cancellation the thread is abandoned and the connection shut down, which wakes it at
         once; the caller then closes the connection and drops the buffer (still the thread's
         to write into until it notices, so it must not be reused)."""
-        raw = socket.socket(fileno=os.dup(sock.fileno()))
+        # Duplicated here, not on the thread: once this task closes ``sock`` its number may
+        # name another file. The thread takes the duplicate out of the list (atomically); if
+        # it never started, the list still holds it and it is closed here.
+        raw = [socket.socket(fileno=os.dup(sock.fileno()))]
         try:
-            return await trio.to_thread.run_sync(_drive_blocking, raw, steps, self.read_timeout_seconds,
-                                                 abandon_on_cancel=True, limiter=self._threads)
+            outcome = await trio.to_thread.run_sync(
+                _drive_blocking, raw, steps, self.read_timeout_seconds, abandon_on_cancel=True, limiter=self._threads)
         except BaseException:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            try:
+                raw.pop().close()
+            except IndexError:
+                pass  # the thread has it
             raise
+        result, error = outcome
+        outcome.clear()  # see _drive_blocking: trio's frames still reference this list
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # else: error -> traceback -> this frame -> error, a cycle again
+        return result
 
     async def aclose(self) -> None:
         self.closed = True
@@ -237,6 +266,10 @@ class _Response:
         self.view[self.pos:end] = body  # the parser never passes Content-Length
         self.pos = end
 
+    def on_message_begin(self) -> None:
+        if self.done:  # we never pipeline: bytes after the response's end mean the framing is lost
+            raise ConnectionFailed("more bytes after the end of the response")
+
     def on_message_complete(self) -> None:
         self.done = self.head_done
 
@@ -256,6 +289,8 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
     try:  # a reused connection the server closed while idle fails here, before any reply byte
         yield ("send", head)
         data = yield ("recv", HEAD_READ_BYTES)
+    except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO/SO_SNDTIMEO (worker threads): slow, not gone
+        raise ConnectionFailed(f"{host_header}: no reply within the read timeout") from None
     except OSError as e:
         raise _StaleConnection(f"{host_header}: {e}") from None
     if not data:
@@ -312,44 +347,72 @@ async def _drive_on_loop(sock, steps, read_bytes: int):
             error = e
 
 
-def _drive_blocking(raw: socket.socket, steps, timeout_seconds: float):
-    """Run ``steps`` on a worker thread with blocking operations on ``raw``, a duplicate of the
-    trio socket's descriptor. Why: ``fill`` becomes one ``recv_into(MSG_WAITALL)`` that
-    receives a whole 8 MiB range with the GIL released, where the trio loop needs a wakeup
-    and a ``recv_into`` for every ~64-256 KiB loopback delivers at a time, and all of it on
-    the thread that also answers FUSE requests (docs/mount.md has the measurements). The
-    blocking flag lives on the open file both descriptors share, so it is restored before
-    returning; ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound a stalled server even if nobody cancels."""
-    result, error = None, None
+def _drive_blocking(raw_box: list, steps, timeout_seconds: float):
+    """Run ``steps`` on a worker thread with blocking operations on a duplicate of the trio
+    socket's descriptor (taken from ``raw_box``). Why: ``fill`` becomes one
+    ``recv_into(MSG_WAITALL)`` that receives a whole 8 MiB range with the GIL released, where
+    the trio loop needs a wakeup and a ``recv_into`` for every ~64-256 KiB loopback delivers
+    at a time, and all of it on the thread that also answers FUSE requests (docs/mount.md has
+    the measurements). The blocking flag lives on the open file both descriptors share, so it
+    is restored before returning; ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound a stalled server even
+    if nobody cancels.
+
+    Returns a list ``[result, None]`` or ``[None, exception]``, which the caller empties. Why
+    not raise: a traceback's frames reach this thread's trio frames (``f_back``), which hold
+    the outcome, which holds the exception: a reference cycle, and the exchange's frames in
+    it hold the body buffer until a garbage collection. Emptying the list breaks the cycle;
+    when nobody empties it (the request was abandoned), the frames' locals are cleared."""
     try:
-        raw.settimeout(None)
-        whole, frac = divmod(max(timeout_seconds, 0.001), 1.0)
-        timeval = struct.pack("ll", int(whole), int(frac * 1e6))
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        while True:
-            try:
-                op, arg = steps.throw(error) if error is not None else steps.send(result)
-            except StopIteration as done:
-                return done.value
-            result, error = None, None
-            try:
-                if op == "send":
-                    raw.sendall(arg)
-                elif op == "recv":
-                    result = raw.recv(arg or HEAD_READ_BYTES)
-                else:  # "fill"
-                    pos = 0
-                    while pos < len(arg):
-                        got = raw.recv_into(arg[pos:], len(arg) - pos, socket.MSG_WAITALL)
-                        if not got:
-                            break
-                        pos += got
-                    result = pos
-            except OSError as e:
-                error = e
+        raw = raw_box.pop()
+    except IndexError:  # cancelled before this thread started: the request closed the duplicate
+        return [None, None]
+    try:
+        return [_run_blocking(raw, steps, timeout_seconds), None]
+    except Exception as e:
+        _clear_frames(e)
+        return [None, e]
     finally:
         try:
             raw.setblocking(False)
         finally:
             raw.close()
+
+
+def _run_blocking(raw: socket.socket, steps, timeout_seconds: float):
+    result, error = None, None
+    raw.settimeout(None)
+    whole, frac = divmod(max(timeout_seconds, 0.001), 1.0)
+    timeval = struct.pack("ll", int(whole), int(frac * 1e6))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    while True:
+        try:
+            op, arg = steps.throw(error) if error is not None else steps.send(result)
+        except StopIteration as done:
+            return done.value
+        result, error = None, None
+        try:
+            if op == "send":
+                raw.sendall(arg)
+            elif op == "recv":
+                result = raw.recv(arg or HEAD_READ_BYTES)
+            else:  # "fill"
+                pos = 0
+                while pos < len(arg):
+                    got = raw.recv_into(arg[pos:], len(arg) - pos, socket.MSG_WAITALL)
+                    if not got:
+                        break
+                    pos += got
+                result = pos
+        except OSError as e:
+            error = e
+
+
+def _clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of the finished frames in ``e``'s tracebacks (its own and those of the
+    exceptions it chains), keeping the file/line information."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
