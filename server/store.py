@@ -100,7 +100,7 @@ class ObjectMeta:
         return email.utils.formatdate(self.atime_ns / 1e9, usegmt=True)
 
 
-def _hrw(key: str, ids: list[str]) -> str:
+def hrw(key: str, ids: list[str]) -> str:
     """Rendezvous hashing: the id with the highest hash of (id, key) wins."""
     return max(ids, key=lambda mp_id: xxhash.xxh64_intdigest(f"{mp_id}/{key}".encode()))
 
@@ -345,12 +345,12 @@ class Store:
 
     # -- placement -------------------------------------------------------------------------
     def home(self, bucket: str, name: str) -> Mountpath:
-        return self.by_id[_hrw(f"{bucket}/{name}", self._ids)]
+        return self.by_id[hrw(f"{bucket}/{name}", self._ids)]
 
     def chunk_home(self, bucket: str, name: str, index: int) -> Mountpath:
         if index == 0:
             return self.home(bucket, name)
-        return self.by_id[_hrw(f"{bucket}/{name}#{index}", self._ids)]
+        return self.by_id[hrw(f"{bucket}/{name}#{index}", self._ids)]
 
     # -- buckets ---------------------------------------------------------------------------
     def create_bucket(self, bucket: str) -> None:

@@ -19,6 +19,7 @@ from aistore.sdk.errors import AISError, ErrBckAlreadyExists, ErrBckNotFound, Er
 from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 
+from server.store import hrw
 from tests.conftest import CHUNK, put
 
 
@@ -141,9 +142,15 @@ def test_chunked_object_parallel_read_and_ranges(sdk, server, bucket):
     for lo, hi in [(CHUNK - 3, CHUNK + 3), (CHUNK - 1, 3 * CHUNK + 1), (0, size - 1), (5 * CHUNK, size - 1)]:
         got = obj.get_reader(byte_range=f"bytes={lo}-{hi}").read_all()
         assert got == data[lo:hi + 1], (lo, hi)
-    # the chunks really are spread over both data dirs
+    # each chunk is stored where rendezvous hashing over the mountpath ids puts it. (Asserting
+    # "both dirs hold some" would fail 1 run in 32: the ids are random per test server.)
+    ids = [(d / ".batchfs" / "id").read_text().strip() for d in server.data_dirs]
+    homes = [hrw(f"{bucket}/big/chunked.bin" + (f"#{i}" if i else ""), ids) for i in range(6)]
     per_dir = [sum(1 for p in (d / "objs" / bucket).rglob("*") if p.is_file()) for d in server.data_dirs]
-    assert sum(per_dir) == 6 and min(per_dir) > 0, per_dir
+    assert per_dir == [homes.count(mp_id) for mp_id in ids], (per_dir, homes)
+    # and placement spreads: over many keys, every mountpath gets a fair share
+    spread = [hrw(f"{bucket}/k{i}#1", ids) for i in range(1000)]
+    assert all(350 < spread.count(mp_id) < 650 for mp_id in ids)
 
 
 def test_delete(sdk, server, bucket):
