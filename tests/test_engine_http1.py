@@ -20,9 +20,10 @@ import pytest
 import trio
 
 from batchfs.backends.ais import AisClient
+from batchfs.backends import http1
 from batchfs.backends.http1 import ConnectionFailed, Http1Pool
 from batchfs.config import MountConfig, Source
-from batchfs.errors import VersionChanged
+from batchfs.errors import BackendError, VersionChanged
 from server.store import Store
 from tests.util import ServerProcess
 
@@ -437,3 +438,33 @@ def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
         trio.run(main)
     finally:
         server.stop()
+
+
+@DRIVERS
+def test_bodies_outside_the_buffer_are_bounded(threshold, monkeypatch):
+    """A body that does not go into the caller's buffer is held in memory, so it is bounded:
+    an oversized 2xx (a server ignoring Range on a big object, or chunked) is refused with a
+    clear, non-retryable error; an oversized error page is truncated and its connection
+    dropped. Limits shrunk to 100 bytes for the test."""
+    monkeypatch.setattr(http1, "BODY_MAX_BYTES", 100)
+    monkeypatch.setattr(http1, "ERROR_BODY_KEEP_BYTES", 100)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n" + b"c" * 100 + b"\r\n"
+            replies = [(_ok(b"x" * 1000, "200 OK"), False), (_ok(b"e" * 1000, "404 Not Found"), False),
+                       (chunked + b"1\r\nc\r\n0\r\n\r\n", False), (_ok(b"y" * 100, "200 OK"), False)]
+            port, _ = await scripted_server(nursery, replies)
+            pool = _pool(port, threshold)
+            with pytest.raises(BackendError, match="more than 100 bytes.*ignore Range"):
+                await pool.request("GET", "/o", [("Range", "bytes=0-3")], bytearray(4))
+            r = await pool.request("GET", "/o", [], bytearray(4))
+            assert r.status == 404 and r.body == b"e" * 100 and not pool._idle
+            with pytest.raises(BackendError, match="more than 100 bytes"):
+                await pool.request("GET", "/o", [], bytearray(4))
+            r = await pool.request("GET", "/o", [], bytearray(4))  # at the limit: accepted
+            assert r.status == 200 and r.body == b"y" * 100
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -41,6 +41,10 @@ Invariants:
   An abandoned thread keeps its slot until it ends, which the shutdown makes prompt.
 - The blocking duplicate of a socket is closed exactly once: by its worker thread, or by the
   request if it was cancelled before the thread took it.
+- Memory per request is bounded: a ranged body goes into its buffer; any other 2xx body (a
+  server that ignored Range) is held up to ``BODY_MAX_BYTES`` or the buffer's size, more is a
+  ``BackendError`` (not retried); an error page is kept up to ``ERROR_BODY_KEEP_BYTES``, the
+  rest left unread and the connection closed.
 - No body buffer outlives the request in a reference cycle, whatever the outcome: the parser
   and its callbacks are unlinked, and a worker thread returns its exception (frames cleared)
   in a list the request empties, rather than raising it (see ``_drive_blocking``).
@@ -58,12 +62,20 @@ import traceback
 import httptools
 import trio
 
+from batchfs.errors import BackendError
+
 # Reads until the response head is parsed: a small object's whole reply fits, and a large
 # body goes mostly through recv_into rather than through the parser (three copies).
 HEAD_READ_BYTES = 64 * 1024
 # Ranged bodies at least this large are read on a worker thread (``_drive_blocking``); below
 # it the thread hop (~60 us, and the GIL handoffs) costs more than it saves.
 THREAD_BODY_MIN_BYTES = 512 * 1024
+# Bodies that do not go into the caller's buffer are held in memory, so they are bounded:
+# error pages are kept up to this much (enough for any message), the rest of them unread.
+ERROR_BODY_KEEP_BYTES = 64 * 1024
+# ... and a 2xx body that does not fit the buffer (a server that ignores Range sends the whole
+# object) may be this large, or as large as the buffer; a larger one is refused, not retried.
+BODY_MAX_BYTES = 16 * 1024 * 1024
 
 
 class ConnectionFailed(Exception):
@@ -206,6 +218,10 @@ class _StaleConnection(Exception):
     pass
 
 
+class _Overflow(Exception):
+    """Raised from a parser callback to stop parsing a body past its limit."""
+
+
 # -- one exchange, without I/O -------------------------------------------------------------
 # ``_exchange_steps`` is a generator that yields the socket operations it needs and returns
 # ``(Reply1, reusable)``; a driver performs each operation and sends back its result (or
@@ -233,7 +249,8 @@ class _Response:
     """``httptools`` callbacks for one response: the final head (1xx heads are skipped), then
     the body either into the caller's buffer (``view``) or as a list of pieces."""
 
-    __slots__ = ("parser", "into", "status", "headers", "head_done", "done", "view", "pos", "parts")
+    __slots__ = ("parser", "into", "status", "headers", "head_done", "done", "view", "pos", "parts",
+                 "limit", "overflow")
 
     def __init__(self, into: bytearray | None):
         self.parser = httptools.HttpResponseParser(self)
@@ -244,6 +261,8 @@ class _Response:
         self.view: memoryview | None = None
         self.pos = 0
         self.parts: list[bytes] = []
+        self.limit = 0  # bytes of a body kept in ``parts`` (set with the status)
+        self.overflow = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -257,10 +276,20 @@ class _Response:
         length = self.headers.get("content-length")
         if self.into is not None and status == 206 and length is not None and int(length) == len(self.into):
             self.view = memoryview(self.into)
+        elif status >= 300:
+            self.limit = ERROR_BODY_KEEP_BYTES
+        else:  # e.g. a server that ignored Range and sends the whole object: small ones only
+            self.limit = max(len(self.into) if self.into is not None else 0, BODY_MAX_BYTES)
 
     def on_body(self, body: bytes) -> None:
         if self.view is None:
+            room = self.limit - self.pos
+            if len(body) > room:  # keep what fits, stop the parser: memory stays bounded
+                self.parts.append(body[:room])
+                self.pos, self.overflow = self.limit, True
+                raise _Overflow()
             self.parts.append(body)
+            self.pos += len(body)
             return
         end = self.pos + len(body)
         self.view[self.pos:end] = body  # the parser never passes Content-Length
@@ -296,7 +325,12 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
     if not data:
         raise _StaleConnection(f"{host_header} closed the connection")
     while True:
-        r.parser.feed_data(data)
+        try:
+            r.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            if not r.overflow:
+                raise
+            break
         if r.done or (r.head_done and (method == "HEAD" or r.view is not None)):
             break
         data = yield ("recv", HEAD_READ_BYTES if not r.head_done else None)
@@ -316,7 +350,12 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
             raise ConnectionFailed(f"{host_header}: connection closed {n - r.pos} bytes before the body's end")
         return Reply1(r.status, r.headers, into), keep
     # any other body (error pages, servers ignoring Range, chunked): through the parser
-    return Reply1(r.status, r.headers, b"".join(r.parts)), keep and length is not None
+    if r.overflow and r.status < 300:
+        asked = f"; {len(into)} bytes were asked" if into is not None else ""
+        raise BackendError(f"{host_header}: a reply body of more than {r.limit} bytes (status {r.status}, "
+                           f"Content-Length {length}{asked}): refused, did the server ignore Range?", r.status)
+    # an error page is kept up to ERROR_BODY_KEEP_BYTES; the connection then holds the rest
+    return Reply1(r.status, r.headers, b"".join(r.parts)), keep and length is not None and not r.overflow
 
 
 async def _drive_on_loop(sock, steps, read_bytes: int):
