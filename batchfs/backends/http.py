@@ -159,6 +159,20 @@ def range_body(resp: _Response, start: int, end: int, what: str):
     return data
 
 
+async def _pieces_into_buffer(pieces, size: int, too_long: type[Exception]) -> bytearray:
+    """Copy a body's pieces into one buffer of ``size`` bytes (shorter if the body is; a longer
+    body raises ``too_long``, an error the retry loop knows)."""
+    buf = bytearray(size)
+    view, pos = memoryview(buf), 0
+    async for piece in pieces:
+        n = len(piece)
+        if pos + n > size:
+            raise too_long("range reply longer than asked")
+        view[pos:pos + n] = piece
+        pos += n
+    return buf if pos == size else buf[:pos]
+
+
 async def get_range(http: httpx.AsyncClient, url: str, start: int, end: int, **kw) -> httpx.Response:
     """GET bytes [start, end) and read a 206 body straight into one buffer of the right size
     (``resp.extensions[BODY]``): no list of pieces to join, half the transient memory and one
@@ -170,15 +184,7 @@ async def get_range(http: httpx.AsyncClient, url: str, start: int, end: int, **k
         if resp.status_code == 206 and resp.is_stream_consumed:  # read already (test transports)
             resp.extensions[BODY] = resp.content
         elif resp.status_code == 206:
-            buf = bytearray(end - start)
-            view, pos = memoryview(buf), 0
-            async for piece in resp.aiter_raw():
-                n = len(piece)
-                if pos + n > len(buf):
-                    raise httpx.RemoteProtocolError("range reply longer than asked")
-                view[pos:pos + n] = piece
-                pos += n
-            resp.extensions[BODY] = buf if pos == len(buf) else buf[:pos]
+            resp.extensions[BODY] = await _pieces_into_buffer(resp.aiter_raw(), end - start, httpx.RemoteProtocolError)
         else:
             await resp.aread()
     finally:
@@ -219,15 +225,8 @@ async def _lean_once(transport: _PooledTransport, method: str, url: str, headers
     async with transport._pool.stream(method, url, headers=raw, extensions={"timeout": transport.timeouts}) as resp:
         if resp.status == 206 and body_range is not None:
             start, end = body_range
-            buf = bytearray(end - start)
-            view, pos = memoryview(buf), 0
-            async for piece in resp.aiter_stream():
-                n = len(piece)
-                if pos + n > len(buf):
-                    raise httpcore.RemoteProtocolError("range reply longer than asked")
-                view[pos:pos + n] = piece
-                pos += n
-            extensions[BODY] = buf if pos == len(buf) else buf[:pos]
+            extensions[BODY] = await _pieces_into_buffer(resp.aiter_stream(), end - start,
+                                                         httpcore.RemoteProtocolError)
             content = b""
         else:
             content = await resp.aread()

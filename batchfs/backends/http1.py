@@ -358,8 +358,9 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
     return Reply1(r.status, r.headers, b"".join(r.parts)), keep and length is not None and not r.overflow
 
 
-async def _drive_on_loop(sock, steps, read_bytes: int):
-    """Run ``steps`` with trio's non-blocking socket operations."""
+async def _drive(steps, perform):
+    """Run ``steps``, each operation done by ``await perform(op, arg)``; its OSError is thrown
+    back into the exchange (which decides what it means), anything else ends it."""
     result, error = None, None
     while True:
         try:
@@ -368,22 +369,30 @@ async def _drive_on_loop(sock, steps, read_bytes: int):
             return done.value
         result, error = None, None
         try:
-            if op == "send":
-                out = memoryview(arg)
-                while out:
-                    out = out[await sock.send(out):]
-            elif op == "recv":
-                result = await sock.recv(arg or read_bytes)
-            else:  # "fill"
-                pos = 0
-                while pos < len(arg):
-                    got = await sock.recv_into(arg[pos:])
-                    if not got:
-                        break
-                    pos += got
-                result = pos
+            result = await perform(op, arg)
         except OSError as e:
             error = e
+
+
+async def _drive_on_loop(sock, steps, read_bytes: int):
+    """Run ``steps`` with trio's non-blocking socket operations."""
+    async def perform(op: str, arg):
+        if op == "send":
+            out = memoryview(arg)
+            while out:
+                out = out[await sock.send(out):]
+            return None
+        if op == "recv":
+            return await sock.recv(arg or read_bytes)
+        pos = 0  # "fill"
+        while pos < len(arg):
+            got = await sock.recv_into(arg[pos:])
+            if not got:
+                break
+            pos += got
+        return pos
+
+    return await _drive(steps, perform)
 
 
 def _drive_blocking(raw_box: list, steps, timeout_seconds: float):
@@ -418,33 +427,34 @@ def _drive_blocking(raw_box: list, steps, timeout_seconds: float):
 
 
 def _run_blocking(raw: socket.socket, steps, timeout_seconds: float):
-    result, error = None, None
     raw.settimeout(None)
     whole, frac = divmod(max(timeout_seconds, 0.001), 1.0)
     timeval = struct.pack("ll", int(whole), int(frac * 1e6))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    while True:
-        try:
-            op, arg = steps.throw(error) if error is not None else steps.send(result)
-        except StopIteration as done:
-            return done.value
-        result, error = None, None
-        try:
-            if op == "send":
-                raw.sendall(arg)
-            elif op == "recv":
-                result = raw.recv(arg or HEAD_READ_BYTES)
-            else:  # "fill"
-                pos = 0
-                while pos < len(arg):
-                    got = raw.recv_into(arg[pos:], len(arg) - pos, socket.MSG_WAITALL)
-                    if not got:
-                        break
-                    pos += got
-                result = pos
-        except OSError as e:
-            error = e
+
+    async def perform(op: str, arg):  # never suspends: every call below blocks this thread
+        if op == "send":
+            return raw.sendall(arg)
+        if op == "recv":
+            return raw.recv(arg or HEAD_READ_BYTES)
+        pos = 0  # "fill": usually one call for the whole body
+        while pos < len(arg):
+            got = raw.recv_into(arg[pos:], len(arg) - pos, socket.MSG_WAITALL)
+            if not got:
+                break
+            pos += got
+        return pos
+
+    # The same driver as on the loop, stepped by hand: a coroutine that never awaits anything
+    # that suspends finishes in one send().
+    coro = _drive(steps, perform)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the blocking exchange suspended")  # a bug: perform() must not await
 
 
 def _clear_frames(e: BaseException | None) -> None:
