@@ -170,7 +170,9 @@ async def head_object(request: web.Request) -> web.Response:
 async def get_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "get"
     bucket, name = _names(request)
-    obj = request.app[STORE].open(bucket, name)
+    header = request.headers.get("Range")
+    # Only the chunks the range covers are opened (a bad range fails before any is).
+    obj = request.app[STORE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
     try:
         return await send_object(request, obj)
     finally:

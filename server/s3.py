@@ -29,6 +29,7 @@ import base64
 import binascii
 import hashlib
 import zlib
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -241,9 +242,26 @@ def _preconditions(request: web.Request, meta: ObjectMeta) -> web.Response | Non
     return None
 
 
+def _s3_span(rng: str | None) -> Callable[[ObjectMeta], tuple[int, int]] | None:
+    """The bytes a GET will send, so only their chunks are opened. Errors are left for
+    after the preconditions (S3 answers 412/304 before 416); an unparsable Range means the
+    whole object, as S3 ignores it."""
+    if rng is None:
+        return None
+
+    def span(meta: ObjectMeta) -> tuple[int, int]:
+        try:
+            return parse_range(rng, meta.size)
+        except RangeNotSatisfiable:
+            return 0, 0
+        except BadRequest:
+            return 0, meta.size
+    return span
+
+
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = _require_bucket(request), _key(request)
-    obj_ = request.app[STORE].open(bucket_name, key)
+    obj_ = request.app[STORE].open(bucket_name, key, _s3_span(request.headers.get("Range")))
     try:
         if (not_modified := _preconditions(request, obj_.meta)) is not None:
             return not_modified

@@ -140,10 +140,8 @@ class ShardIndexCache:
 
 def open_version(store: Store, meta: ObjectMeta) -> OpenObject:
     """Open exactly this version; NotFound if a PUT or DELETE has removed it since."""
-    files = [(store.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, i), c.size)
-             for i, c in enumerate(meta.chunks)]
     try:
-        return OpenObject(meta, files)
+        return store.open_version(meta)
     except FileNotFoundError:
         raise NotFound(f"ais://{meta.bucket}/{meta.name} changed while being read") from None
 

@@ -195,6 +195,41 @@ def test_truncated_large_object_fails_before_sending(tmp_path):
         assert r.status_code == 500 and "wrong size" in r.json()["message"]
 
 
+def test_range_get_opens_only_its_chunks(tmp_path):
+    """A range GET opens (and size-checks) only the chunks it sends: per request cost must
+    not grow with the object (a sequential read by ranges was quadratic in its size)."""
+    dirs = [tmp_path / "d1"]
+    data = os.urandom(4 * MiB)
+    with ServerProcess(dirs, "--chunk-size", str(MiB)) as srv:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        httpx.put(f"{srv.url}/v1/objects/b/big", content=data).raise_for_status()
+        chunk3 = next(p for p in (dirs[0] / "objs" / "b").rglob("*.3") if p.is_file())
+        os.truncate(chunk3, MiB // 2)  # damage a chunk the range below does not touch
+        lo, hi = MiB - 10, 3 * MiB - 1  # chunks 0..2, across two boundaries
+        r = httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={lo}-{hi}"})
+        assert r.status_code == 206 and r.content == data[lo:hi + 1]
+        s3 = httpx.get(f"{srv.url}/s3/b/big", headers={"Range": f"bytes={lo}-{hi}"})
+        assert s3.status_code == 206 and s3.content == data[lo:hi + 1]
+        for whole in (httpx.get(f"{srv.url}/v1/objects/b/big"),
+                      httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={3 * MiB}-"})):
+            assert whole.status_code == 500 and "wrong size" in whole.json()["message"]
+
+
+def test_open_span_opens_only_overlapping_chunks(tmp_path):
+    store = Store([tmp_path / "d"], 1 * MiB)
+    store.create_bucket("b")
+    data = os.urandom(5 * MiB + 7)
+    store.put_bytes("b", "o", data)
+    with store.open("b", "o", lambda meta: (MiB + MiB // 2, 3 * MiB)) as obj:
+        assert [fd >= 0 for fd, _ in obj.files] == [False, True, True, False, False, False]
+        store.put_bytes("b", "o", b"replaced")  # open descriptors keep the old version readable
+        assert obj.pread(MiB, 3 * MiB) == data[MiB:3 * MiB]
+        with pytest.raises(ValueError, match="chunk 3 was not opened"):
+            obj.pread(2 * MiB, 3 * MiB + 1)
+    with store.open("b", "o", lambda meta: (0, 0)) as obj:
+        assert all(fd < 0 for fd, _ in obj.files)
+
+
 def test_meta_cache_never_keeps_a_row_read_before_a_commit(tmp_path):
     store = Store([tmp_path / "d"], 1 * MiB, meta_cache_entries=2)
     store.create_bucket("b")
