@@ -6,10 +6,14 @@ An open file is read in *chunks*: aligned ranges of the object whose size is a m
 the server's own chunk size (``Ais-Chunks-Max-Chunk-Size`` from HEAD) close to
 ``chunk_size_bytes``, so every range GET maps onto whole stored chunks.
 
-* **Cursor.** Each handle remembers where its last read ended. A read is *sequential* if it
-  starts within ``backward`` bytes before or ``forward`` bytes after that point (the kernel
-  may deliver concurrent readahead requests slightly out of order, and a reader may skip a
-  little); the first read at offset 0 counts as sequential.
+* **Cursor.** Each handle remembers the furthest point its sequential reads reached. A read
+  is *sequential* if it starts within ``window`` chunks before or after that point, so reads
+  that arrive out of order still count: the kernel sends page-cache readahead as several
+  concurrent requests, pyfuse3 serves each in its own task, and trio does not keep their
+  order (a 16 MiB ``read_ahead_kb`` arrived up to 24 MiB behind the cursor; with a one-chunk
+  tolerance that reset the window ~30 times per GiB and halved the rate). A read behind the
+  cursor's previous chunk is served without starting read-ahead there again (its chunk was
+  let go). The first read at offset 0 counts as sequential.
 * **Window.** While reads stay sequential, the chunks from the current one up to ``window``
   ahead are requested concurrently (one task per chunk, each its own range GET). The window
   starts at ``INITIAL_WINDOW`` chunks and doubles every time the cursor enters a new chunk,
@@ -77,17 +81,21 @@ class SequentialWindow:
 
     def observe(self, offset: int, length: int) -> tuple[bool, range]:
         """Record a read; return (sequential?, chunks to have in flight or held)."""
-        forward = self.chunk_size * self.window
-        sequential = self.next_offset - self.chunk_size <= offset <= self.next_offset + forward
+        tolerance = self.chunk_size * self.window
+        sequential = self.next_offset - tolerance <= offset <= self.next_offset + tolerance
         first = offset // self.chunk_size
         last = (offset + max(length, 1) - 1) // self.chunk_size
         if sequential:
             if first > self.current_chunk >= 0:
                 self.window = min(self.window * 2, self.max_window)
-            wanted = range(first, max(last + 1, first + self.window))
+            # the cursor only moves forward: a late read must not drag it (and the window) back
+            self.current_chunk = max(self.current_chunk, first)
+            self.next_offset = max(self.next_offset, offset + length)
+            start = max(first, self.current_chunk - 1)
+            wanted = range(start, max(last + 1, self.current_chunk + self.window))
         else:
             self.window = min(INITIAL_WINDOW, self.max_window)
+            self.current_chunk = first
+            self.next_offset = offset + length
             wanted = range(first, last + 1)
-        self.current_chunk = first
-        self.next_offset = offset + length
         return sequential, wanted

@@ -69,6 +69,41 @@ def test_sequential_window_grows_and_random_resets():
     assert w.window == INITIAL_WINDOW
 
 
+def test_out_of_order_reads_stay_sequential():
+    """Page-cache readahead reaches the daemon as concurrent requests whose order trio does
+    not keep (it reverses a batch of runnable tasks half the time). Reads that arrive
+    reversed in groups of two chunks are still one sequential stream: whole chunks, each
+    fetched once, no window resets."""
+    client = memory_client(get_delay_seconds=0.001)
+    data = os.urandom(40 * CHUNK + 3)
+    client.put("b", "big", data)
+    block = 16 * KiB
+    offsets = list(range(0, len(data), block))
+    group = 2 * CHUNK // block
+    order = [off for i in range(0, len(offsets), group) for off in reversed(offsets[i:i + group])]
+
+    async def main():
+        async with engine(client, parallel_per_file=4) as eng:
+            fh = (await eng.open(await resolve(eng, "big"))).fh
+            got = {off: bytes(await eng.read(fh, off, block)) for off in order}
+            assert eng.reader.budget.peak_bytes <= (4 + 1) * CHUNK
+            eng.release(fh)
+        assert b"".join(got[off] for off in offsets) == data
+        ranges = sorted((s, e) for _, s, e in client.get_ranges)
+        assert ranges == [(i * CHUNK, min(len(data), (i + 1) * CHUNK)) for i in range(41)]
+
+    run(main)
+
+
+def test_a_late_read_behind_the_cursor_does_not_restart_read_ahead():
+    w = SequentialWindow(chunk_size=100, max_window=8)
+    for off in range(0, 1000, 100):
+        seq, wanted = w.observe(off, 100)
+    seq, late = w.observe(750, 10)  # arrives after the read of 900
+    assert seq and w.next_offset == 1000 and w.window == 8
+    assert late.start == 8  # chunk 7 was let go: served on its own, not read ahead again
+
+
 def test_sequential_read_prefetches_whole_chunks_in_parallel():
     client = memory_client(get_delay_seconds=0.01)
     data = os.urandom(40 * CHUNK + 3)
