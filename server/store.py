@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import email.utils
 import functools
 import heapq
 import io
@@ -46,8 +45,10 @@ import shutil
 import sqlite3
 import threading
 import time
+import wsgiref.handlers
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -97,7 +98,35 @@ class ObjectMeta:
     @functools.cached_property
     def last_modified(self) -> str:
         """HTTP date of the write; cached, since formatting costs as much as a small read."""
-        return email.utils.formatdate(self.atime_ns / 1e9, usegmt=True)
+        return http_date(self.atime_ns // 1_000_000_000)
+
+
+@functools.lru_cache(maxsize=4096)
+def http_date(seconds: int) -> str:
+    """HTTP date (RFC 9110) of a Unix time; objects written together share their second,
+    so a listing page formats few distinct dates."""
+    return wsgiref.handlers.format_date_time(seconds)
+
+
+class Listed(NamedTuple):
+    """One object as a listing shows it: what list pages need, without its chunk table.
+
+    Decoding every row's chunk table (JSON) and formatting dates with ``email.utils`` made a
+    10,000-entry page cost ~230 ms of server CPU."""
+
+    name: str
+    size: int
+    cksum: str
+    version: int
+    atime_ns: int
+
+    @property
+    def etag(self) -> str:
+        return f"{self.cksum}-{self.version}"
+
+    @property
+    def last_modified(self) -> str:
+        return http_date(self.atime_ns // 1_000_000_000)
 
 
 def hrw(key: str, ids: list[str]) -> str:
@@ -484,7 +513,7 @@ class Store:
                 for i, c in enumerate(meta.chunks)]
 
     # -- listing ---------------------------------------------------------------------------
-    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[ObjectMeta], str]:
+    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:
         """Up to ``limit`` objects with names > ``after`` starting with ``prefix``, in name
         order, and the token for the next page ('' when this is the last page)."""
         self.require_bucket(bucket)
@@ -496,15 +525,15 @@ class Store:
         else:
             where, bound = "name >= ?", prefix
 
-        def scan(mp: Mountpath) -> Iterator[ObjectMeta]:
+        def scan(mp: Mountpath) -> Iterator[Listed]:
             # Each scan reads at most limit+1 rows from the (bucket, name) primary key.
             cur = mp.reader().execute(
-                f"SELECT * FROM objects WHERE bucket = ? AND {where} ORDER BY name LIMIT ?",
-                (bucket, bound, limit + 1))
+                f"SELECT name, size, cksum, version, atime_ns FROM objects WHERE bucket = ? AND {where} "
+                "ORDER BY name LIMIT ?", (bucket, bound, limit + 1))
             for row in cur:
-                if not row[1].startswith(prefix):
+                if not row[0].startswith(prefix):
                     break
-                yield _row_to_meta(row)
+                yield Listed._make(row)
 
         merged = heapq.merge(*(scan(mp) for mp in self.mountpaths), key=lambda m: m.name)
         # A name can briefly have rows on two mountpaths (mid-move after adding a disk, or

@@ -230,6 +230,20 @@ def test_open_span_opens_only_overlapping_chunks(tmp_path):
         assert all(fd < 0 for fd, _ in obj.files)
 
 
+def test_listing_rows_match_the_objects(tmp_path):
+    """Listings read only the columns they show (no chunk tables): the same name, size,
+    ETag and Last-Modified as the object itself."""
+    store = Store([tmp_path / "d"], 1 * MiB)
+    store.create_bucket("b")
+    metas = [store.put_bytes("b", f"o{i}", os.urandom(i * 300_000)) for i in range(5)]
+    page, token = store.list_page("b", "", "", 10)
+    assert token == "" and [m.name for m in page] == [m.name for m in metas]
+    for listed, meta in zip(page, metas):
+        assert (listed.size, listed.etag, listed.last_modified, listed.atime_ns) == \
+            (meta.size, meta.etag, meta.last_modified, meta.atime_ns)
+    assert page[0].last_modified.endswith(" GMT") and time.strptime(page[0].last_modified, "%a, %d %b %Y %H:%M:%S GMT")
+
+
 def test_meta_cache_never_keeps_a_row_read_before_a_commit(tmp_path):
     store = Store([tmp_path / "d"], 1 * MiB, meta_cache_entries=2)
     store.create_bucket("b")
