@@ -125,6 +125,32 @@ def test_large_directory_is_probed_per_name_with_negative_cache_and_ttl():
     trio.run(main)
 
 
+def test_listing_pages_start_small_and_grow():
+    """A directory's first listing page is small (an AIStore listing is recursive: it may be
+    spent on one subdirectory's objects), and pages grow to the backend's size."""
+    client = memory_client()
+    for i in range(30_000):
+        client.put("b", f"flat/{i:05d}", b"")
+    client.put("b", "x", b"1")
+
+    async def main():
+        ns = Namespace(config(), client)
+        assert ns.page_size == 10_000
+        await ns.lookup(ROOT_INODE, "x")
+        assert client.list_page_sizes == [1000]
+        flat = await ns.lookup(ROOT_INODE, "flat")
+        client.list_page_sizes.clear()
+        await ns.lookup(flat.ino, "00042")  # 30,000 names: within the lookup's 50,000 budget
+        assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
+        fresh = Namespace(config(), client)
+        flat = await fresh.lookup(ROOT_INODE, "flat")
+        client.list_page_sizes.clear()
+        assert len(await listdir(fresh, flat.ino)) == 30_000
+        assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
+
+    trio.run(main)
+
+
 def test_all_buckets_and_prefix_sources():
     client = memory_client()
     client.buckets["other"] = {}

@@ -24,6 +24,7 @@ class MemoryClient(ObjectClient):
         self.chunk_size = chunk_size
         self.get_delay_seconds = get_delay_seconds
         self.calls: collections.Counter[str] = collections.Counter()
+        self.list_page_sizes: list[int] = []  # page_size of every list_dir call, in order
         self.get_ranges: list[tuple[str, int, int]] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -52,6 +53,7 @@ class MemoryClient(ObjectClient):
 
     async def list_dir(self, bucket: str, prefix: str, token: str = "", page_size: int = 1000) -> DirPage:
         self.calls["list"] += 1
+        self.list_page_sizes.append(page_size)
         await trio.sleep(0)
         if bucket not in self.buckets:
             raise NotFound(f"bucket {bucket}: not found")
