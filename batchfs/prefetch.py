@@ -6,14 +6,18 @@ An open file is read in *chunks*: aligned ranges of the object whose size is a m
 the server's own chunk size (``Ais-Chunks-Max-Chunk-Size`` from HEAD) close to
 ``chunk_size_bytes``, so every range GET maps onto whole stored chunks.
 
-* **Cursor.** Each handle remembers the furthest point its sequential reads reached. A read
-  is *sequential* if it starts within ``window`` chunks before or after that point, so reads
-  that arrive out of order still count: the kernel sends page-cache readahead as several
-  concurrent requests, pyfuse3 serves each in its own task, and trio does not keep their
-  order (a 16 MiB ``read_ahead_kb`` arrived up to 24 MiB behind the cursor; with a one-chunk
-  tolerance that reset the window ~30 times per GiB and halved the rate). A read behind the
-  cursor's previous chunk is served without starting read-ahead there again (its chunk was
-  let go). The first read at offset 0 counts as sequential.
+* **Cursor.** Each handle has a cursor: where its sequential reading has got to. A read that
+  starts exactly where the previous read ended *continues* it, and the cursor follows it
+  (also backwards: a reader that peeks ahead and comes back streams again from where it is).
+  Any other read is *sequential* if it starts within ``window`` chunks before or after the
+  cursor, so reads that arrive out of order still count: the kernel sends page-cache
+  readahead as several concurrent requests, pyfuse3 serves each in its own task, and trio
+  does not keep their order (a 16 MiB ``read_ahead_kb`` arrived up to 24 MiB behind the
+  cursor; with a one-chunk tolerance that reset the window ~30 times per GiB and halved the
+  rate). Such a read moves the cursor only forward; one that ends before the cursor's read
+  did is *late*: it keeps what is held and starts no read-ahead, only its own chunk if that
+  is the cursor's or the one before (so a reader going backwards fetches each byte about
+  once). The first read at offset 0 continues the empty one.
 * **Window.** While reads stay sequential, the chunks from the current one up to ``window``
   ahead are requested concurrently (one task per chunk, each its own range GET). The window
   starts at ``INITIAL_WINDOW`` chunks and doubles every time the cursor enters a new chunk,
@@ -66,6 +70,15 @@ def request_chunk_size(server_chunk: int | None, wanted: int) -> int:
     return server_chunk * max(1, round(wanted / server_chunk))
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one read means for its handle's chunks."""
+
+    sequential: bool
+    keep: range  # chunks worth holding: the handle lets go of every other one
+    start: range  # chunks to fetch now unless held (read-ahead); empty for random and late reads
+
+
 @dataclasses.dataclass
 class SequentialWindow:
     """Per-handle cursor and window, in chunks. Pure policy: no I/O, unit-testable."""
@@ -73,29 +86,35 @@ class SequentialWindow:
     chunk_size: int
     max_window: int
     window: int = INITIAL_WINDOW
-    next_offset: int = 0
-    current_chunk: int = -1
+    next_offset: int = 0  # where the cursor's read ended
+    current_chunk: int = -1  # the chunk the cursor's read started in
+    last_end: int = 0  # where the previous read (of any kind) ended
 
     def __post_init__(self) -> None:
         self.window = min(self.window, self.max_window)
 
-    def observe(self, offset: int, length: int) -> tuple[bool, range]:
-        """Record a read; return (sequential?, chunks to have in flight or held)."""
+    def observe(self, offset: int, length: int) -> Plan:
+        """Record a read and say which chunks to keep and which to start fetching."""
+        continues = offset == self.last_end
+        self.last_end = offset + length
         tolerance = self.chunk_size * self.window
-        sequential = self.next_offset - tolerance <= offset <= self.next_offset + tolerance
+        sequential = continues or self.next_offset - tolerance <= offset <= self.next_offset + tolerance
         first = offset // self.chunk_size
         last = (offset + max(length, 1) - 1) // self.chunk_size
-        if sequential:
-            if first > self.current_chunk >= 0:
-                self.window = min(self.window * 2, self.max_window)
-            # the cursor only moves forward: a late read must not drag it (and the window) back
+        if not sequential:
+            self.window = min(INITIAL_WINDOW, self.max_window)
+            self.current_chunk, self.next_offset = first, offset + length
+            return Plan(False, range(max(first - 1, 0), last + 1), range(0))
+        late = not continues and offset + length <= self.next_offset
+        if first > self.current_chunk >= 0:
+            self.window = min(self.window * 2, self.max_window)
+        if continues:  # the reader streams from here, also back here after a peek ahead
+            self.current_chunk, self.next_offset = first, offset + length
+        else:  # out of order: a late read never drags the cursor (and the window) back
             self.current_chunk = max(self.current_chunk, first)
             self.next_offset = max(self.next_offset, offset + length)
-            start = max(first, self.current_chunk - 1)
-            wanted = range(start, max(last + 1, self.current_chunk + self.window))
-        else:
-            self.window = min(INITIAL_WINDOW, self.max_window)
-            self.current_chunk = first
-            self.next_offset = offset + length
-            wanted = range(first, last + 1)
-        return sequential, wanted
+        ahead = range(first, max(last + 1, self.current_chunk + self.window))
+        keep = range(max(first - 1, 0), ahead.stop)
+        if late:  # fetch its own chunk if it is the cursor's or the one before, nothing more
+            return Plan(True, keep, range(max(first, self.current_chunk - 1), min(last, self.current_chunk) + 1))
+        return Plan(True, keep, ahead)

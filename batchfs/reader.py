@@ -164,15 +164,13 @@ class FileReader:
         if self.window is None:
             self.window = await self._geometry()
         chunk = self.window.chunk_size
-        sequential, wanted = self.window.observe(offset, end - offset)
-        last = wanted.stop - 1
-        for index in list(self.slots):  # let go of chunks behind the cursor or not wanted
-            if index < wanted.start - 1 or (not sequential and index > last):
+        plan = self.window.observe(offset, end - offset)
+        for index in list(self.slots):  # let go of chunks left behind or skipped
+            if index not in plan.keep:
                 self._drop(index)
-        if sequential:
-            for index in wanted:
-                if index * chunk < size and index not in self.slots:
-                    self._start(index)
+        for index in plan.start:
+            if index * chunk < size and index not in self.slots:
+                self._start(index)
         parts = []
         for index in range(offset // chunk, (end - 1) // chunk + 1):
             lo, hi = max(offset, index * chunk), min(end, (index + 1) * chunk)

@@ -56,16 +56,16 @@ def test_small_object_is_one_get_served_from_memory():
 
 def test_sequential_window_grows_and_random_resets():
     w = SequentialWindow(chunk_size=100, max_window=8)
-    seq, wanted = w.observe(0, 100)
-    assert seq and len(wanted) == INITIAL_WINDOW
+    plan = w.observe(0, 100)
+    assert plan.sequential and len(plan.start) == INITIAL_WINDOW
     sizes = []
     for off in range(100, 1000, 100):
-        seq, wanted = w.observe(off, 100)
-        assert seq
-        sizes.append(len(wanted))
+        plan = w.observe(off, 100)
+        assert plan.sequential
+        sizes.append(len(plan.start))
     assert sizes[:3] == [4, 8, 8] and max(sizes) == 8
-    seq, wanted = w.observe(50_000, 10)
-    assert not seq and list(wanted) == [500]
+    plan = w.observe(50_000, 10)
+    assert not plan.sequential and list(plan.start) == [] and list(plan.keep) == [499, 500]
     assert w.window == INITIAL_WINDOW
 
 
@@ -98,10 +98,59 @@ def test_out_of_order_reads_stay_sequential():
 def test_a_late_read_behind_the_cursor_does_not_restart_read_ahead():
     w = SequentialWindow(chunk_size=100, max_window=8)
     for off in range(0, 1000, 100):
-        seq, wanted = w.observe(off, 100)
-    seq, late = w.observe(750, 10)  # arrives after the read of 900
-    assert seq and w.next_offset == 1000 and w.window == 8
-    assert late.start == 8  # chunk 7 was let go: served on its own, not read ahead again
+        w.observe(off, 100)
+    late = w.observe(750, 10)  # arrives after the read of 900
+    assert late.sequential and w.next_offset == 1000 and w.window == 8
+    assert list(late.start) == [] and late.keep.start == 6  # keeps what is held, starts nothing
+    back = w.observe(760, 10)  # but a reader continuing from there is streaming again
+    assert back.sequential and w.next_offset == 770 and back.start == range(7, 15)
+
+
+def test_peek_ahead_then_continue_streams_again():
+    """A reader that reads once a few chunks ahead, then carries on where it was, gets
+    read-ahead again at once (not one small GET per read until it passes the peek)."""
+    client = memory_client(get_delay_seconds=0.001)
+    data = os.urandom(40 * CHUNK)
+    client.put("b", "big", data)
+    block = 16 * KiB
+
+    async def main():
+        async with engine(client, parallel_per_file=8) as eng:
+            fh = (await eng.open(await resolve(eng, "big"))).fh
+            off = 0
+            while off < 8 * CHUNK:
+                assert await eng.read(fh, off, block) == data[off:off + block]
+                off += block
+            peek = off + 6 * CHUNK
+            assert await eng.read(fh, peek, block) == data[peek:peek + block]
+            client.get_ranges.clear()
+            while off < 20 * CHUNK:
+                assert await eng.read(fh, off, block) == data[off:off + block]
+                off += block
+            eng.release(fh)
+        partial = [r for r in client.get_ranges if r[2] - r[1] < CHUNK]
+        assert len(partial) <= 1  # only the first read back is served on its own
+
+    run(main)
+
+
+def test_reading_backwards_fetches_each_byte_about_once():
+    client = memory_client()
+    data = os.urandom(32 * CHUNK)
+    client.put("b", "big", data)
+    block = 16 * KiB
+
+    async def main():
+        async with engine(client) as eng:
+            fh = (await eng.open(await resolve(eng, "big"))).fh
+            for off in range(len(data) - block, -1, -block):
+                assert await eng.read(fh, off, block) == data[off:off + block]
+            eng.release(fh)
+        fetched = sum(e - s for _, s, e in client.get_ranges)
+        assert fetched <= 1.2 * len(data)  # a block read on its own, then its chunk whole (1.125x)
+        assert len(client.get_ranges) <= len(data) // block // 2  # mostly whole chunks, not blocks
+
+    run(main)
 
 
 def test_sequential_read_prefetches_whole_chunks_in_parallel():
