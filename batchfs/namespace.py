@@ -211,7 +211,8 @@ class Namespace:
     async def _list_for_lookup(self, bucket: str, prefix: str) -> dict | None:
         """List a directory for a lookup: its complete listing (now cached), or None.
 
-        At most ``LOOKUP_LIST_MAX_PAGES`` pages: a larger directory is marked ``_large`` for the
+        At most ``LOOKUP_LIST_MAX_PAGES`` full pages' worth of entries (the last page asks for
+        no more than the budget has left): a larger directory is marked ``_large`` for the
         TTL and answered by per-name probes. Concurrent lookups wait for the one listing in
         flight, then look again (and probe if it did not produce a listing)."""
         key = (bucket, prefix)
@@ -232,9 +233,10 @@ class Namespace:
                     self._store_listing(key, collected)
                     return collected
                 budget -= size
-                size = self._next_page_size(size)
+                size = min(self._next_page_size(size), budget)
             self._large[key] = True
-            log.debug("%s/%s: more than %d pages, lookups probe names", bucket, prefix, LOOKUP_LIST_MAX_PAGES)
+            log.debug("%s/%s: more than %d entries, lookups probe names", bucket, prefix,
+                      LOOKUP_LIST_MAX_PAGES * self.page_size)
             return None
         finally:
             del self._listing[key]

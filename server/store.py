@@ -457,7 +457,8 @@ class Store:
         files: list[tuple[Path | None, int]] = []
         base = 0
         for i, c in enumerate(meta.chunks):
-            wanted = base < end and start < base + c.size
+            # an empty object's one empty chunk is opened too, so its file is still checked
+            wanted = base < end and start < base + c.size if c.size else start <= base <= end
             files.append((self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, i) if wanted else None, c.size))
             base += c.size
         return OpenObject(meta, files)

@@ -142,11 +142,19 @@ def test_listing_pages_start_small_and_grow():
         client.list_page_sizes.clear()
         await ns.lookup(flat.ino, "00042")  # 30,000 names: within the lookup's 50,000 budget
         assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
+        for i in range(30_000, 60_000):  # now more than the budget: exactly 50,000 entries asked
+            client.put("b", f"flat/{i:05d}", b"")
+        ns._dirs.clear()
+        client.list_page_sizes.clear()
+        await ns.lookup(flat.ino, "00043")
+        assert client.list_page_sizes[:7] == [1000, 4000, 10_000, 10_000, 10_000, 10_000, 5000]
+        assert sum(client.list_page_sizes[:7]) == 50_000 and ns._large.get(("b", "flat/"))
         fresh = Namespace(config(), client)
         flat = await fresh.lookup(ROOT_INODE, "flat")
         client.list_page_sizes.clear()
-        assert len(await listdir(fresh, flat.ino)) == 30_000
-        assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
+        assert len(await listdir(fresh, flat.ino)) == 60_000
+        assert client.list_page_sizes[:2] == [1000, 4000]
+        assert set(client.list_page_sizes[2:]) == {10_000}
 
     trio.run(main)
 

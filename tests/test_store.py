@@ -228,6 +228,9 @@ def test_open_span_opens_only_overlapping_chunks(tmp_path):
             obj.pread(2 * MiB, 3 * MiB + 1)
     with store.open("b", "o", lambda meta: (0, 0)) as obj:
         assert all(fd < 0 for fd, _ in obj.files)
+    store.put_bytes("b", "empty", b"")
+    with store.open("b", "empty") as obj:  # its one empty chunk file is opened (and checked)
+        assert [fd >= 0 for fd, _ in obj.files] == [True] and obj.pread() == b""
 
 
 def test_listing_rows_match_the_objects(tmp_path):
