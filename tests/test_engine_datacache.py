@@ -92,7 +92,8 @@ def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
         cache.put("big", b"b" * 100_000)
         await _drain(cache)
         assert await cache.get("small") == b"s" * 100
-        assert os.getpriority(os.PRIO_PROCESS, cache._idle.tid) == 19  # writes take only spare CPU
+        assert os.getpriority(os.PRIO_PROCESS, cache._idle.tid) == 19  # writes take only spare CPU,
+        assert os.sched_getscheduler(cache._idle.tid) == os.SCHED_IDLE  # and yield to any wakeup
         cache.close()
         again = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
         assert await again.get("big") == b"b" * 100_000 and await again.get("small") == b"s" * 100
