@@ -95,9 +95,9 @@ class ObjectMeta:
     def etag(self) -> str:
         return f"{self.cksum}-{self.version}"
 
-    @functools.cached_property
+    @property
     def last_modified(self) -> str:
-        """HTTP date of the write; cached, since formatting costs as much as a small read."""
+        """HTTP date of the write (``http_date`` caches the formatting)."""
         return http_date(self.atime_ns // 1_000_000_000)
 
 
