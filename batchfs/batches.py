@@ -64,8 +64,10 @@ class BatchConfig:
 
 
 class BatchFile:
-    def __init__(self, mgr: "BatchManager", name: str):
+    def __init__(self, mgr: "BatchManager", name: str, uid: int = 0, gid: int = 0, mode: int = 0o600):
         self.mgr, self.name = mgr, name
+        # the creator's: fixed for the file's life (truncate keeps them); see batchops
+        self.uid, self.gid, self.mode = uid, gid, mode
         self.state = "empty"
         self.buf = bytearray()
         self.reason: str | None = None
@@ -107,7 +109,7 @@ class BatchFile:
             raise InvalidArgument(f"{self.name}: batch files can only be truncated to 0 (to start over)")
         self._stop()
         opens = self.opens
-        self.__init__(self.mgr, self.name)
+        self.__init__(self.mgr, self.name, self.uid, self.gid, self.mode)
         self.opens = opens
 
     def _fail(self, reason: str) -> None:
@@ -245,7 +247,9 @@ class BatchManager:
             return StatusFile(self.files[name[:-len(STATUS_SUFFIX)]])
         raise NotFound(f".batch/{name}: no such batch")
 
-    def new(self, name: str) -> BatchFile:
+    def new(self, name: str, uid: int = 0, gid: int = 0, mode: int = 0o600) -> BatchFile:
+        """The batch ``name``, created for ``uid``/``gid`` with ``mode`` if it does not exist
+        (an existing one is returned as it is: callers check who may use it)."""
         if name in self.files:
             return self.files[name]
         if name.endswith(STATUS_SUFFIX):
@@ -254,7 +258,7 @@ class BatchManager:
             raise InvalidArgument(f"invalid batch name {name!r}")
         if len(self.files) >= self.config.max_batches:
             raise TooManyBatches(f"already {len(self.files)} batch files (max_batches); remove some")
-        bf = self.files[name] = BatchFile(self, name)
+        bf = self.files[name] = BatchFile(self, name, uid, gid, mode)
         return bf
 
     def unlink(self, name: str) -> None:
