@@ -221,7 +221,7 @@ class BatchManager:
     """All batch files of one mount. Create it with :meth:`create` inside a nursery."""
 
     def __init__(self, nursery: trio.Nursery, source: BatchSource, *, bucket: str | None, prefix: str = "",
-                 mountpoint: str | None = None, config: BatchConfig = BatchConfig()):
+                 mountpoint: str | Sequence[str] | None = None, config: BatchConfig = BatchConfig()):
         self.nursery, self.source, self.config = nursery, source, config
         self.bucket, self.prefix, self.mountpoint = bucket, prefix, mountpoint
         self.files: dict[str, BatchFile] = {}

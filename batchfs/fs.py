@@ -278,8 +278,11 @@ async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
     from batchfs.batchops import BatchControl
 
     src = config.source
+    # absolute paths in manifests may use the mountpoint as given or its symlink-free form,
+    # both computed now, before the mount exists (resolving through it later could deadlock)
+    where = (os.path.abspath(config.mountpoint), os.path.realpath(config.mountpoint))
     mgr = await BatchManager.create(nursery, make_source(client), bucket=src.bucket, prefix=src.prefix,
-                                    mountpoint=os.path.abspath(config.mountpoint))
+                                    mountpoint=where)
     return BatchControl(mgr)
 
 

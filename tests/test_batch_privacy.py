@@ -197,3 +197,61 @@ def test_mode_follows_the_creators_umask_and_is_capped(shared_mnt, data):
     assert oct(os.stat(d / "a").st_mode & 0o7777) == "0o400"
     st = os.stat(d)
     assert oct(st.st_mode) == "0o41777"  # sticky and world-writable, like /tmp
+
+
+# -- point 7: a manifest reaches only what the mount shows ----------------------------------------
+def _status(path) -> dict:
+    return json.loads(Path(str(path) + ".status").read_text())
+
+
+def test_manifest_reaches_only_what_a_prefix_mount_shows(server, bucket, tmp_path):
+    victim = bucket + "v"
+    with httpx.Client() as c:
+        c.post(f"{server.url}/v1/buckets/{victim}", json={"action": "create-bck", "name": "", "value": None}).raise_for_status()
+        for b, k, v in [(bucket, "pre/a.jpg", b"inside"), (bucket, "secret.jpg", b"outside the prefix"),
+                        (bucket, "pre-lookalike/x.jpg", b"a lookalike prefix"), (victim, "pre/a.jpg", b"victim data"),
+                        (bucket, "pre/.batch/x", b"shadowed by .batch")]:
+            c.put(f"{server.url}/v1/objects/{b}/{k}", content=v).raise_for_status()
+    real = tmp_path / "real"
+    (real / "mnt").mkdir(parents=True)
+    (tmp_path / "via").symlink_to(real)
+    (tmp_path / "other").symlink_to(real / "mnt")
+    mp = tmp_path / "via" / "mnt"  # mounted through a symlink: both spellings are the mount
+    m = MountProcess({"kind": "ais", "endpoint": server.url, "bucket": bucket, "prefix": "pre/"}, mp)
+    try:
+        m.start()
+        ctl = mp / ".batch"
+        assert (mp / "a.jpg").read_bytes() == b"inside"
+        refused = {
+            "other-bucket": ({"in": [{"bucket": victim, "objname": "pre/a.jpg"}]}, f"bucket '{victim}' is not the mounted bucket"),
+            "outside-prefix": ({"in": [{"objname": "secret.jpg"}]}, "outside the mounted prefix 'pre/'"),
+            "lookalike": ({"in": [{"objname": "pre-lookalike/x.jpg"}]}, "outside the mounted prefix"),
+            "shadowed": ({"in": [{"objname": "pre/.batch/x"}]}, "hidden by the mount's .batch/"),
+            "dotdot-objname": ({"in": [{"objname": "pre/../secret.jpg"}]}, "'..' segment"),
+            "dotdot-path": (["../secret.jpg"], "'..' segment"),
+            "dotdot-abs": ([str(real / "mnt") + "/../secret.jpg"], "'..' segment"),
+            "abs-outside": (["/etc/passwd"], "outside the mount"),
+            "symlink": ([str(tmp_path / "other" / "a.jpg")], "symlinks are not followed"),
+            "archpath": ({"in": [{"objname": "pre/a.jpg", "archpath": "../../etc/passwd"}]}, "'..' segment"),
+            "outside.plan": (["a.jpg", "../secret.jpg"], "entry 1: '../secret.jpg' has a '..' segment"),
+        }
+        for name, (doc, reason) in refused.items():
+            with pytest.raises(OSError) as e:
+                (ctl / name).write_text(json.dumps(doc))
+            assert e.value.errno == errno.EINVAL, name
+            assert reason in _status(ctl / name)["reason"], name
+        # both spellings of the mountpoint, and the object entry inside the prefix, are fine
+        (ctl / "ok").write_text(json.dumps({"in": [str(mp / "a.jpg"), str(real / "mnt" / "a.jpg"),
+                                                  {"objname": "pre/a.jpg"}], "onob": True}))
+        assert members(ctl / "ok") == [("a.jpg", b"inside")] * 2 + [("pre/a.jpg", b"inside")]
+        # an escape is a literal name under the prefix: not found, never another object's bytes
+        (ctl / "esc").write_text(json.dumps({"in": ["..%2Fsecret.jpg", "%2e%2e/secret.jpg",
+                                                   {"objname": "pre/..%2F..%2F" + victim + "%2Fpre%2Fa.jpg"}],
+                                             "coer": True, "onob": True}))
+        got = members(ctl / "esc")
+        assert [n for n, _ in got] == ["__404__/..%2Fsecret.jpg", "__404__/%2e%2e/secret.jpg",
+                                       f"__404__/pre/..%2F..%2F{victim}%2Fpre%2Fa.jpg"]
+        assert all(d == b"" for _, d in got)
+    finally:
+        m.stop()
+        print(m.log()[-5000:])
