@@ -41,7 +41,7 @@ from batchfs import manifest as mf
 from batchfs.batchclient import BatchClientConfig, BatchSource
 from batchfs.errors import BatchfsError, InvalidArgument, NotFound
 from batchfs.plans import Plan, PlanConfig, PlanRegistry
-from batchfs.tarview import Rewound, TarView, ViewConfig
+from batchfs.tarview import BatchIOError, Rewound, TarView, ViewConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,17 @@ class BatchFile:
     def _fail(self, reason: str) -> None:
         self.state, self.reason = "failed", reason
         self.buf = bytearray()
-        raise mf.ManifestError(f"{self.name}: {reason}")
+        raise mf.ManifestError(f"{self.where()}: {reason}{self._hint()}")
+
+    def where(self) -> str:
+        """The file's path as its users see it, for messages and log lines."""
+        return self.mgr.path_of(self.name)
+
+    def _hint(self) -> str:
+        # The caller gets only an errno; this goes into the daemon's log line, which then says
+        # where the reason stays readable (issue 9: users did not find NAME.status).
+        p = self.where()
+        return f" (the reason stays in {p}{STATUS_SUFFIX}: cat it, or run: batchfs status {p})"
 
     def _submit(self) -> None:
         cfg, mgr = self.mgr.config, self.mgr
@@ -172,18 +182,23 @@ class BatchFile:
         if self.state == "empty":
             raise InvalidArgument(f"{self.name}: no manifest written yet")
         if self.state == "failed":
-            raise InvalidArgument(f"{self.name}: {self.reason}")
+            raise InvalidArgument(f"{self.where()}: {self.reason}{self._hint()}")
         if self.plan is not None:
             return self._snap("progress", offset, size, self.plan.progress)
         try:
             return await self.view.read(offset, size)
+        except BatchIOError as e:
+            raise BatchIOError(f"{self.where()}: {e}{self._hint()}") from None
         except Rewound:
             # A reader started over (a second `tar -t`, tarfile seeking back): fetch again.
             self._scope.cancel()
             self.restarts += 1
             self.state = "running"
             self._start_view()
-            return await self.view.read(offset, size)
+            try:
+                return await self.view.read(offset, size)
+            except BatchIOError as e:
+                raise BatchIOError(f"{self.where()}: {e}{self._hint()}") from None
 
     def _snap(self, kind: str, offset: int, size: int, render) -> bytes:
         """JSON documents are rendered at offset 0 and sliced, so one read(2) loop sees one."""
@@ -232,6 +247,10 @@ class BatchManager:
         mgr = cls(nursery, source, **kw)
         nursery.start_soon(mgr._expire_loop)
         return mgr
+
+    def path_of(self, name: str) -> str:
+        mp = self.mountpoint if isinstance(self.mountpoint, str) or self.mountpoint is None else self.mountpoint[0]
+        return f"{mp.rstrip('/')}/{mf.CONTROL_DIR}/{name}" if mp else f"{mf.CONTROL_DIR}/{name}"
 
     def names(self) -> list[str]:
         out = []

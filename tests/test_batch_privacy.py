@@ -144,6 +144,10 @@ def test_another_user_cannot_read_rewrite_or_remove_roots_batch(shared_mnt, data
     # root's next read returns root's batch, untouched
     assert members(ctl) == [(n, data[n]) for n in names]
     assert sorted(os.listdir(shared_mnt / ".batch")) == ["mine", "mine.status"]
+    # and `batchfs status` tells the other user why, rather than a bare EACCES
+    r = subprocess.run([*_AS_NOBODY, sys.executable, "-m", "batchfs.cli", "status", p], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "another user's batch" in r.stderr
 
 
 def test_another_user_has_its_own_batches_and_root_may_read_and_remove_them(shared_mnt, data):
