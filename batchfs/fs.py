@@ -7,6 +7,9 @@ EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
 The mount is read-only: every mutating operation answers EROFS, except inside ``.batch/``:
 inodes and handles there (``batch_control.owns``) and the root's ``.batch`` go to
 ``batchfs.batchops.BatchControl``. (The kernel-level ``ro`` option is therefore not set.)
+Control files belong to the user whose request created them: the handlers pass the request's
+uid, gid and umask (``_caller(ctx)``) along, and ``default_permissions`` is always set, so the
+kernel checks the attributes ``BatchControl`` reports before a request gets here.
 
 ``serve`` is the whole life of a mount; the CLI (``batchfs.mountcli``) calls it under
 ``trio.run``.
@@ -224,6 +227,8 @@ def _source_name(source) -> str:
 def _mount_options(config: MountConfig) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions
     # no kernel "ro": it would refuse `.batch/` writes; every other write answers EROFS
+    # default_permissions always: with allow_other the kernel keeps users out of each other's
+    # `.batch/` files by their owner and mode (batchops); there is no option to drop it
     opts.add("default_permissions")
     for o in config.fuse_options:
         opts |= {p for p in o.split(",") if p}
