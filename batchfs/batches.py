@@ -20,7 +20,8 @@ State machine of a batch file (``BatchFile.state``)::
 - For every batch ``NAME`` a read-only ``NAME.status`` sibling holds JSON: state, reason,
   entry/member/byte counts. Names ending in ``.status`` cannot be created.
 
-Bounds: at most ``max_batches`` files; each holds at most ``limits.max_bytes`` of manifest
+Bounds: at most ``max_batches`` files (users other than the mount's own: ``max_batches_per_user``
+each, and never the owner's last ``min(max_batches_per_user, max_batches // 4)``); each holds at most ``limits.max_bytes`` of manifest
 while writing (freed on submit), its resolved entries (``limits.max_entries``, ~200 B each)
 and ``view.buffer_bytes`` of TAR; plans share ``plan.memory_bytes``. Idle files (no open
 handle, no activity for ``idle_seconds``) are cancelled and removed.
@@ -32,6 +33,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -60,6 +62,10 @@ class BatchConfig:
     client: BatchClientConfig = BatchClientConfig()
     plan: PlanConfig = PlanConfig()
     max_batches: int = 256  # batch and plan files at once
+    # With allow_other: each user but the mount's own holds at most this many, and those users
+    # together leave the owner this many (at most a quarter of max_batches): no one user can
+    # leave the others, or all of them the owner, with ENOSPC.
+    max_batches_per_user: int = 64
     idle_seconds: float = 600.0  # unopened, untouched files are removed after this
 
 
@@ -236,8 +242,10 @@ class BatchManager:
     """All batch files of one mount. Create it with :meth:`create` inside a nursery."""
 
     def __init__(self, nursery: trio.Nursery, source: BatchSource, *, bucket: str | None, prefix: str = "",
-                 mountpoint: str | Sequence[str] | None = None, config: BatchConfig = BatchConfig()):
+                 mountpoint: str | Sequence[str] | None = None, config: BatchConfig = BatchConfig(),
+                 owner_uid: int | None = None):
         self.nursery, self.source, self.config = nursery, source, config
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid  # the mount's user
         self.bucket, self.prefix, self.mountpoint = bucket, prefix, mountpoint
         self.files: dict[str, BatchFile] = {}
         self.plans = PlanRegistry(source, config.plan)
@@ -275,8 +283,17 @@ class BatchManager:
             raise InvalidArgument(f"{name}: names ending in {STATUS_SUFFIX} are the status files of batches")
         if not name or "/" in name or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
             raise InvalidArgument(f"invalid batch name {name!r}")
-        if len(self.files) >= self.config.max_batches:
+        cfg = self.config
+        if len(self.files) >= cfg.max_batches:
             raise TooManyBatches(f"already {len(self.files)} batch files (max_batches); remove some")
+        if uid != self.owner_uid:
+            mine = sum(f.uid == uid for f in self.files.values())
+            if mine >= cfg.max_batches_per_user:
+                raise TooManyBatches(f"uid {uid} already has {mine} batch files (max_batches_per_user); remove some")
+            others = sum(f.uid != self.owner_uid for f in self.files.values())
+            if others >= cfg.max_batches - min(cfg.max_batches_per_user, cfg.max_batches // 4):
+                raise TooManyBatches(f"other users hold {others} batch files; the remaining "
+                                     f"{cfg.max_batches - others} are kept for the mount's owner")
         bf = self.files[name] = BatchFile(self, name, uid, gid, mode)
         return bf
 

@@ -218,6 +218,35 @@ def test_control_files_belong_to_their_creator_without_the_kernels_help():
     trio.run(with_manager, EmulatedBatchSource(client), body)
 
 
+def test_other_users_cannot_use_up_the_batch_files():
+    client, _ = memory_client()
+
+    async def body(mgr):
+        ctl = BatchControl(mgr)
+
+        def create(name, who):
+            return ctl.create(DIR_INO, name, os.O_WRONLY | os.O_CREAT, 0o600, who)[0]
+
+        owner, alice, bob = Caller(mgr.owner_uid, 0), Caller(1000, 100), Caller(1001, 101)
+        for i in range(3):
+            create(f"a{i}", alice)
+        with pytest.raises(BatchfsError, match="max_batches_per_user") as e:
+            create("a3", alice)
+        assert e.value.errno == errno.ENOSPC
+        for i in range(3):
+            create(f"b{i}", bob)
+        with pytest.raises(BatchfsError, match="kept for the mount's owner"):  # 6 of 8: the rest are the owner's
+            create("c0", Caller(1002, 102))
+        create("o0", owner)
+        create("o1", owner)
+        with pytest.raises(BatchfsError, match="max_batches"):
+            create("o2", owner)
+        ctl.unlink(DIR_INO, "a0", alice)
+        create("a3", alice)
+
+    trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, max_batches=8, max_batches_per_user=3))
+
+
 class _Reader:
     def __init__(self, ctl, fh):
         self.ctl, self.fh = ctl, fh
