@@ -429,6 +429,32 @@ def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
                              ("train/0001.bin", dataset["train/0001.bin"])]
 
 
+@pytest.mark.parametrize("emulated", [False, True], ids=["getbatch", "ranged-gets"])
+def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emulated):
+    """Point 7 on both batch sources: percent escapes are never decoded into another object."""
+    for k, v in [("pre/a", b"inside"), ("secret", b"outside the prefix"), ("pre/x/secret", b"deeper")]:
+        put(server, bucket, k, v)
+    names = ["..%2Fsecret", "%2e%2e/secret", "x%2Fsecret", "a"]
+
+    async def main():
+        client = AisClient(MountConfig(source=Source("ais", server.url, bucket, "pre/"), mountpoint=Path(MP)))
+        source = EmulatedBatchSource(client) if emulated else make_source(client)
+        try:
+            async with trio.open_nursery() as nursery:
+                mgr = await BatchManager.create(nursery, source, bucket=bucket, prefix="pre/", mountpoint=MP)
+                try:
+                    return await read_all(submit(mgr, "e", json.dumps({"in": names, "coer": True}).encode()))
+                finally:
+                    mgr.close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            await client.aclose()
+
+    got = members(trio.run(main))
+    assert got == [("__404__/..%2Fsecret", b""), ("__404__/%2e%2e/secret", b""), ("__404__/x%2Fsecret", b""),
+                   ("a", b"inside")]
+
+
 def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):
     paths = sorted(dataset)[:50] + sorted(dataset)[:5]  # duplicates at the end
     before_gb, before_get = getbatch_count(server), get_count(server)
