@@ -25,7 +25,7 @@ the kernel's help, and two that the kernel cannot express are added:
 - only the owner writes a control file, root included: root may read and remove other
   users' batches, but a ``>`` into a name another user created first fails with EACCES
   instead of handing root's manifest and TAR to that user (the ``/tmp`` squatting attack;
-  ``fs.protected_regular`` would catch it, but is often 0 and does not see ``O_TRUNC`` alone);
+  ``fs.protected_regular`` catches it only when set, and only for ``O_CREAT`` opens);
 - listing ``.batch/`` shows a user only their own files (root sees all): names of other
   users' batches are not anyone else's business, and ``rm .batch/*`` stays one's own.
   A name is still found by ``stat``, as in ``/tmp``.
@@ -41,7 +41,7 @@ import stat
 import time
 
 from batchfs.batches import BatchFile, BatchManager, StatusFile
-from batchfs.errors import BatchfsError, InvalidArgument, NotADirectory, NotFound, ReadOnly
+from batchfs.errors import BatchfsError, NotADirectory, NotFound, ReadOnly
 from batchfs.manifest import CONTROL_DIR
 
 BASE = 1 << 60
