@@ -165,6 +165,8 @@ def test_plan_serves_reads_of_another_process(server, mnt, data):
     prog = json.loads((mnt / ".batch" / "e.plan").read_text())
     assert prog["entries"]["served"] == 64 and prog["batches"]["requests"] == 4
     assert getbatches(server) - before_gb <= 4 and gets(server) == before_get
+    r = batchfs_cli("status", mnt / ".batch" / "e.plan")
+    assert r.returncode == 0 and "(plan)" in r.stdout and "served 64" in r.stdout, r.stdout + r.stderr
 
 
 def test_read_batch_helper(mnt, data):
