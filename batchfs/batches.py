@@ -20,7 +20,8 @@ State machine of a batch file (``BatchFile.state``)::
 - For every batch ``NAME`` a read-only ``NAME.status`` sibling holds JSON: state, reason,
   entry/member/byte counts. Names ending in ``.status`` cannot be created.
 
-Bounds: at most ``max_batches`` files; each holds at most ``limits.max_bytes`` of manifest
+Bounds: at most ``max_batches`` files (users other than the mount's own: ``max_batches_per_user``
+each, and never the owner's last ``min(max_batches_per_user, max_batches // 4)``); each holds at most ``limits.max_bytes`` of manifest
 while writing (freed on submit), its resolved entries (``limits.max_entries``, ~200 B each)
 and ``view.buffer_bytes`` of TAR; plans share ``plan.memory_bytes``. Idle files (no open
 handle, no activity for ``idle_seconds``) are cancelled and removed.
@@ -32,6 +33,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -41,7 +43,7 @@ from batchfs import manifest as mf
 from batchfs.batchclient import BatchClientConfig, BatchSource
 from batchfs.errors import BatchfsError, InvalidArgument, NotFound
 from batchfs.plans import Plan, PlanConfig, PlanRegistry
-from batchfs.tarview import Rewound, TarView, ViewConfig
+from batchfs.tarview import BatchIOError, Rewound, TarView, ViewConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,18 @@ class BatchConfig:
     client: BatchClientConfig = BatchClientConfig()
     plan: PlanConfig = PlanConfig()
     max_batches: int = 256  # batch and plan files at once
+    # With allow_other: each user but the mount's own holds at most this many, and those users
+    # together leave the owner this many (at most a quarter of max_batches): no one user can
+    # leave the others, or all of them the owner, with ENOSPC.
+    max_batches_per_user: int = 64
     idle_seconds: float = 600.0  # unopened, untouched files are removed after this
 
 
 class BatchFile:
-    def __init__(self, mgr: "BatchManager", name: str):
+    def __init__(self, mgr: "BatchManager", name: str, uid: int = 0, gid: int = 0, mode: int = 0o600):
         self.mgr, self.name = mgr, name
+        # the creator's: fixed for the file's life (truncate keeps them); see batchops
+        self.uid, self.gid, self.mode = uid, gid, mode
         self.state = "empty"
         self.buf = bytearray()
         self.reason: str | None = None
@@ -107,13 +115,23 @@ class BatchFile:
             raise InvalidArgument(f"{self.name}: batch files can only be truncated to 0 (to start over)")
         self._stop()
         opens = self.opens
-        self.__init__(self.mgr, self.name)
+        self.__init__(self.mgr, self.name, self.uid, self.gid, self.mode)
         self.opens = opens
 
     def _fail(self, reason: str) -> None:
         self.state, self.reason = "failed", reason
         self.buf = bytearray()
-        raise mf.ManifestError(f"{self.name}: {reason}")
+        raise mf.ManifestError(f"{self.where()}: {reason}{self._hint()}")
+
+    def where(self) -> str:
+        """The file's path as its users see it, for messages and log lines."""
+        return self.mgr.path_of(self.name)
+
+    def _hint(self) -> str:
+        # The caller gets only an errno; this goes into the daemon's log line, which then says
+        # where the reason stays readable (issue 9: users did not find NAME.status).
+        p = self.where()
+        return f" (the reason stays in {p}{STATUS_SUFFIX}: cat it, or run: batchfs status {p})"
 
     def _submit(self) -> None:
         cfg, mgr = self.mgr.config, self.mgr
@@ -170,18 +188,23 @@ class BatchFile:
         if self.state == "empty":
             raise InvalidArgument(f"{self.name}: no manifest written yet")
         if self.state == "failed":
-            raise InvalidArgument(f"{self.name}: {self.reason}")
+            raise InvalidArgument(f"{self.where()}: {self.reason}{self._hint()}")
         if self.plan is not None:
             return self._snap("progress", offset, size, self.plan.progress)
         try:
             return await self.view.read(offset, size)
+        except BatchIOError as e:
+            raise BatchIOError(f"{self.where()}: {e}{self._hint()}") from None
         except Rewound:
             # A reader started over (a second `tar -t`, tarfile seeking back): fetch again.
             self._scope.cancel()
             self.restarts += 1
             self.state = "running"
             self._start_view()
-            return await self.view.read(offset, size)
+            try:
+                return await self.view.read(offset, size)
+            except BatchIOError as e:
+                raise BatchIOError(f"{self.where()}: {e}{self._hint()}") from None
 
     def _snap(self, kind: str, offset: int, size: int, render) -> bytes:
         """JSON documents are rendered at offset 0 and sliced, so one read(2) loop sees one."""
@@ -219,8 +242,10 @@ class BatchManager:
     """All batch files of one mount. Create it with :meth:`create` inside a nursery."""
 
     def __init__(self, nursery: trio.Nursery, source: BatchSource, *, bucket: str | None, prefix: str = "",
-                 mountpoint: str | None = None, config: BatchConfig = BatchConfig()):
+                 mountpoint: str | Sequence[str] | None = None, config: BatchConfig = BatchConfig(),
+                 owner_uid: int | None = None):
         self.nursery, self.source, self.config = nursery, source, config
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid  # the mount's user
         self.bucket, self.prefix, self.mountpoint = bucket, prefix, mountpoint
         self.files: dict[str, BatchFile] = {}
         self.plans = PlanRegistry(source, config.plan)
@@ -230,6 +255,10 @@ class BatchManager:
         mgr = cls(nursery, source, **kw)
         nursery.start_soon(mgr._expire_loop)
         return mgr
+
+    def path_of(self, name: str) -> str:
+        mp = self.mountpoint if isinstance(self.mountpoint, str) or self.mountpoint is None else self.mountpoint[0]
+        return f"{mp.rstrip('/')}/{mf.CONTROL_DIR}/{name}" if mp else f"{mf.CONTROL_DIR}/{name}"
 
     def names(self) -> list[str]:
         out = []
@@ -245,16 +274,27 @@ class BatchManager:
             return StatusFile(self.files[name[:-len(STATUS_SUFFIX)]])
         raise NotFound(f".batch/{name}: no such batch")
 
-    def new(self, name: str) -> BatchFile:
+    def new(self, name: str, uid: int = 0, gid: int = 0, mode: int = 0o600) -> BatchFile:
+        """The batch ``name``, created for ``uid``/``gid`` with ``mode`` if it does not exist
+        (an existing one is returned as it is: callers check who may use it)."""
         if name in self.files:
             return self.files[name]
         if name.endswith(STATUS_SUFFIX):
             raise InvalidArgument(f"{name}: names ending in {STATUS_SUFFIX} are the status files of batches")
         if not name or "/" in name or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
             raise InvalidArgument(f"invalid batch name {name!r}")
-        if len(self.files) >= self.config.max_batches:
+        cfg = self.config
+        if len(self.files) >= cfg.max_batches:
             raise TooManyBatches(f"already {len(self.files)} batch files (max_batches); remove some")
-        bf = self.files[name] = BatchFile(self, name)
+        if uid != self.owner_uid:
+            mine = sum(f.uid == uid for f in self.files.values())
+            if mine >= cfg.max_batches_per_user:
+                raise TooManyBatches(f"uid {uid} already has {mine} batch files (max_batches_per_user); remove some")
+            others = sum(f.uid != self.owner_uid for f in self.files.values())
+            if others >= cfg.max_batches - min(cfg.max_batches_per_user, cfg.max_batches // 4):
+                raise TooManyBatches(f"other users hold {others} batch files; the remaining "
+                                     f"{cfg.max_batches - others} are kept for the mount's owner")
+        bf = self.files[name] = BatchFile(self, name, uid, gid, mode)
         return bf
 
     def unlink(self, name: str) -> None:

@@ -1,5 +1,6 @@
-"""The ``batchfs`` command: ``put`` (load a directory into a bucket) and, when the mount
-module is available, ``mount`` and ``umount`` (registered by ``batchfs.mountcli``).
+"""The ``batchfs`` command: ``put`` (load a directory into a bucket), ``status`` (why a
+``.batch/`` file failed: ``batchfs.statuscli``) and, when the mount module is available,
+``mount`` and ``umount`` (registered by ``batchfs.mountcli``).
 
 Each subcommand sets ``func(args) -> int`` (the exit status) with ``set_defaults``. The mount
 module is imported only here, and only if it can be: ``batchfs put`` works on a machine
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "object storage, a batch at a time. See batchfs(1).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_put(sub)
+    from batchfs import statuscli  # no pyfuse3: it only reads files of a mount
+
+    statuscli.register(sub)
     try:
         from batchfs import mountcli
     except ImportError as e:  # no mount support here (e.g. pyfuse3 missing): put still works

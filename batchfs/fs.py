@@ -7,6 +7,9 @@ EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
 The mount is read-only: every mutating operation answers EROFS, except inside ``.batch/``:
 inodes and handles there (``batch_control.owns``) and the root's ``.batch`` go to
 ``batchfs.batchops.BatchControl``. (The kernel-level ``ro`` option is therefore not set.)
+Control files belong to the user whose request created them: the handlers pass the request's
+uid, gid and umask (``_caller(ctx)``) along, and ``default_permissions`` is always set, so the
+kernel checks the attributes ``BatchControl`` reports before a request gets here.
 
 ``serve`` is the whole life of a mount; the CLI (``batchfs.mountcli``) calls it under
 ``trio.run``.
@@ -68,7 +71,8 @@ class Operations(pyfuse3.Operations):
         e.entry_timeout = e.attr_timeout = getattr(a, "ttl", self.timeout)
         e.st_mode = getattr(a, "mode", 0) or ((stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444))
         e.st_nlink = 2 if a.is_dir else 1
-        e.st_uid, e.st_gid = self.engine.ns.uid, self.engine.ns.gid
+        e.st_uid = a.uid if getattr(a, "uid", None) is not None else self.engine.ns.uid
+        e.st_gid = a.gid if getattr(a, "gid", None) is not None else self.engine.ns.gid
         e.st_size = a.size
         e.st_blksize = BLOCK_SIZE
         e.st_blocks = (a.size + 511) // 512
@@ -98,7 +102,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def opendir(self, inode, ctx):
         if self._ctl(inode):
-            return inode
+            return self.batch_control.opendir(inode, _caller(ctx))
         return self.engine.opendir(inode)
 
     @_boundary
@@ -117,13 +121,13 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def releasedir(self, fh):
         if self._ctl(fh):
-            return
+            return self.batch_control.releasedir(fh)
         self.engine.releasedir(fh)
 
     @_boundary
     async def open(self, inode, flags, ctx):
         if self._ctl(inode):
-            return pyfuse3.FileInfo(fh=self.batch_control.open(inode, flags), direct_io=True)
+            return pyfuse3.FileInfo(fh=self.batch_control.open(inode, flags, _caller(ctx)), direct_io=True)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise ReadOnly("the mount is read-only")
         o = await self.engine.open(inode)
@@ -173,7 +177,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         if not self._ctl(parent_inode):
             raise ReadOnly("the mount is read-only outside .batch/")
-        fh, attr = self.batch_control.create(parent_inode, os.fsdecode(name), flags)
+        fh, attr = self.batch_control.create(parent_inode, os.fsdecode(name), flags, mode, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, direct_io=True), self._entry(attr)
 
     @_boundary
@@ -191,13 +195,24 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode, name, ctx):
         if not self._ctl(parent_inode):
             raise ReadOnly("the mount is read-only outside .batch/")
-        self.batch_control.unlink(parent_inode, os.fsdecode(name))
+        self.batch_control.unlink(parent_inode, os.fsdecode(name), _caller(ctx))
 
     @_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
         if not self._ctl(inode):
             raise ReadOnly("the mount is read-only outside .batch/")
-        return self._entry(self.batch_control.setattr(inode, attr.st_size if fields.update_size else None))
+        return self._entry(self.batch_control.setattr(
+            inode, size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            chown=fields.update_uid or fields.update_gid,
+            times=fields.update_atime or fields.update_mtime, caller=_caller(ctx)))
+
+
+def _caller(ctx):
+    """The identity of a request's process, for the ownership of ``.batch/`` files."""
+    from batchfs.batchops import Caller
+
+    return Caller(ctx.uid, ctx.gid, ctx.umask)
 
 
 def _source_name(source) -> str:
@@ -212,6 +227,8 @@ def _source_name(source) -> str:
 def _mount_options(config: MountConfig) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions
     # no kernel "ro": it would refuse `.batch/` writes; every other write answers EROFS
+    # default_permissions always: with allow_other the kernel keeps users out of each other's
+    # `.batch/` files by their owner and mode (batchops); there is no option to drop it
     opts.add("default_permissions")
     for o in config.fuse_options:
         opts |= {p for p in o.split(",") if p}
@@ -266,8 +283,11 @@ async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
     from batchfs.batchops import BatchControl
 
     src = config.source
+    # absolute paths in manifests may use the mountpoint as given or its symlink-free form,
+    # both computed now, before the mount exists (resolving through it later could deadlock)
+    where = (os.path.abspath(config.mountpoint), os.path.realpath(config.mountpoint))
     mgr = await BatchManager.create(nursery, make_source(client), bucket=src.bucket, prefix=src.prefix,
-                                    mountpoint=os.path.abspath(config.mountpoint))
+                                    mountpoint=where)
     return BatchControl(mgr)
 
 

@@ -13,9 +13,11 @@ Three formats, detected from the first non-blank byte (see man/batchfs-manifest.
   a comment line ``# plan: batch_size=N window=K`` sets its parameters.
 
 Paths are relative to the mount root (``./`` and ``.`` segments and doubled slashes are
-normalised away) or absolute under the mountpoint. Rejected, with a reason that names the
-entry: ``..`` segments, absolute paths outside the mount, NUL or control characters, paths
-into ``.batch/``, bad ranges, unknown fields, invalid UTF-8 or JSON.
+normalised away) or absolute under the mountpoint (lexically: symlinks are never followed).
+Rejected, with a reason that names the entry: ``..`` segments, absolute paths outside the
+mount, NUL or control characters, paths into ``.batch/``, bad ranges, unknown fields, invalid
+UTF-8 or JSON; and, when resolved against the mount (:func:`resolve_all`), anything the mount
+does not show: another bucket, an object name outside the mounted prefix.
 
 Invariants: :func:`parse` raises nothing but :class:`ManifestError` (fuzzed with hypothesis);
 memory is bounded because input longer than ``max_bytes`` is refused *before* any parsing
@@ -110,8 +112,11 @@ class Manifest:
     plan: PlanSpec | None = None
 
 
-def parse(data: bytes, *, name: str = "", mountpoint: str | None = None, limits: Limits = Limits()) -> Manifest:
-    """Parse a manifest; ``name`` is the control file's name (``*.plan`` marks a text plan)."""
+def parse(data: bytes, *, name: str = "", mountpoint: str | Sequence[str] | None = None,
+          limits: Limits = Limits()) -> Manifest:
+    """Parse a manifest; ``name`` is the control file's name (``*.plan`` marks a text plan).
+    ``mountpoint``: where absolute paths must be, one path or several spellings of it (the
+    mount gives the path it was mounted at and its symlink-free form)."""
     if len(data) > limits.max_bytes:
         raise ManifestError(f"manifest of {len(data)} bytes exceeds the {limits.max_bytes}-byte limit")
     if b"\x00" in data:
@@ -122,7 +127,8 @@ def parse(data: bytes, *, name: str = "", mountpoint: str | None = None, limits:
         raise ManifestError(f"manifest is not valid UTF-8 (byte {e.start})") from None
     text = text.removeprefix("\ufeff")
     head = text.lstrip()[:1]
-    mp = mountpoint.rstrip("/") if mountpoint else None
+    mps = [mountpoint] if isinstance(mountpoint, str) else (mountpoint or ())
+    mp = tuple(dict.fromkeys(m.rstrip("/") for m in mps if m))
     if head in ("[", "{"):
         try:
             doc = json.loads(text)
@@ -143,7 +149,7 @@ def parse(data: bytes, *, name: str = "", mountpoint: str | None = None, limits:
     return m
 
 
-def _from_text(text: str, mp: str | None, limits: Limits, name: str) -> Manifest:
+def _from_text(text: str, mp: tuple[str, ...], limits: Limits, name: str) -> Manifest:
     plan = PlanSpec() if name.endswith(PLAN_SUFFIX) else None
     if _PLAIN_TEXT.fullmatch(text):  # every line a plain path: no per-line checks in Python
         lines = text.split("\n")
@@ -155,7 +161,7 @@ def _from_text(text: str, mp: str | None, limits: Limits, name: str) -> Manifest
     return _from_lines(text, mp, limits, plan)
 
 
-def _from_lines(text: str, mp: str | None, limits: Limits, plan: PlanSpec | None) -> Manifest:
+def _from_lines(text: str, mp: tuple[str, ...], limits: Limits, plan: PlanSpec | None) -> Manifest:
     paths: list[Entry] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -197,7 +203,7 @@ def _plan_spec(value, limits: Limits) -> PlanSpec:
     return PlanSpec(bs, win)
 
 
-def _from_object(doc: dict, mp: str | None, limits: Limits, name: str) -> Manifest:
+def _from_object(doc: dict, mp: tuple[str, ...], limits: Limits, name: str) -> Manifest:
     known = {"in", "mime", "coer", "onob", "plan"} | _IGNORED_TOP
     unknown = set(doc) - known
     if unknown:
@@ -226,7 +232,7 @@ def _from_object(doc: dict, mp: str | None, limits: Limits, name: str) -> Manife
     return Manifest(_entries(doc["in"], mp, limits), mime=norm, plan=plan, **flags)
 
 
-def _entries(items, mp: str | None, limits: Limits) -> tuple[Entry, ...]:
+def _entries(items, mp: tuple[str, ...], limits: Limits) -> tuple[Entry, ...]:
     if not isinstance(items, list):
         raise ManifestError('"in" must be a list of entries')
     if len(items) > limits.max_entries:
@@ -234,7 +240,7 @@ def _entries(items, mp: str | None, limits: Limits) -> tuple[Entry, ...]:
     return tuple(_entry(item, i, mp) for i, item in enumerate(items))
 
 
-def _entry(item, i: int, mp: str | None) -> Entry:
+def _entry(item, i: int, mp: tuple[str, ...]) -> Entry:
     where = f"entry {i}"
     if isinstance(item, str):
         return Entry(path=normalize_path(item, mp, where))
@@ -296,21 +302,25 @@ _PLAIN_TEXT = re.compile(r"(?:(?=[^\n]{1,%d}%s)(?![#\s])%s(?<!\s)%s)+"
                          % (_PLAIN_MAX_CHARS, _EOL, _PLAIN_PATTERN.format(end=_EOL, seg=_SEG), _EOL))
 
 
-def normalize_path(value, mp: str | None, where: str) -> str:
+def normalize_path(value, mp: tuple[str, ...], where: str) -> str:
     """A mount-relative path without ``.``/empty segments; absolute ones must be under ``mp``."""
     if isinstance(value, str) and len(value) <= _PLAIN_MAX_CHARS and _PLAIN.fullmatch(value):
         return value
     return _normalize(value, mp, where)
 
 
-def _normalize(value, mp: str | None, where: str) -> str:
+def _normalize(value, mp: tuple[str, ...], where: str) -> str:
     if not isinstance(value, str):
         raise ManifestError(f"{where}: a path must be a string, got {type(value).__name__}")
     if value.startswith("/"):
-        if mp is None or not (value == mp or value.startswith(mp + "/")):
+        # Lexically only: the daemon never resolves a manifest's path on the local filesystem
+        # (a symlink could then point anywhere, and a path through its own mount would
+        # deadlock it). Hence "/mnt/d/../x" is refused below for its '..', not resolved.
+        under = next((m for m in mp or () if value == m or value.startswith(m + "/")), None)
+        if under is None:
             raise ManifestError(f"{where}: absolute path {_show(value)} is outside the mount"
-                                + (f" ({mp})" if mp else ""))
-        value = value[len(mp) + 1:]
+                                + (f" ({' or '.join(mp)})" if mp else "") + " (symlinks are not followed)")
+        value = value[len(under) + 1:]
     path = _relative(value, where)
     if path == CONTROL_DIR or path.startswith(CONTROL_DIR + "/"):
         raise ManifestError(f"{where}: {_show(path)} is a control file, not data")
@@ -366,6 +376,12 @@ def resolve(entry: Entry, bucket: str | None, prefix: str = "", onob: bool = Fal
     Path entries name the member after the path as written (``train/0001.jpg``); object
     entries ``BUCKET/OBJNAME`` (``OBJNAME`` with ``onob``), as GetBatch does. An archpath
     adds ``/ARCHPATH`` to the member name.
+
+    Scope: an entry reaches only what the mount shows. A path is inside by construction
+    (``prefix`` + a path with no ``..``); an object entry must name the mounted bucket (or
+    none) and an object name under ``prefix`` that is not hidden by ``.batch/``, else
+    ``ManifestError`` says why. Object names are never decoded: ``..%2Fx`` is that literal
+    name (the GetBatch body is JSON; object URLs are quoted), under the prefix like any other.
     """
     if entry.path is not None:
         if bucket is None:
@@ -376,10 +392,19 @@ def resolve(entry: Entry, bucket: str | None, prefix: str = "", onob: bool = Fal
             b, obj = bucket, prefix + entry.path
         member = entry.path
     else:
+        if bucket is not None and entry.bucket is not None and entry.bucket != bucket:
+            raise ManifestError(f"bucket {entry.bucket!r} is not the mounted bucket {bucket!r} "
+                                "(a manifest reaches only what the mount shows)")
         b = entry.bucket or bucket
         if b is None:
             raise ManifestError(f"objname {entry.objname!r} needs a bucket (this mount shows several)")
         obj = entry.objname
+        if bucket is not None:
+            if not obj.startswith(prefix):
+                raise ManifestError(f"objname {obj!r} is outside the mounted prefix {prefix!r} "
+                                    "(object names are full names in the bucket, as GetBatch takes them)")
+            if obj[len(prefix):].split("/", 1)[0] == CONTROL_DIR:
+                raise ManifestError(f"objname {obj!r} is hidden by the mount's {CONTROL_DIR}/ control directory")
         member = obj if onob else f"{b}/{obj}"
     if entry.archpath:
         member = f"{member}/{entry.archpath}"
@@ -408,7 +433,13 @@ def resolve_all(entries: Sequence[Entry], bucket: str | None, prefix: str = "", 
     paths in a one-bucket mount, which always resolve."""
     if isinstance(entries, PathEntries) and bucket is not None:
         return _PathTargets(entries.paths, bucket, prefix)
-    return [resolve(e, bucket, prefix, onob) for e in entries]
+    out = []
+    for i, e in enumerate(entries):
+        try:
+            out.append(resolve(e, bucket, prefix, onob))
+        except ManifestError as err:
+            raise ManifestError(f"entry {i}: {err}") from None
+    return out
 
 
 def entry_paths(entries: Sequence[Entry]) -> list[str]:

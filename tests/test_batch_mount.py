@@ -165,6 +165,8 @@ def test_plan_serves_reads_of_another_process(server, mnt, data):
     prog = json.loads((mnt / ".batch" / "e.plan").read_text())
     assert prog["entries"]["served"] == 64 and prog["batches"]["requests"] == 4
     assert getbatches(server) - before_gb <= 4 and gets(server) == before_get
+    r = batchfs_cli("status", mnt / ".batch" / "e.plan")
+    assert r.returncode == 0 and "(plan)" in r.stdout and "served 64" in r.stdout, r.stdout + r.stderr
 
 
 def test_read_batch_helper(mnt, data):
@@ -212,3 +214,51 @@ def test_planned_bytes_replace_stale_cached_pages(server, bucket, mnt, data):
     (mnt / ".batch" / "v.plan").write_text(name + "\n")
     assert (mnt / name).read_bytes() == new
     assert json.loads((mnt / ".batch" / "v.plan").read_text())["entries"]["served"] == 1
+
+
+def batchfs_cli(*args, user: list[str] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*user, sys.executable, "-m", "batchfs.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_reason_behind_a_bare_errno_is_found_by_batchfs_status_and_the_log(server, bucket, data, tmp_path):
+    """Issue 9 point 15: EINVAL/EIO say nothing; `batchfs status` and the daemon's log line do."""
+    m = MountProcess({"kind": "ais", "endpoint": server.url, "bucket": bucket}, tmp_path / "mnt").start()
+    try:
+        ctl = tmp_path / "mnt" / ".batch"
+        with pytest.raises(OSError) as e:
+            (ctl / "bad").write_text("train/0001.jpg\n../../etc/passwd\n")
+        assert e.value.errno == errno.EINVAL
+        (ctl / "strict").write_text("train/0001.jpg\nnope.jpg\n")
+        with pytest.raises(OSError) as e:
+            members(ctl / "strict")
+        assert e.value.errno == errno.EIO
+        (ctl / "good").write_text("train/0002.jpg\n")
+        assert [n for n, _ in members(ctl / "good")] == ["train/0002.jpg"]
+
+        r = batchfs_cli("status", ctl / "bad")
+        assert r.returncode == 1
+        assert r.stdout.splitlines()[:2] == [f"{ctl / 'bad'}: failed (batch)",
+                                             "  reason: line 2: '../../etc/passwd' has a '..' segment"]
+        r = batchfs_cli("status", str(ctl / "strict") + ".status")
+        assert r.returncode == 1
+        assert r.stdout.splitlines()[1].startswith("  reason: member 1: ") and "nope.jpg: not found" in r.stdout
+        r = batchfs_cli("status", ctl / "good")
+        assert r.returncode == 0 and r.stdout.startswith(f"{ctl / 'good'}: done (batch)\n")
+        r = batchfs_cli("status", tmp_path / "mnt")  # every batch of the caller, by mount root
+        assert r.returncode == 1
+        assert [ln.split(":")[0] for ln in r.stdout.splitlines() if not ln.startswith(" ")] == \
+            [str(ctl / n) for n in ("bad", "good", "strict")]
+        r = batchfs_cli("status", "--json", ctl / "good")
+        assert json.loads(r.stdout)[0]["state"] == "done"
+        r = batchfs_cli("status", ctl / "nothere")
+        assert r.returncode == 1 and "nothere: no such batch" in r.stderr
+        r = batchfs_cli("status", tmp_path)
+        assert r.returncode == 1 and "not a batchfs mount" in r.stderr
+        # the log line of each failure names the file and where its reason stays
+        log = m.log()
+        for name in ("bad", "strict"):
+            p = ctl / name
+            assert f"{p}: " in log and f"(the reason stays in {p}.status: cat it, or run: batchfs status {p})" in log
+    finally:
+        m.stop()

@@ -10,6 +10,7 @@ import errno
 import functools
 import io
 import json
+import os
 import random
 import tarfile
 from pathlib import Path
@@ -24,6 +25,7 @@ from batchfs.backends.ais import AisClient
 from batchfs.backends.memory import MemoryClient
 from batchfs.batchclient import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source, quick_header
 from batchfs.batches import BatchConfig, BatchManager
+from batchfs.batchops import DIR_INO, BatchControl, Caller
 from batchfs.config import MountConfig, Source
 from batchfs.errors import BatchfsError
 from batchfs.manifest import Limits
@@ -144,6 +146,113 @@ def test_limits_expiry_and_missing_entries():
 
     trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, "bk", limits=Limits(max_bytes=100), max_batches=3,
              idle_seconds=10))
+
+
+def test_control_files_belong_to_their_creator_without_the_kernels_help():
+    """BatchControl's own checks (the mount also has the kernel's default_permissions; these
+    hold without it), with the callers a FUSE request would carry."""
+    client, objs = memory_client()
+    root, alice, bob = Caller(0, 0), Caller(1000, 100, 0o022), Caller(1001, 101, 0o077)
+
+    async def body(mgr):
+        ctl = BatchControl(mgr)
+        denied = functools.partial(pytest.raises, BatchfsError)
+
+        def refused(fn, code=errno.EACCES):
+            with denied() as e:
+                fn()
+            assert e.value.errno == code, e.value
+
+        fh, a = ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT, 0o666, alice)
+        assert (a.uid, a.gid, oct(a.mode)) == (1000, 100, "0o100600")  # 0666 & ~022, capped at 0600
+        ctl.write(fh, 0, b"d/1\nd/2\n")
+        ctl.flush(fh)
+        ctl.release(fh)
+        ino = ctl.lookup(DIR_INO, "a").ino
+        st_ino = ctl.lookup(DIR_INO, "a.status").ino
+        assert (ctl.getattr(st_ino).uid, oct(ctl.getattr(st_ino).mode)) == (1000, "0o100400")
+        # bob: nothing of alice's, whatever the flags
+        for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+            refused(lambda: ctl.open(ino, flags, bob))
+        refused(lambda: ctl.open(st_ino, os.O_RDONLY, bob))
+        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, bob))
+        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, alice), errno.EEXIST)
+        refused(lambda: ctl.setattr(ino, size=0, caller=bob))
+        refused(lambda: ctl.setattr(ino, mode=0o666, caller=bob))
+        refused(lambda: ctl.setattr(ino, times=True, caller=bob))
+        refused(lambda: ctl.setattr(ino, chown=True, caller=alice), errno.EPERM)
+        refused(lambda: ctl.setattr(ino, chown=True, caller=root), errno.EPERM)
+        refused(lambda: ctl.unlink(DIR_INO, "a", bob))
+        # root reads (it can read every object anyway) but never writes another user's file
+        for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+            refused(lambda: ctl.open(ino, flags, root))
+        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, root))
+        refused(lambda: ctl.setattr(ino, size=0, caller=root))
+        fh = ctl.open(ino, os.O_RDONLY, root)
+        assert [n for n, _ in members(await read_all(_Reader(ctl, fh)))] == ["d/1", "d/2"]  # alice's, untouched
+        ctl.release(fh)
+        # the owner: chmod within the cap, a mode without the write bit stops her own writes
+        assert oct(ctl.setattr(ino, mode=0o777, caller=alice).mode) == "0o100600"
+        ctl.setattr(ino, mode=0o400, caller=alice)
+        refused(lambda: ctl.open(ino, os.O_WRONLY, alice))
+        ctl.release(ctl.open(ino, os.O_RDONLY, alice))
+        # listings: one's own files; root sees all
+        fh, _ = ctl.create(DIR_INO, "b", os.O_WRONLY | os.O_CREAT, 0o644, bob)
+        assert oct(ctl.getattr(ctl.lookup(DIR_INO, "b").ino).mode) == "0o100600"  # 0644 & ~077 & 0600
+        ctl.release(fh)
+
+        def listing(who):
+            d = ctl.opendir(DIR_INO, who)
+            try:
+                return [n for n, _, _ in ctl.readdir(d, 0)]
+            finally:
+                ctl.releasedir(d)
+
+        assert listing(alice) == ["a", "a.status"] and listing(bob) == ["b", "b.status"]
+        assert listing(root) == ["a", "a.status", "b", "b.status"]
+        assert listing(Caller(7, 7)) == []
+        ctl.unlink(DIR_INO, "b", root)  # root may remove any batch
+        ctl.unlink(DIR_INO, "a", alice)
+        assert listing(root) == []
+
+    trio.run(with_manager, EmulatedBatchSource(client), body)
+
+
+def test_other_users_cannot_use_up_the_batch_files():
+    client, _ = memory_client()
+
+    async def body(mgr):
+        ctl = BatchControl(mgr)
+
+        def create(name, who):
+            return ctl.create(DIR_INO, name, os.O_WRONLY | os.O_CREAT, 0o600, who)[0]
+
+        owner, alice, bob = Caller(mgr.owner_uid, 0), Caller(1000, 100), Caller(1001, 101)
+        for i in range(3):
+            create(f"a{i}", alice)
+        with pytest.raises(BatchfsError, match="max_batches_per_user") as e:
+            create("a3", alice)
+        assert e.value.errno == errno.ENOSPC
+        for i in range(3):
+            create(f"b{i}", bob)
+        with pytest.raises(BatchfsError, match="kept for the mount's owner"):  # 6 of 8: the rest are the owner's
+            create("c0", Caller(1002, 102))
+        create("o0", owner)
+        create("o1", owner)
+        with pytest.raises(BatchfsError, match="max_batches"):
+            create("o2", owner)
+        ctl.unlink(DIR_INO, "a0", alice)
+        create("a3", alice)
+
+    trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, max_batches=8, max_batches_per_user=3))
+
+
+class _Reader:
+    def __init__(self, ctl, fh):
+        self.ctl, self.fh = ctl, fh
+
+    async def read(self, off, size):
+        return await self.ctl.read(self.fh, off, size)
 
 
 def test_view_memory_is_bounded_and_streams_before_completion():
@@ -318,6 +427,32 @@ def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
                              ("train/0007.bin", dataset["train/0007.bin"][10:]),
                              ("__404__/missing/one", b""),
                              ("train/0001.bin", dataset["train/0001.bin"])]
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["getbatch", "ranged-gets"])
+def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emulated):
+    """Point 7 on both batch sources: percent escapes are never decoded into another object."""
+    for k, v in [("pre/a", b"inside"), ("secret", b"outside the prefix"), ("pre/x/secret", b"deeper")]:
+        put(server, bucket, k, v)
+    names = ["..%2Fsecret", "%2e%2e/secret", "x%2Fsecret", "a"]
+
+    async def main():
+        client = AisClient(MountConfig(source=Source("ais", server.url, bucket, "pre/"), mountpoint=Path(MP)))
+        source = EmulatedBatchSource(client) if emulated else make_source(client)
+        try:
+            async with trio.open_nursery() as nursery:
+                mgr = await BatchManager.create(nursery, source, bucket=bucket, prefix="pre/", mountpoint=MP)
+                try:
+                    return await read_all(submit(mgr, "e", json.dumps({"in": names, "coer": True}).encode()))
+                finally:
+                    mgr.close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            await client.aclose()
+
+    got = members(trio.run(main))
+    assert got == [("__404__/..%2Fsecret", b""), ("__404__/%2e%2e/secret", b""), ("__404__/x%2Fsecret", b""),
+                   ("a", b"inside")]
 
 
 def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):

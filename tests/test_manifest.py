@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchfs import manifest as mf
-from batchfs.manifest import Entry, Limits, ManifestError, PlanSpec, Target, parse, resolve
+from batchfs.manifest import Entry, Limits, ManifestError, PlanSpec, Target, parse, resolve, resolve_all
 
 MP = "/mnt/data"
 
@@ -114,6 +115,48 @@ def test_resolve_against_bucket_and_multi_bucket_mounts():
     with pytest.raises(ManifestError, match="needs a bucket"):
         resolve(Entry(objname="x"), None)
 
+
+
+def test_resolve_reaches_only_what_the_mount_shows():
+    """Issue 9 point 7: a mount of bk/pre/ resolves nothing outside bk/pre/."""
+    def targets(doc, bucket="bk", prefix="pre/"):
+        m = parse(json.dumps(doc).encode(), mountpoint=MP)
+        return resolve_all(m.entries, bucket, prefix, m.onob)
+
+    ok = targets({"in": [{"objname": "pre/a.jpg"}, {"bucket": "bk", "objname": "pre/s.tar", "archpath": "x"}]})
+    assert [(t.bucket, t.objname) for t in ok] == [("bk", "pre/a.jpg"), ("bk", "pre/s.tar")]
+    refused = [
+        ({"in": ["pre/a.jpg", {"bucket": "victim", "objname": "pre/a.jpg"}]}, "entry 1: bucket 'victim' is not the mounted bucket 'bk'"),
+        ({"in": [{"objname": "secret.jpg"}]}, "entry 0: objname 'secret.jpg' is outside the mounted prefix 'pre/'"),
+        ({"in": [{"objname": "prefix-lookalike/a"}]}, "outside the mounted prefix"),
+        ({"in": [{"objname": "pre"}]}, "outside the mounted prefix"),
+        ({"in": [{"objname": "pre/.batch/x"}]}, "hidden by the mount's .batch/"),
+    ]
+    for doc, reason in refused:
+        with pytest.raises(ManifestError, match=re.escape(reason)):
+            targets(doc)
+    for doc, reason in [({"in": [{"objname": "pre/../secret.jpg"}]}, "'..' segment"),
+                        ({"in": [{"objname": "/pre/a"}]}, "starts with '/'"),
+                        ({"in": [{"objname": "pre//a"}]}, "empty or '.' segment"),
+                        ({"in": [{"objname": "pre/a", "archpath": "../../etc/passwd"}]}, "'..' segment"),
+                        ({"in": ["../secret.jpg"]}, "'..' segment"),
+                        ({"in": [MP + "/../secret.jpg"]}, "'..' segment"),
+                        ({"in": ["/etc/passwd"]}, "outside the mount"),
+                        ({"in": [MP + "x/a"]}, "outside the mount")]:
+        with pytest.raises(ManifestError, match=re.escape(reason)):
+            targets(doc)
+    # escapes are names, never decoded: still under the prefix (and a 404 if no such object)
+    assert [t.objname for t in targets({"in": ["..%2Fsecret.jpg", {"objname": "pre/%2e%2e%2fsecret.jpg"}]})] \
+        == ["pre/..%2Fsecret.jpg", "pre/%2e%2e%2fsecret.jpg"]
+    # a mount of every bucket shows every bucket: there any bucket is in scope
+    assert [t.bucket for t in targets({"in": [{"bucket": "victim", "objname": "a"}]}, None, "")] == ["victim"]
+
+
+def test_absolute_paths_under_either_spelling_of_the_mountpoint_and_no_symlinks():
+    m = parse(b"/real/mnt/a\n/link/mnt/b\n", mountpoint=("/link/mnt", "/real/mnt"))
+    assert [e.path for e in m.entries] == ["a", "b"]
+    with pytest.raises(ManifestError, match="outside the mount .*symlinks are not followed"):
+        parse(b"/home/u/data-link/a\n", mountpoint=("/link/mnt", "/real/mnt"))
 
 # -- fuzzing ------------------------------------------------------------------------------------
 def _check(data: bytes, name: str = "f") -> None:
