@@ -64,14 +64,24 @@ def read_batch(paths: Sequence[str | os.PathLike], mount: str | os.PathLike | No
     rel = _relative(paths, root)
     ctl = os.path.join(root, CONTROL_DIR, f"read-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
-        with open(ctl, "w") as f:
-            json.dump({"in": rel, "coer": True}, f)
-        out = []
-        with open(ctl, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
-            for member, path in zip(tf, rel):
-                if member.name.startswith(MISSING_PREFIX):
-                    raise FileNotFoundError(2, "No such file (batch placeholder)", path)
-                out.append(tf.extractfile(member).read())
+        try:
+            with open(ctl, "w") as f:
+                json.dump({"in": rel, "coer": True}, f)
+            out = []
+            with open(ctl, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tf:
+                for member, path in zip(tf, rel):
+                    if member.name.startswith(MISSING_PREFIX):
+                        raise FileNotFoundError(2, "No such file (batch placeholder)", path)
+                    out.append(tf.extractfile(member).read())
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            # The mount can only answer EINVAL or EIO; the reason is in NAME.status. Put it in
+            # the exception, which is the one message a Python user sees.
+            reason = _status_reason(ctl)
+            if reason is None or e.errno is None:
+                raise
+            raise OSError(e.errno, f"{os.strerror(e.errno)}: {reason}", ctl) from e
         if len(out) != len(rel):
             raise OSError(f"batch returned {len(out)} of {len(rel)} members")
         return out
@@ -80,6 +90,16 @@ def read_batch(paths: Sequence[str | os.PathLike], mount: str | os.PathLike | No
             os.unlink(ctl)
         except FileNotFoundError:
             pass
+
+
+def _status_reason(ctl: str) -> str | None:
+    """The reason a failed batch left in its ``NAME.status`` (see ``batchfs status``), if any."""
+    try:
+        with open(ctl + ".status", "rb") as f:
+            reason = json.loads(f.read()).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(reason) if reason else None
 
 
 def epoch_order(n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True) -> list[int]:

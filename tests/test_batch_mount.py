@@ -178,6 +178,16 @@ def test_read_batch_helper(mnt, data):
     assert os.listdir(mnt / ".batch") == []  # the helper cleans up
 
 
+def test_read_batch_says_why_the_mount_refused(mnt, data):
+    """The mount answers a bad manifest with a bare EINVAL; the helper's exception carries
+    the reason the mount left in NAME.status."""
+    with pytest.raises(OSError) as e:
+        batchfs.read_batch(["train/../../outside.jpg"], mount=mnt)
+    assert e.value.errno == errno.EINVAL
+    assert ".." in str(e.value) and "Invalid argument:" in str(e.value)
+    assert os.listdir(mnt / ".batch") == []
+
+
 def test_webdataset_reads_views_by_path_and_pipe(mnt, data):
     wds = pytest.importorskip("webdataset")
     names = sorted(data)[:20]
