@@ -54,7 +54,12 @@ async def error_boundary(request: web.Request, handler):
         extra = {"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable) else getattr(e, "headers", None)
         if status >= 500:
             log.error("%s %s: %s", request.method, request.path, e.message)
-        return _error_response(request, status, e.message, extra)
+        resp = _error_response(request, status, e.message, extra)
+        if request.get(OP_KEY) == "denied" and request.body_exists and not request.content.is_eof():
+            # refused before its body was read (and, with Expect: 100-continue, before it was
+            # sent): the next bytes on this connection may be that body, so do not reuse it
+            resp.force_close()
+        return resp
     except web.HTTPException as e:
         status = e.status
         if status < 400:
