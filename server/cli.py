@@ -98,7 +98,7 @@ _TUNABLES = [
      "is refused unless S3 keys are set too, and the server refuses to start if other users can "
      "read the file. Tokens are never taken on the command line", "unset: no token"),
     ("--metrics-auth", "metrics_auth", _metrics_auth, "{token,none}",
-     "token: /metrics wants the bearer token when --auth-token-file is set; none: /metrics is "
+     "token: /metrics wants the bearer token when tokens are configured; none: /metrics is "
      "open (it names operations and status codes, never buckets or objects)", _D.metrics_auth),
     ("--shutdown-timeout", "shutdown_timeout_seconds", float, "SECONDS",
      "after SIGTERM or SIGINT, how long requests in flight may take before they are cut",

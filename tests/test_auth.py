@@ -500,3 +500,30 @@ def test_mount_with_token_file(full, tmp_path):
         assert (mnt / "d" / "file.bin").stat().st_size == 13000
     finally:
         assert run_batchfs("umount", str(mnt)).returncode == 0
+
+
+@pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fuse and fusermount3")
+def test_mount_reads_fail_with_eacces_once_the_token_is_rotated_out(tmp_path):
+    srv = start(tmp_path, "--auth-token-file", str(token_file(tmp_path / "old", TOKEN)))
+    try:
+        c = sdk(srv.url, token=TOKEN)
+        c.bucket("rot").create(exist_ok=True)
+        for name in ("read-before", "read-after"):
+            c.bucket("rot").object(name).get_writer().put_content(name.encode() * 100)
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        r = run_batchfs("mount", f"{srv.url}/rot", str(mnt), "--token-file", str(token_file(tmp_path / "t", TOKEN)))
+        assert r.returncode == 0, r.stderr
+        try:
+            assert (mnt / "read-before").read_bytes() == b"read-before" * 100
+            assert (mnt / "read-after").stat().st_size == 1000  # listed while the token was good
+            port = urllib.parse.urlsplit(srv.url).port
+            srv.stop()  # the same node comes back with only a new token
+            srv = start(tmp_path, "--listen", f"127.0.0.1:{port}",
+                        "--auth-token-file", str(token_file(tmp_path / "new", OTHER_TOKEN)))
+            with pytest.raises(PermissionError):  # EACCES, not EIO
+                (mnt / "read-after").read_bytes()
+        finally:
+            assert run_batchfs("umount", str(mnt)).returncode == 0
+    finally:
+        srv.stop()
