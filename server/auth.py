@@ -133,7 +133,12 @@ def token_matches(presented: str, digests: tuple[bytes, ...]) -> bool:
 
 # -- the route table --------------------------------------------------------------------------
 def route_class(path: str) -> str:
-    """"open", "metrics", "native" or "s3" for a request path (the table in the docstring)."""
+    """"open", "metrics", "native" or "s3" for a request path (the table in the docstring).
+
+    Give it ``request.rel_url.path_safe`` (decoded but for ``%2F`` and ``%25``), the string
+    aiohttp's router matches, so a path is judged as the route that will serve it: with the
+    fully decoded ``request.path``, ``/v1%2Fx/k`` (an S3 key, routed to S3) would be judged
+    a native path."""
     if path in OPEN_PATHS:
         return "open"
     if path == METRICS_PATH:
@@ -175,7 +180,7 @@ def authorize(request: web.Request) -> None:
 
 def _authorize(request: web.Request) -> None:
     config = request.app[CONFIG]
-    kind = route_class(request.path)
+    kind = route_class(request.rel_url.path_safe)
     if kind == "open":
         return
     if kind == "metrics":
@@ -199,7 +204,7 @@ async def check_access(request: web.Request, handler):
         authorize(request)
     except StoreError as e:
         request[OP_KEY] = "denied"
-        if route_class(request.path) == "s3":
+        if route_class(request.rel_url.path_safe) == "s3":
             request[API_KEY] = "s3"
             request[CODE_KEY] = e.code if isinstance(e, S3Error) else "AccessDenied"
         raise

@@ -191,9 +191,12 @@ def test_token_only_refuses_s3_whatever_the_signature(token_only):
             r = send(token_only, method, path, creds)
             assert r.status_code == 403 and b"<Code>AccessDenied</Code>" in r.content, (method, path, r.text)
             assert b"S3 API is disabled" in r.content
-    # the bearer token is not a way in on S3 either
+    # the bearer token is not a way in on S3 either, nor a path that decodes to /v1/... but
+    # is routed to S3 (%2F stays encoded for aiohttp's router)
     r = httpx.get(f"{token_only.url}/{BUCKET}/{OBJ}", headers=bearer(TOKEN))
     assert r.status_code == 403
+    r = httpx.put(f"{token_only.url}/v1%2Fobjects/{BUCKET}/x", content=b"x", headers=bearer(TOKEN))
+    assert r.status_code == 403 and b"<Code>AccessDenied</Code>" in r.content, r.text
     s3 = boto3.client("s3", endpoint_url=token_only.url, aws_access_key_id="x", aws_secret_access_key="y",
                       region_name="us-east-1")
     with pytest.raises(ClientError) as info:
