@@ -51,7 +51,8 @@ async def error_boundary(request: web.Request, handler):
         return resp
     except StoreError as e:
         status = e.status
-        extra = {"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable) else getattr(e, "headers", None)
+        extra = ({"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable)
+                 else getattr(e, "headers", None))  # e.g. WWW-Authenticate on a 401
         if status >= 500:
             log.error("%s %s: %s", request.method, request.path, e.message)
         resp = _error_response(request, status, e.message, extra)
