@@ -430,9 +430,28 @@ def test_server_keeps_only_digests(tmp_path):
 
 # -- clients ----------------------------------------------------------------------------------------
 def test_backend_errors_401_403_are_eacces():
+    from batchfs.batchclient import BatchFetchError
+
     assert errno_for(BackendError("x", 401)) == errno.EACCES
     assert errno_for(BackendError("x", 403)) == errno.EACCES
     assert errno_for(BackendError("x", 500)) == errno.EIO
+    assert errno_for(BatchFetchError(3, "GetBatch answered HTTP 401: invalid token", 401)) == errno.EACCES
+    assert errno_for(BatchFetchError(3, "connection reset")) == errno.EIO
+
+
+def test_fstab_helper_takes_token_file(tmp_path):
+    helper = BIN / "mount.fuse.batchfs"
+    if not helper.exists():
+        pytest.skip("mount.fuse.batchfs not installed next to batchfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    good, loose = token_file(tmp_path / "good", TOKEN), token_file(tmp_path / "loose", TOKEN, mode=0o644)
+    r = subprocess.run([str(helper), "http://127.0.0.1:9/b", str(mnt), "-f", "-o", f"ro,token_file={good}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = subprocess.run([str(helper), "http://127.0.0.1:9/b", str(mnt), "-f", "-o", f"ro,token_file={loose}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "accessible by other users" in r.stderr, r.stderr
 
 
 def run_batchfs(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
