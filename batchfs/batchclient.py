@@ -59,8 +59,8 @@ RETRY_STATUS = {429, 500, 502, 503, 504}
 class BatchFetchError(BackendError):
     """A batch could not be delivered from member ``index`` on (EIO at that point)."""
 
-    def __init__(self, index: int, reason: str):
-        super().__init__(f"member {index}: {reason}")
+    def __init__(self, index: int, reason: str, status: int | None = None):
+        super().__init__(f"member {index}: {reason}", status)  # 401/403 become EACCES
         self.index = index
         self.reason = reason
 
@@ -293,13 +293,14 @@ class GetBatchSource:
 
     async def _open(self, targets: Sequence[Target], first: int) -> httpx.Response:
         """Send one part's request; retry 429/5xx/connection errors; return it streaming."""
-        last = ""
+        last, status = "", None
         for n in range(self.config.retries + 1):
-            try:
+            try:  # the client's headers carry the bearer token, if any (backends.ais)
                 resp = await self.http.send(self._request(targets), stream=True)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                last, status = f"{type(e).__name__}: {e}", None
             else:
+                status = resp.status_code
                 if resp.status_code == 200:
                     return resp
                 detail = (await resp.aread())[:300].decode("utf-8", "replace")
@@ -313,7 +314,7 @@ class GetBatchSource:
                     break
             if n < self.config.retries:
                 await trio.sleep(random.uniform(0, min(self.config.backoff_max_seconds, 0.05 * 2 ** n)))
-        raise BatchFetchError(first, last)
+        raise BatchFetchError(first, last, status)
 
     def _parts(self, n: int) -> list[tuple[int, int]]:
         """(first index, count) of each GetBatch request for a batch of ``n`` entries."""

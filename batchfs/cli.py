@@ -59,17 +59,28 @@ def _add_put(subparsers) -> None:
                    help=f"per-request connect/read/write timeout (default: {d.timeout_seconds:g})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (default: a progress bar "
                    "on standard error)")
+    p.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="send the bearer token in FILE (first line that is not blank or #; the file must "
+                   "not be accessible by other users) with every request. Without it, the token in "
+                   "$AIS_AUTHN_TOKEN is sent, if set. No option takes the token itself: ps would show it "
+                   "(default: none)")
     p.set_defaults(func=cmd_put)
 
 
 def cmd_put(args: argparse.Namespace) -> int:
+    from batchfs.config import auth_token
     from batchfs.put import PutConfig, PutError, put_tree
 
     if args.retries < 0:
         print(f"{PROG} put: --retries must be >= 0", file=sys.stderr)
         return 2
+    try:
+        token = auth_token(args.token_file)
+    except ValueError as e:
+        print(f"{PROG} put: {e}", file=sys.stderr)
+        return 2
     cfg = PutConfig(jobs=args.jobs, retries=args.retries, timeout_seconds=args.timeout,
-                    progress=not args.quiet)
+                    progress=not args.quiet, token=token)
     try:
         result = put_tree(args.local_dir, args.target, cfg)
     except PutError as e:

@@ -8,6 +8,8 @@ not obvious.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from pathlib import Path
 
 KiB = 1024
@@ -66,3 +68,44 @@ class MountConfig:
     max_fuse_tasks: int = 64  # pyfuse3.main(max_tasks=...): FUSE requests served concurrently
     log_level: str = "INFO"
     log_file: Path | None = None
+    # Bearer token sent with every request to an AIStore-API server (``Authorization: Bearer``);
+    # from --token-file or AIS_AUTHN_TOKEN (see ``auth_token``), never from a command-line value.
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+
+TOKEN_ENV = "AIS_AUTHN_TOKEN"  # the aistore SDK's variable: one token for both
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``: its first line that is not blank or a ``#`` comment. Refused
+    (ValueError with the reason) when other users can access the file, as ssh refuses a
+    readable key: a token is a password."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"token file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"token file {path}: not a regular file")
+        if st.st_mode & 0o007:
+            raise ValueError(f"token file {path} is accessible by other users (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}); restrict it: chmod 600 {path}")
+        raw = f.read(64 * 1024)
+    for line in raw.decode("ascii", "replace").splitlines():
+        token = line.strip()
+        if token and not token.startswith("#"):
+            if any(not 0x21 <= ord(c) <= 0x7E for c in token):
+                raise ValueError(f"token file {path}: the token must be printable ASCII without spaces")
+            return token
+    raise ValueError(f"token file {path}: no token in it")
+
+
+def auth_token(token_file: Path | None, environ=os.environ) -> str | None:
+    """The token to send: from ``token_file`` if given, else ``$AIS_AUTHN_TOKEN``, else None."""
+    if token_file is not None:
+        return read_token_file(token_file)
+    token = environ.get(TOKEN_ENV, "").strip()
+    if token and any(not 0x21 <= ord(c) <= 0x7E for c in token):
+        raise ValueError(f"{TOKEN_ENV} must be printable ASCII without spaces")
+    return token or None

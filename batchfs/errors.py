@@ -9,7 +9,8 @@
     ├── ReadOnly                    (EROFS) any write, create, rename or delete outside ``.batch/``
     ├── InvalidArgument             (EINVAL) bad offsets, names or sizes
     ├── BackendError                (EIO) the server answered with an error we do not retry, or
-    │   │                           kept failing (429/5xx/resets) after every retry
+    │   │                           kept failing (429/5xx/resets) after every retry;
+    │   │                           (EACCES) when that answer was 401 or 403: credentials refused
     │   └── RequestTimeout          (EIO) the request (with its retries) ran past
     │                               ``request_timeout_seconds``: server down, hung or killed
     └── VersionChanged              (EIO) the object was replaced while a handle had it open; the
@@ -56,10 +57,15 @@ class InvalidArgument(BatchfsError):
     errno = errno.EINVAL
 
 
+ACCESS_DENIED_STATUS = frozenset({401, 403})  # no token, a wrong one, or an API turned off
+
+
 class BackendError(BatchfsError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+        if status in ACCESS_DENIED_STATUS:
+            self.errno = errno.EACCES
 
 
 class RequestTimeout(BackendError):

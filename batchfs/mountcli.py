@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchfs.config import GiB, KiB, MiB, MountConfig, Source
+from batchfs.config import TOKEN_ENV, GiB, KiB, MiB, MountConfig, Source, auth_token
 from batchfs.daemon import MountError, is_mounted, run, unmount
 from server.config import parse_size
 from server.errors import BadRequest
@@ -262,7 +262,7 @@ def parse_mount_options(values: list[str]) -> tuple[dict[str, Any], list[str], b
                     raise UsageError(f"mount option {key} needs a value: -o {key}=VALUE")
                 opt = _BY_KEY[norm]
                 fields[opt.field] = opt.parse(arg)
-            elif norm in ("endpoint_url", "region"):
+            elif norm in ("endpoint_url", "region", "token_file"):
                 if not arg:
                     raise UsageError(f"mount option {key} needs a value: -o {key}=VALUE")
                 fields[norm] = arg
@@ -276,7 +276,12 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
     # Source fields, not MountConfig ones; the long flags win as everywhere else
     endpoint_url = args.endpoint_url or fields.pop("endpoint_url", None)
     region = args.region or fields.pop("region", None)
-    fields = {k: v for k, v in fields.items() if k not in ("endpoint_url", "region")}
+    token_file = args.token_file or fields.pop("token_file", None)
+    fields = {k: v for k, v in fields.items() if k not in ("endpoint_url", "region", "token_file")}
+    try:  # read now, before forking: the daemon gets the token, never the file or argv
+        fields["auth_token"] = auth_token(_path(token_file) if token_file else None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for opt in OPTIONS:
         v = getattr(args, opt.dest)
         if v is not None:
@@ -371,6 +376,12 @@ def _add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: none; required for s3://)")
     p.add_argument("--region", metavar="REGION",
                    help=f"S3 signing region, s3:// only (default: {Source('s3', '').region})")
+    p.add_argument("--token-file", metavar="FILE",
+                   help=f"send the bearer token in FILE (first line that is not blank or #; the file "
+                   f"must not be accessible by other users) with every request to an AIStore-API "
+                   f"server; also -o token_file=FILE. Without it, the token in ${TOKEN_ENV} is sent, "
+                   f"if set. There is no option taking the token itself: ps would show it "
+                   f"(default: none)")
     for opt in OPTIONS:
         # raw strings here; parsed in config_from_args so errors are one line, not argparse's usage dump
         p.add_argument(f"--{opt.flag}", metavar=opt.metavar, help=opt.help.format(default=opt.default_text()))

@@ -42,6 +42,8 @@ class PutConfig:
     backoff_max_seconds: float = 30 * SECONDS
     timeout_seconds: float = 120 * SECONDS  # per request, connect and each read/write
     progress: bool = True
+    # Sent as ``Authorization: Bearer`` with every request (batchfs.config.auth_token finds it).
+    token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,10 @@ def ensure_bucket(client: httpx.Client, target: Target) -> None:
         r = client.post(url, json={"action": "create-bck", "name": "", "value": None})
     except httpx.HTTPError as e:
         raise PutError(f"cannot reach {target.base_url}: {e}") from None
+    if r.status_code in (401, 403):  # before any upload: one clear error, not one per file
+        hint = ("check --token-file or AIS_AUTHN_TOKEN" if "Authorization" in client.headers
+                else "give a token with --token-file FILE or AIS_AUTHN_TOKEN")
+        raise PutError(f"the server refused the credentials ({r.status_code} {_reason(r)}): {hint}")
     if r.status_code not in (200, 409):  # 409: it exists already, which is fine
         raise PutError(f"creating bucket {target.bucket!r} failed: {r.status_code} {_reason(r)}")
 
@@ -184,7 +190,8 @@ def put_tree(local_dir: Path, target_url: str, cfg: PutConfig = PutConfig(),
     timeout = httpx.Timeout(cfg.timeout_seconds)
     limits = httpx.Limits(max_connections=cfg.jobs, max_keepalive_connections=cfg.jobs)
     try:
-        with httpx.Client(timeout=timeout, limits=limits) as client:
+        headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+        with httpx.Client(timeout=timeout, limits=limits, headers=headers) as client:
             ensure_bucket(client, target)
             uploader = _Uploader(client, target, cfg, on_bytes)
             with concurrent.futures.ThreadPoolExecutor(cfg.jobs, thread_name_prefix="put") as pool:

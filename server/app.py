@@ -14,7 +14,7 @@ import time
 
 from aiohttp import web
 
-from server import native
+from server import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
@@ -51,10 +51,16 @@ async def error_boundary(request: web.Request, handler):
         return resp
     except StoreError as e:
         status = e.status
-        extra = {"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable) else None
+        extra = ({"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable)
+                 else getattr(e, "headers", None))  # e.g. WWW-Authenticate on a 401
         if status >= 500:
             log.error("%s %s: %s", request.method, request.path, e.message)
-        return _error_response(request, status, e.message, extra)
+        resp = _error_response(request, status, e.message, extra)
+        if request.get(OP_KEY) == "denied" and request.body_exists and not request.content.is_eof():
+            # refused before its body was read (and, with Expect: 100-continue, before it was
+            # sent): the next bytes on this connection may be that body, so do not reuse it
+            resp.force_close()
+        return resp
     except web.HTTPException as e:
         status = e.status
         if status < 400:
@@ -82,7 +88,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
 def build_app(config: ServerConfig, store: Store | None = None) -> web.Application:
     store = store or Store(config.data_dirs, config.chunk_size_bytes, config.meta_cache_entries)
     # client_max_size caps every body read whole (JSON requests); object PUTs are streamed.
-    app = web.Application(middlewares=[error_boundary], client_max_size=config.max_json_bytes)
+    # check_access inside error_boundary: its refusals are rendered and counted like any error.
+    app = web.Application(middlewares=[error_boundary, auth.check_access], client_max_size=config.max_json_bytes)
     app[CONFIG] = config
     app[STORE] = store
     app[METRICS] = Metrics()
@@ -93,4 +100,5 @@ def build_app(config: ServerConfig, store: Store | None = None) -> web.Applicati
 
     getbatch.add_routes(app)
     s3.add_routes(app)  # last: it claims the root path-style namespace
+    auth.guard_expect(app)  # after every route: none may tell a refused client to send its body
     return app

@@ -42,6 +42,12 @@ def _listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _metrics_auth(text: str) -> str:
+    if text not in ("token", "none"):
+        raise argparse.ArgumentTypeError(f"expected token or none, got {text!r}")
+    return text
+
+
 def _mib(n: int) -> str:
     return f"{n // 2**30}GiB" if n % 2**30 == 0 else f"{n // 2**20}MiB" if n % 2**20 == 0 else f"{n}B"
 
@@ -86,6 +92,14 @@ _TUNABLES = [
      "unset: signatures are accepted unverified"),
     ("--s3-secret-key", "s3_secret_key", str, "KEY",
      "secret for --s3-access-key; env BATCHFS_S3_SECRET_KEY", "unset"),
+    ("--auth-token-file", "auth_token_file", Path, "FILE",
+     "bearer tokens, one a line (blank and # lines ignored, at least 16 characters each); when "
+     "set, every native and GetBatch route but /v1/health wants 'Authorization: Bearer TOKEN', S3 "
+     "is refused unless S3 keys are set too, and the server refuses to start if other users can "
+     "read the file. Tokens are never taken on the command line", "unset: no token"),
+    ("--metrics-auth", "metrics_auth", _metrics_auth, "{token,none}",
+     "token: /metrics wants the bearer token when tokens are configured; none: /metrics is "
+     "open (it names operations and status codes, never buckets or objects)", _D.metrics_auth),
     ("--shutdown-timeout", "shutdown_timeout_seconds", float, "SECONDS",
      "after SIGTERM or SIGINT, how long requests in flight may take before they are cut",
      f"{_D.shutdown_timeout_seconds:g}"),

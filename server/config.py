@@ -45,8 +45,15 @@ class ServerConfig:
     # Per-shard TAR member indexes kept in memory (keyed by shard version).
     shard_index_cache_entries: int = 1024
     # S3: when both are set, SigV4 signatures are verified; otherwise any signature passes.
-    s3_access_key: str | None = None
-    s3_secret_key: str | None = None
+    s3_access_key: str | None = dataclasses.field(default=None, repr=False)
+    s3_secret_key: str | None = dataclasses.field(default=None, repr=False)
+    # Native API and GetBatch: a file of bearer tokens (one a line, not accessible by other
+    # users); when set, every route but /v1/health wants one (server/auth.py has the table).
+    # Only the tokens' SHA-256 digests are kept, loaded from the file when the config is built.
+    auth_token_file: Path | None = None
+    auth_token_digests: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
+    # /metrics: "token" wants the bearer token when one is configured; "none" leaves it open.
+    metrics_auth: str = "token"
     # Graceful shutdown: requests in flight get this long after SIGTERM.
     shutdown_timeout_seconds: float = 30 * SECONDS
     log_level: str = "INFO"
@@ -69,6 +76,12 @@ class ServerConfig:
             raise ValueError("meta_cache_entries must be >= 0")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.metrics_auth not in ("token", "none"):
+            raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
+        if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
+            from server.auth import load_token_file  # here: server.auth imports this module
+
+            object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
 
 
 def parse_size(text: str | int) -> int:
@@ -106,7 +119,7 @@ def load_toml(path: Path) -> dict:
         if name == "listen":
             out["listen"] = value
             continue
-        if name not in fields:
+        if name not in fields or name == "auth_token_digests":
             raise ValueError(f"{path}: unknown option {key!r}")
         if name.endswith("_bytes"):
             try:
@@ -117,5 +130,9 @@ def load_toml(path: Path) -> dict:
             if isinstance(value, str):
                 value = [value]
             value = tuple(Path(v) for v in value)
+        elif name == "auth_token_file":
+            if not isinstance(value, str):
+                raise ValueError(f"{path}: {key}: expected a file name")
+            value = Path(value)
         out[name] = value
     return out

@@ -16,9 +16,9 @@ most specific path prefix first, so they never shadow ``/v1/…``, ``/metrics`` 
 a root request whose bucket is ``v1``, ``s3`` or ``metrics`` is a native path that matched
 nothing and gets the native 404 (such buckets are reachable under ``/s3/`` only).
 
-Every S3 handler runs inside ``_s3``: it marks the request as S3 (errors become XML), checks
-the SigV4 signature when keys are configured (``server.sigv4``), and gives each failure its
-S3 error code. ETags are the store's ``"<xxhash64>-<version>"``: not an MD5, and shaped
+Every S3 handler runs inside ``_s3``: it marks the request as S3 (errors become XML) and gives
+each failure its S3 error code. The SigV4 signature (``server.sigv4``) is checked before any
+handler runs, by ``server.auth``. ETags are the store's ``"<xxhash64>-<version>"``: not an MD5, and shaped
 like a multipart ETag, so rclone and s3fs do not compare them with an MD5 of the data.
 """
 
@@ -39,14 +39,14 @@ from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_r
 from server.s3_listing import MAX_KEYS, list_objects
 from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
                            list_objects_doc, location_doc, xml_response)
-from server.sigv4 import aws_chunks, is_aws_chunked, verify
-from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
+from server.auth import SIGNED_KEY
+from server.sigv4 import aws_chunks, is_aws_chunked
+from server.state import API_KEY, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
 
 __all__ = ["add_routes", "error_response"]
 
 RESERVED_AT_ROOT = frozenset({"v1", "s3", "metrics"})
-SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified signature (chains aws-chunked bodies)
 MAX_PUT_BYTES = 5 * 1024**3  # S3's limit for a single PUT
 MAX_NAME_BYTES = 1024  # prefixes, markers and delimiters, like keys
 CREATE_BUCKET_BODY_MAX = 64 * 1024  # a CreateBucketConfiguration document (ignored)
@@ -91,10 +91,7 @@ def _s3(handler, root: bool):
         request[API_KEY] = "s3"
         op = ops.get(request.method, "s3_other")
         request[OP_KEY] = "s3_location" if op == "s3_list" and "location" in request.query else op
-        try:
-            config = request.app[CONFIG]
-            if config.s3_access_key and config.s3_secret_key:
-                request[SIGNED_KEY] = verify(request, config.s3_access_key, config.s3_secret_key)
+        try:  # the signature was checked before (server.auth, for every route)
             return await handler(request)
         except StoreError as e:
             request[CODE_KEY] = _code_for(request, e)

@@ -19,7 +19,14 @@ streams).
   chained from the header signature; ``aws_chunks`` decodes them and, with a verified
   request, checks every chunk signature before the chunk is written.
 
-When the server has no keys configured, ``verify`` is not called: any signature passes.
+- A body is always covered: a declared SHA-256 is checked as the body streams (``server.s3``),
+  a streaming body chunk by chunk here; without ``x-amz-content-sha256`` a request may have
+  no body at all (not even a chunked one); an aws-chunked body must declare a streaming or
+  unsigned payload (a SHA-256 of it would go unchecked). ``UNSIGNED-PAYLOAD`` is accepted as
+  S3 does: the request is authenticated, its body is not (docs/security.md).
+
+When the server has no keys configured, ``verify`` is not called (``server.auth``): any
+signature passes, unless a bearer token is configured, which refuses S3 altogether.
 """
 
 from __future__ import annotations
@@ -156,9 +163,16 @@ def verify(request: web.Request, access_key: str, secret_key: str, now: float | 
         params = query
         payload_hash = request.headers.get("X-Amz-Content-SHA256")
         if payload_hash is None:
-            if request.content_length:
+            # body_exists, not content_length: a chunked body has no length, and signing it
+            # as empty would let a replay carry any body
+            if request.content_length or request.body_exists:
                 raise _denied("InvalidRequest", "missing required header x-amz-content-sha256", 400)
             payload_hash = EMPTY_SHA256
+    if ("aws-chunked" in request.headers.get("Content-Encoding", "")
+            and not payload_hash.startswith("STREAMING-") and payload_hash != UNSIGNED_PAYLOAD):
+        # the body is decoded as aws-chunked, so a declared SHA-256 of it would go unchecked
+        raise _denied("InvalidRequest", "an aws-chunked body needs x-amz-content-sha256 "
+                      "STREAMING-AWS4-HMAC-SHA256-PAYLOAD (or UNSIGNED-PAYLOAD)", 400)
 
     parts = credential.split("/")
     if len(parts) != 5 or parts[4] != "aws4_request":

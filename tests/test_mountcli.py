@@ -73,7 +73,8 @@ def test_s3_region():
 
 
 def test_every_config_field_has_a_flag():
-    reachable = {o.field for o in mountcli.OPTIONS} | {"source", "mountpoint", "fuse_options"}
+    reachable = {o.field for o in mountcli.OPTIONS} | {"source", "mountpoint", "fuse_options",
+                                                         "auth_token"}  # --token-file, -o token_file, AIS_AUTHN_TOKEN
     fields = {f.name for f in dataclasses.fields(MountConfig)}
     assert fields - reachable == set(), "add these MountConfig fields to mountcli.OPTIONS and man/batchfs.1"
     assert reachable - fields == set()

@@ -26,7 +26,7 @@ import msgpack
 from batchfs.backends.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
 from batchfs.backends.http import Reply, lean_request, make_http_client, range_body, with_retries
 from batchfs.config import MountConfig
-from batchfs.errors import BackendError, NotFound, VersionChanged
+from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, NotFound, VersionChanged
 
 SUBTREE_END = "\U0010ffff"  # sorts after any character of a valid name
 _LIST_PROPS = "name,size,checksum,version,atime"
@@ -40,11 +40,15 @@ def _atime_ns(text) -> int:  # parsing it costs ~15 us, a third of a 10,000-entr
         return 0
 
 
-def _check_status(resp: httpx.Response | Reply, what: str) -> None:
+def _check_status(resp: httpx.Response | Reply, what: str, has_token: bool = False) -> None:
     if resp.status_code == 404:
         raise NotFound(f"{what}: not found")
     if resp.status_code >= 400:
         detail = resp.headers.get("Ais-Error") or resp.text[:200]
+        if resp.status_code in ACCESS_DENIED_STATUS:
+            hint = ("the server refused our token: check --token-file or AIS_AUTHN_TOKEN" if has_token
+                    else "the server wants a token: give it with --token-file FILE or AIS_AUTHN_TOKEN")
+            detail = f"{detail} ({hint})"
         raise BackendError(f"{what}: HTTP {resp.status_code}: {detail}", resp.status_code)
 
 
@@ -57,6 +61,14 @@ class AisClient(ObjectClient):
         self.config = config
         self.base = config.source.endpoint.rstrip("/")
         self.http = make_http_client(config)
+        # Every request carries the token: httpx ones (listings, buckets, GetBatch through
+        # batchclient) take it from the client's headers, object HEADs and GETs (lean_request,
+        # which bypasses those) from ``self.auth``.
+        self.auth: dict[str, str] = {}
+        if config.auth_token:
+            self.auth = {"Authorization": f"Bearer {config.auth_token}"}
+            self.http.headers.update(self.auth)
+        self.has_token = bool(config.auth_token)
 
     def _obj_url(self, bucket: str, key: str) -> str:
         return f"{self.base}/v1/objects/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/')}"
@@ -68,14 +80,14 @@ class AisClient(ObjectClient):
         what = f"list buckets at {self.base}"
         resp = await with_retries(self.config, what, lambda: self.http.get(
             f"{self.base}/v1/buckets", params={"provider": "ais"}))
-        _check_status(resp, what)
+        _check_status(resp, what, self.has_token)
         return sorted(b["name"] for b in resp.json())
 
     async def check_bucket(self, bucket: str) -> None:
         what = f"bucket ais://{bucket}"
         resp = await with_retries(self.config, what, lambda: self.http.head(
             f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"}))
-        _check_status(resp, what)
+        _check_status(resp, what, self.has_token)
 
     async def _list_page(self, bucket: str, prefix: str, token: str, start_after: str, page_size: int) -> dict:
         value = {"prefix": prefix, "pagesize": page_size, "uuid": "", "props": _LIST_PROPS,
@@ -85,7 +97,7 @@ class AisClient(ObjectClient):
         resp = await with_retries(self.config, what, lambda: self.http.request(
             "GET", f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"},
             content=body, headers={"Accept": "application/msgpack", "Content-Type": "application/json"}))
-        _check_status(resp, what)
+        _check_status(resp, what, self.has_token)
         if resp.headers.get("Content-Type", "").startswith("application/json"):
             return resp.json()
         return msgpack.unpackb(resp.content, raw=False)
@@ -124,8 +136,8 @@ class AisClient(ObjectClient):
     async def head(self, bucket: str, key: str) -> HeadInfo:
         what = f"HEAD ais://{bucket}/{key}"
         resp = await with_retries(self.config, what, lambda: lean_request(
-            self.http, "HEAD", self._obj_url(bucket, key), {"provider": "ais", "props": "chunked"}))
-        _check_status(resp, what)
+            self.http, "HEAD", self._obj_url(bucket, key), {"provider": "ais", "props": "chunked"}, self.auth))
+        _check_status(resp, what, self.has_token)
         h = resp.headers
         chunk = h.get("Ais-Chunks-Max-Chunk-Size")
         info = ObjectInfo(key, int(h.get("Content-Length", 0)), version_from_headers(h),
@@ -137,10 +149,10 @@ class AisClient(ObjectClient):
             return b""
         what = f"GET ais://{bucket}/{key} [{start}, {end})"
         resp = await with_retries(self.config, what, lambda: lean_request(
-            self.http, "GET", self._obj_url(bucket, key), {"provider": "ais"}, body_range=(start, end)))
+            self.http, "GET", self._obj_url(bucket, key), {"provider": "ais"}, self.auth, body_range=(start, end)))
         if resp.status_code == 416 and version is not None:
             raise VersionChanged(f"{what}: the object shrank (replaced)")
-        _check_status(resp, what)
+        _check_status(resp, what, self.has_token)
         if version is not None and version_from_headers(resp.headers) != version:
             raise VersionChanged(f"{what}: version {version_from_headers(resp.headers)} is not the open {version}")
         return range_body(resp, start, end, what)
