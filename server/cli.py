@@ -87,6 +87,9 @@ _TUNABLES = [
     ("--getbatch-request-threads", "getbatch_request_threads", int, "N",
      "reader threads one GetBatch request may occupy at once (requests share the pool round-robin)",
      _D.getbatch_request_threads),
+    ("--getbatch-index-threads", "getbatch_index_threads", int, "N",
+     "threads (at a lower CPU priority) that build shard indexes; a TGZ index decompresses the whole shard",
+     _D.getbatch_index_threads),
     ("--getbatch-decompress-floor", "getbatch_decompress_floor_bytes", _size, "SIZE",
      "bytes any GetBatch request may decompress (TGZ/ZIP shards, TGZ indexing included) on top of "
      "--getbatch-decompress-ratio", _mib(_D.getbatch_decompress_floor_bytes)),

@@ -49,6 +49,8 @@ class ServerConfig:
     # Reader threads one request may occupy at a time (the pool has getbatch_workers), so
     # concurrent requests share the threads round-robin.
     getbatch_request_threads: int = 4
+    # Threads (at nice 10) that build shard indexes: a TGZ index decompresses the whole shard.
+    getbatch_index_threads: int = 2
     # Work bound of one request reading compressed (TGZ, ZIP) shards: it may decompress at
     # most floor + ratio x the bytes it delivers (building a TGZ index counts too).
     getbatch_decompress_floor_bytes: int = 1 * GiB

@@ -46,7 +46,7 @@ from aiohttp import MultipartWriter, web
 
 from server.archive import MIME_TYPES
 from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
-from server.getbatch_budget import Admission, ByteBudget, FairPool, trim_if_idle
+from server.getbatch_budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
 from server.getbatch_job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch_request import Entry, parse_request
 from server.metrics import Metrics
@@ -312,17 +312,20 @@ async def moss(request: web.Request) -> web.StreamResponse:
 
 async def _on_cleanup(app: web.Application) -> None:
     app[GB_STATE].pool.shutdown()
+    app[GB_STATE].indexer.shutdown()
 
 
 def add_routes(app: web.Application) -> None:
     config, metrics = app[CONFIG], app[METRICS]
     budget = ByteBudget(config.getbatch_max_buffered_bytes, metrics)
+    indexes = ShardIndexCache(config.shard_index_cache_entries, config.shard_index_cache_bytes)
     app[GB_STATE] = GetBatchState(
         config,
         FairPool(max(2, config.getbatch_workers), config.getbatch_request_threads),
-        ShardIndexCache(config.shard_index_cache_entries, config.shard_index_cache_bytes),
+        indexes,
         budget,
-        Admission(config.getbatch_max_pending, budget, metrics))
+        Admission(config.getbatch_max_pending, budget, metrics),
+        ShardIndexer(indexes, config.getbatch_index_threads))
     app.on_cleanup.append(_on_cleanup)
     for path in ("/v1/ml/moss", "/v1/ml/moss/", "/v1/ml/moss/{bucket}"):
         app.router.add_route("*", path, moss)

@@ -17,6 +17,8 @@ decompression bomb held every reader thread. Here:
 - ``FairPool`` runs blocking work for many requests on ``getbatch_workers`` threads,
   round-robin between requests and with at most ``per_owner`` threads busy for any one of
   them, so one request's slow reads cannot queue ahead of everyone else's.
+- ``ShardIndexer`` builds shard indexes (a TGZ index decompresses the whole shard) on a few
+  low-priority threads of their own; requests waiting for one hold no reader thread.
 - ``Work`` is one request's bound: decompressed bytes at most ``floor + ratio x delivered``,
   and a ``threading.Event`` that reader threads check between steps, set when the client is
   gone, has stalled, or the request ran out of time, so threads stop instead of finishing.
@@ -30,6 +32,7 @@ import concurrent.futures
 import ctypes
 import ctypes.util
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -316,3 +319,56 @@ class Work:
                     f"delivered; getbatch_decompress_floor_bytes, getbatch_decompress_ratio)")
             self.decompressed += n
         self._metrics.gb_decompressed.inc(n)
+
+
+# -- shard index builds: a lane of their own ----------------------------------------------
+INDEX_THREAD_NICE = 10  # index threads yield the CPU to reads of requests that need no index
+
+
+class ShardIndexer:
+    """Builds shard indexes for the event loop on ``threads`` threads of their own, at a lower
+    CPU priority (nice ``INDEX_THREAD_NICE``).
+
+    Building the index of a TGZ shard decompresses all of it (a 510 KB bomb is 512 MiB of
+    work): done in the shared reader pool, 16 such builds held every thread while other
+    requests waited. Here they queue among themselves, and a request that needs an index
+    being built awaits it on the event loop, holding no thread. If the build fails for its
+    builder's own reasons (its client left, its work bound), a waiter builds it itself."""
+
+    def __init__(self, cache, threads: int):
+        self.cache = cache
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
+                                                           thread_name_prefix="getbatch-index",
+                                                           initializer=self._lower_priority)
+        self._inflight: dict[tuple, asyncio.Future] = {}
+
+    @staticmethod
+    def _lower_priority() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INDEX_THREAD_NICE)  # this thread (Linux)
+        except OSError:
+            pass
+
+    async def build(self, store, meta, work: Work) -> None:
+        key = (meta.bucket, meta.name, meta.version, meta.tag)
+        while True:
+            fut = self._inflight.get(key)
+            if fut is None:
+                break
+            try:
+                await asyncio.shield(fut)
+                return
+            except (Cancelled, WorkBoundExceeded):
+                continue  # the builder's limits, not ours: try ourselves
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.cache.get, store, meta, None, work)
+        self._inflight[key] = fut
+        try:
+            await asyncio.shield(fut)
+        finally:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+            if not fut.done():  # cancelled while building: the thread stops at work.check()
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

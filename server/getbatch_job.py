@@ -39,10 +39,10 @@ import time
 
 from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_member_bytes
 from server.config import KiB, MiB, ServerConfig
-from server.errors import NotFound, StoreError
-from server.getbatch_budget import Admission, ByteBudget, FairPool, Work
+from server.errors import BadRequest, NotFound, StoreError
+from server.getbatch_budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded
 from server.getbatch_large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
-from server.getbatch_read import RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
+from server.getbatch_read import NeedIndex, RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
 from server.getbatch_request import Entry, MossReq
 from server.metrics import Metrics
 from server.shards import ShardIndexCache
@@ -67,6 +67,7 @@ class GetBatchState:
     shard_indexes: ShardIndexCache
     budget: ByteBudget
     admission: Admission
+    indexer: ShardIndexer
 
 
 @dataclasses.dataclass
@@ -155,8 +156,26 @@ class BatchJob:
         upto = min(upto, self.req.n)
         while self.planned < upto:
             lo, hi = self.planned, min(self.planned + chunk, self.req.n)
-            self.plan_missing += await self.run(plan_chunk, self.store, self.state.shard_indexes, self.req,
-                                                lo, hi, self.work)
+            try:
+                self.plan_missing += await self.run(plan_chunk, self.store, self.state.shard_indexes, self.req,
+                                                    lo, hi, self.work)
+            except NeedIndex as need:  # built off the reader pool, then plan on from there
+                self.plan_missing += need.missing
+                self.planned = need.done
+                self._check_soft(self.plan_missing)
+                try:
+                    await self.state.indexer.build(self.store, need.meta, self.work)
+                except WorkBoundExceeded:
+                    raise
+                except (NotFound, BadRequest) as err:  # unreadable shard, or gone: as in the plan
+                    if not self.req.coer:
+                        raise
+                    e = self.entries[need.done]
+                    e.kind, e.size, e.err = "missing", 0, err.message
+                    self.plan_missing += 1
+                    self.planned = need.done + 1
+                    self._check_soft(self.plan_missing)
+                continue
             self.planned = hi
             self._check_soft(self.plan_missing)
 

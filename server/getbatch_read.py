@@ -42,11 +42,23 @@ MISSING_DIR = "__404__"  # placeholders are named __404__/<the member's name>
 
 
 # -- plan -----------------------------------------------------------------------------------
-def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool, work: Work) -> None:
+class NeedIndex(Exception):
+    """The plan stopped at an entry whose shard has no index yet: the caller has it built
+    (``ShardIndexer``, off the reader pool) and plans again from ``done``."""
+
+    def __init__(self, meta: ObjectMeta, done: int, missing: int):
+        super().__init__(f"ais://{meta.bucket}/{meta.name}: index not built")
+        self.meta, self.done, self.missing = meta, done, missing
+
+
+def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool, work: Work) -> ObjectMeta | None:
+    """Plan entry ``e``; the shard's metadata if its index must be built first."""
     try:
         meta = store.lookup(e.bucket, e.objname)
         if e.archpath:
-            index = cache.get(store, meta, work=work)
+            index = cache.peek(meta)
+            if index is None:
+                return meta
             _, member_size = index.find(meta, e.archpath)
             e.kind, e.size = index.kind, span(e, member_size)[1]
         else:
@@ -58,15 +70,20 @@ def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool, work: W
         if not coer:
             raise
         e.kind, e.size, e.err = "missing", 0, err.message
+    return None
 
 
 def plan_chunk(store: Store, cache: ShardIndexCache, req: MossReq, lo: int, hi: int, work: Work) -> int:
-    """Check and look up entries [lo, hi); the number of placeholders among them."""
+    """Check and look up entries [lo, hi); the number of placeholders among them.
+    NeedIndex if an entry's shard has no index yet (entries before it are planned)."""
     req.check_upto(hi, store)
     missing = 0
-    for e in req.entries[lo:hi]:
+    for i in range(lo, hi):
         work.check()
-        _resolve(store, cache, e, req.coer, work)
+        e = req.entries[i]
+        need = _resolve(store, cache, e, req.coer, work)
+        if need is not None:
+            raise NeedIndex(need, i, missing)
         missing += e.kind == "missing"
     return missing
 

@@ -208,6 +208,15 @@ class ShardIndexCache:
         self._building: dict[tuple, threading.Event] = {}
         self._lock = threading.Lock()
 
+    def peek(self, meta: ObjectMeta) -> ShardIndex | None:
+        """The index of this shard version if it is built, else None (never builds)."""
+        key = (meta.bucket, meta.name, meta.version, meta.tag)
+        with self._lock:
+            idx = self._lru.get(key)
+            if idx is not None:
+                self._lru.move_to_end(key)
+            return idx
+
     def get(self, store: Store, meta: ObjectMeta, obj: OpenObject | None = None,
             work: Work | None = None) -> ShardIndex:
         """The index of this shard version, built (opening the shard unless ``obj`` is given)
