@@ -9,17 +9,22 @@ never be served from a stale index:
   never scanned again.
 - ZIP: ``{member: size}`` from the central directory; reads go through ``zipfile`` over a
   seekable ``ObjectReader``, which seeks straight to the member.
-- TGZ: ``{member: (data offset in the decompressed TAR, size)}`` plus *checkpoints*: the
-  ``indexed_gzip`` index (zlib state and the 32 KiB window every ``TGZ_SPACING`` decompressed
-  bytes), built by one header walk over the decompressed stream. A member read then resumes
-  decompression at the checkpoint before the member: at most ``TGZ_SPACING`` bytes are
-  decompressed before its first byte, wherever it sits (a read after 512 MiB of zeros went
-  from ~15-34 s of CPU to a few ms). A ``TgzReader`` keeps one decompressor per shard open,
-  so later members of a run read forward without going back to a checkpoint.
+- TGZ: ``{member: (data offset in the decompressed TAR, size)}`` plus *checkpoints*: every
+  ``TGZ_SPACING`` decompressed bytes, a copy of the ``zlib`` decompressor (``Decompress.copy``:
+  its state and 32 KiB window) with the compressed and decompressed positions it stands at
+  (the zran / ``indexed_gzip`` method), taken in the one pass that walks the TAR headers. A
+  member read resumes from a copy of the checkpoint before the member, so at most
+  ``TGZ_SPACING`` bytes are decompressed before its first byte wherever it sits (a read after
+  512 MiB of zeros went from ~15-34 s of CPU to a few ms). A ``TgzReader`` keeps its
+  decompressor, so later members of a run read forward without going back to a checkpoint.
+  (``indexed_gzip`` does the same in C, but one of its seeks is one uninterruptible call: on
+  a 510 KB bomb a 16 MiB seek decompressed all 512 MiB (4.4 s) before returning, so neither
+  the work bound nor a gone client could stop it. Here decompression runs in steps of at
+  most ``_STEP`` output bytes, each charged to the request's work bound.)
 
 Indexes are built at most once at a time per shard version (other threads wait for it), and
-the cache is bounded both in entries and in bytes (TGZ checkpoints are ~32 KiB per
-``TGZ_SPACING``, i.e. ~0.8% of the decompressed size).
+the cache is bounded both in entries and in bytes (a TGZ checkpoint holds ~44 KiB per
+``TGZ_SPACING``, i.e. ~1% of the decompressed size).
 
 Work bound: the blocking functions take an optional ``work`` (``getbatch_budget.Work``)
 that is charged every decompressed byte and checked between steps, so a request that is
@@ -33,6 +38,7 @@ clients retry); a member that is not in the index raises ``NotFound``.
 from __future__ import annotations
 
 import collections
+import bisect
 import dataclasses
 import gzip
 import io
@@ -40,9 +46,7 @@ import tarfile
 import threading
 import zipfile
 import zlib
-from typing import TYPE_CHECKING
-
-import indexed_gzip
+from typing import TYPE_CHECKING, NamedTuple
 
 from server.errors import BadRequest, NotFound
 from server.store import ObjectMeta, ObjectReader, OpenObject, Store
@@ -52,13 +56,14 @@ if TYPE_CHECKING:
 
 _READ_BUFFER = 64 * 1024  # header walks read this much at a time (many small members per pread)
 # Decompressed bytes between two TGZ checkpoints: a member read decompresses at most this
-# much before its first byte (~4 ms at zlib's ~1 GB/s); the index costs ~32 KiB per point,
-# ~0.8% of the shard's decompressed size (4 MiB for 512 MiB), imported once per run.
+# much before its first byte (~4 ms at zlib's ~1 GB/s); a checkpoint costs ~44 KiB (zlib's
+# state and window), ~1% of the shard's decompressed size (5.5 MiB for 512 MiB).
 TGZ_SPACING = 4 * 1024 * 1024
-_SEEK_STEP = 16 * 1024 * 1024  # a long forward seek is cut in steps, checking the work bound
+_CHECKPOINT_BYTES = 44 * 1024
+_STEP = 1024 * 1024  # decompressed bytes per zlib call: the work bound is checked between calls
 _WAIT_STEP = 0.25  # seconds between checks while another thread builds the same index
 _CORRUPT = (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, gzip.BadGzipFile,
-            ValueError, OSError, indexed_gzip.ZranError)
+            ValueError, OSError)
 
 
 def shard_format(name: str, head: bytes) -> str:
@@ -86,12 +91,16 @@ class ShardIndex:
     kind: str  # 'tar' | 'tgz' | 'zip'
     # tar: (data offset, size); tgz: (data offset in the decompressed TAR, size); zip: (0, size)
     members: dict[str, tuple[int, int]]
-    checkpoints: bytes = b""  # tgz: the exported indexed_gzip index
+    checkpoints: tuple = ()  # tgz: _Checkpoint, by decompressed position
 
     @property
     def nbytes(self) -> int:
         """Memory held, roughly: the checkpoints and ~150 bytes per member."""
-        return len(self.checkpoints) + 150 * len(self.members)
+        return _CHECKPOINT_BYTES * len(self.checkpoints) + 150 * len(self.members)
+
+    def checkpoint_before(self, pos: int) -> _Checkpoint:
+        i = bisect.bisect_right([c.out_pos for c in self.checkpoints], pos) - 1
+        return self.checkpoints[max(i, 0)]
 
     def find(self, meta: ObjectMeta, archpath: str) -> tuple[int, int]:
         hit = self.members.get(_norm(archpath))
@@ -108,14 +117,35 @@ def _corrupt(meta: ObjectMeta, kind: str, e: BaseException) -> BadRequest:
     return BadRequest(f"shard ais://{meta.bucket}/{meta.name} is not a readable {kind} archive: {e or type(e).__name__}")
 
 
-class _Metered(io.RawIOBase):
-    """A decompressed stream for ``tarfile``: charges every byte it decompresses (reads and
-    forward seeks) to ``work`` and cuts long seeks in steps, so a walk over a bomb stops at the
-    request's bound or when its client is gone."""
+class _Checkpoint(NamedTuple):
+    out_pos: int  # decompressed bytes before this point
+    in_pos: int  # compressed bytes consumed to reach it
+    state: object  # a zlib Decompress standing there; only ever copied, never used
 
-    def __init__(self, f, work: Work | None, what: str):
+
+def _new_gunzip():
+    return zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+
+class GzStream(io.RawIOBase):
+    """The decompressed bytes of a gzip object from a checkpoint on, read forward.
+
+    Decompression runs in calls of at most ``_STEP`` output bytes (``max_length``: a bomb's
+    few compressed bytes cannot expand in one call); each is charged to ``work``, which also
+    stops the stream when its request is over. With ``record``, a checkpoint is appended
+    every ``TGZ_SPACING`` output bytes. Concatenated gzip members are read as one stream."""
+
+    def __init__(self, obj: OpenObject, start: _Checkpoint | None, work: Work | None, what: str,
+                 record: list | None = None):
         super().__init__()
-        self._f, self._work, self._what = f, work, what
+        self._obj, self._work, self._what, self._record = obj, work, what, record
+        if start is None:
+            self._d, self.pos, self._in = _new_gunzip(), 0, 0
+        else:
+            self._d, self.pos, self._in = start.state.copy(), start.out_pos, start.in_pos
+        self._tail = b""  # compressed bytes fetched and not yet consumed
+        self._next_cp = self.pos + TGZ_SPACING if start is not None else 0
+        self._eof = False
 
     def readable(self) -> bool:
         return True
@@ -124,36 +154,60 @@ class _Metered(io.RawIOBase):
         return True
 
     def tell(self) -> int:
-        return self._f.tell()
+        return self.pos
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            offset, whence = self._f.tell() + offset, io.SEEK_SET
-        if whence != io.SEEK_SET:
-            raise OSError("a gzip stream cannot seek from its end")
-        pos = self._f.tell()
-        while offset - pos > _SEEK_STEP:  # decompresses (and indexes) everything on the way
-            pos += _SEEK_STEP
-            self._charge(_SEEK_STEP)
-            self._f.seek(pos)
-        if offset > pos:
-            self._charge(offset - pos)
-        return self._f.seek(offset)
+    def _more(self, want: int) -> bytes:
+        """Up to ``want`` (<= _STEP) more decompressed bytes; b'' at the end."""
+        d = self._d
+        while True:
+            if self._record is not None and self.pos >= self._next_cp and not d.eof:
+                self._record.append(_Checkpoint(self.pos, self._in - len(self._tail), d.copy()))
+                self._next_cp = self.pos + TGZ_SPACING
+            if d.eof:
+                rest = d.unused_data + self._tail
+                if not rest:
+                    rest = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER), verify=False)
+                    self._in += len(rest)
+                if not rest or not rest.strip(b"\0"):  # the end (some writers pad with zeros)
+                    self._eof = True
+                    return b""
+                d = self._d = _new_gunzip()  # a further gzip member
+                self._tail = rest
+            if not self._tail:
+                self._tail = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER), verify=False)
+                self._in += len(self._tail)
+                if not self._tail:
+                    raise EOFError("compressed stream ends early")
+            if self._work is not None:
+                self._work.charge_decompressed(want, 0, self._what)
+            out = d.decompress(self._tail, want)
+            self._tail = d.unconsumed_tail
+            if out or d.eof:
+                self.pos += len(out)
+                if out:
+                    return out
 
     def readinto(self, b) -> int:
-        self._charge(len(b))
-        data = self._f.read(len(b))
+        if self._eof:
+            return 0
+        data = self._more(min(len(b), _STEP))
         b[: len(data)] = data
         return len(data)
 
-    def _charge(self, n: int) -> None:
-        if self._work is not None:
-            self._work.charge_decompressed(n, 0, f"indexing {self._what}")
+    def skip_to(self, target: int) -> None:
+        while self.pos < target:
+            if not self._more(min(target - self.pos, _STEP)):
+                raise EOFError("stream ends before the requested position")
 
-
-def _igz(obj: OpenObject) -> indexed_gzip.IndexedGzipFile:
-    return indexed_gzip.IndexedGzipFile(fileobj=ObjectReader(obj), spacing=TGZ_SPACING, readbuf_size=_READ_BUFFER,
-                                        buffer_size=_READ_BUFFER, drop_handles=False)
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self.pos
+        elif whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("a gzip stream cannot seek from its end")
+        if offset < self.pos:
+            raise io.UnsupportedOperation("a gzip stream cannot seek backwards")
+        self.skip_to(offset)
+        return self.pos
 
 
 def build_index(obj: OpenObject, work: Work | None = None) -> ShardIndex:
@@ -171,19 +225,14 @@ def build_index(obj: OpenObject, work: Work | None = None) -> ShardIndex:
                         members[_norm(ti.name)] = (ti.offset_data, ti.size)
                     tf.members.clear()  # the index is all we keep; tarfile would keep every TarInfo
         elif kind == "tgz":
-            igz = _igz(obj)
-            try:
-                metered = _Metered(igz, work, f"ais://{meta.bucket}/{meta.name}")
-                with tarfile.open(fileobj=io.BufferedReader(metered, _READ_BUFFER), mode="r:") as tf:
-                    for ti in tf:
-                        if ti.isreg():
-                            members[_norm(ti.name)] = (ti.offset_data, ti.size)
-                        tf.members.clear()
-                out = io.BytesIO()
-                igz.export_index(fileobj=out)
-            finally:
-                igz.close()
-            return ShardIndex(kind, members, out.getvalue())
+            checkpoints: list[_Checkpoint] = []
+            stream = GzStream(obj, None, work, f"indexing ais://{meta.bucket}/{meta.name}", checkpoints)
+            with tarfile.open(fileobj=io.BufferedReader(stream, _READ_BUFFER), mode="r:") as tf:
+                for ti in tf:
+                    if ti.isreg():
+                        members[_norm(ti.name)] = (ti.offset_data, ti.size)
+                    tf.members.clear()
+            return ShardIndex(kind, members, tuple(checkpoints))
         else:
             with zipfile.ZipFile(_reader(obj)) as zf:
                 for zi in zf.infolist():
@@ -305,12 +354,13 @@ class RangeSource(MemberSource):
 
 class StreamSource(MemberSource):
     """A member read through a decompressing file object (ZIP or TGZ), skipping ``start``.
-    Every decompressed byte is charged to ``work`` (skipped bytes deliver nothing)."""
+    Every decompressed byte is charged to ``work`` (skipped bytes deliver nothing); with
+    ``charged`` the file object (a GzStream) charges its own and reads count as delivered."""
 
     def __init__(self, obj: OpenObject, kind: str, fileobj, start: int, length: int, close_obj: bool = True,
-                 work: Work | None = None):
+                 work: Work | None = None, charged: bool = False):
         super().__init__(obj, fileobj, close_obj)
-        self._kind, self._left, self._work = kind, length, work
+        self._kind, self._left, self._work, self._charged = kind, length, work, charged
         self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
         try:
             while start:
@@ -333,7 +383,8 @@ class StreamSource(MemberSource):
         if n <= 0:
             return b""
         if self._work is not None:
-            self._work.charge_decompressed(n, n, self._what)
+            # a GzStream charges what it decompresses itself; count the delivery only
+            self._work.charge_decompressed(0 if self._charged else n, n, self._what)
         try:
             data = self._f.read(n)
         except _CORRUPT as e:
@@ -361,39 +412,30 @@ class _KeepOpen(io.RawIOBase):
 
 
 class TgzReader:
-    """Random access to the members of one TGZ shard through its checkpoints: one
-    decompressor, reused by consecutive members of a run (a member after the current
-    position within ``TGZ_SPACING`` is reached by reading forward, any other from the
-    checkpoint before it). Members are read one at a time."""
+    """Random access to the members of one TGZ shard through its checkpoints: one stream,
+    reused by consecutive members of a run (a member at most ``TGZ_SPACING`` past the
+    current position is reached by reading forward, any other from the checkpoint before
+    it). Members are read one at a time."""
 
     def __init__(self, obj: OpenObject, index: ShardIndex):
         self.obj, self.index = obj, index
-        self._igz = _igz(obj)
-        try:
-            self._igz.import_index(fileobj=io.BytesIO(index.checkpoints))
-        except BaseException as e:
-            self._igz.close()
-            if isinstance(e, _CORRUPT):
-                raise _corrupt(obj.meta, "tgz", e) from None
-            raise
+        self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
+        self._stream: GzStream | None = None
 
     def open_member(self, archpath: str, start: int, length: int, work: Work | None = None) -> StreamSource:
         offset, _ = self.index.find(self.obj.meta, archpath)
         target = offset + start
-        pos = self._igz.tell()
-        # decompressed before the first byte: the gap when reading forward, else at most
-        # one checkpoint spacing
-        cost = target - pos if 0 <= target - pos <= TGZ_SPACING else TGZ_SPACING
-        if work is not None:
-            work.charge_decompressed(cost, 0, f"ais://{self.obj.meta.bucket}/{self.obj.meta.name}")
+        s = self._stream
+        if s is None or not 0 <= target - s.pos <= TGZ_SPACING or s._work is not work:
+            s = self._stream = GzStream(self.obj, self.index.checkpoint_before(target), work, self._what)
         try:
-            self._igz.seek(target)
+            s.skip_to(target)
         except _CORRUPT as e:
             raise _corrupt(self.obj.meta, "tgz", e) from None
-        return StreamSource(self.obj, "tgz", _KeepOpen(self._igz), 0, length, close_obj=False, work=work)
+        return StreamSource(self.obj, "tgz", _KeepOpen(s), 0, length, close_obj=False, work=work, charged=True)
 
     def close(self) -> None:
-        self._igz.close()
+        self._stream = None
 
 
 def open_member(obj: OpenObject, index: ShardIndex, archpath: str, start: int, length: int,
