@@ -12,7 +12,7 @@ tree. Options a tree does not know (``--getbatch-stall-timeout`` ...) are left o
           normal client's GetBatch of 32 small objects: its latency (60 s cap).
 - leave:  a client asks for the member 8 times (streamed), closes its connection after 1 s:
           server CPU during the next 10 s (work going on for nobody).
-- noread: 60 clients each ask for 64 x 1 MiB objects streamed and never read, against
+- noread: 60 clients each ask for 320 x 200 KiB objects streamed and never read, against
           --getbatch-max-pending 32 --getbatch-max-buffered 128MiB --getbatch-window 16MiB
           (--getbatch-stall-timeout 5 where known): 429s, peak pending / buffered / RSS,
           and the same 15 s after the clients went quiet and 5 s after they closed.
@@ -177,10 +177,11 @@ def scenario_noread(tree: Path, tmp: Path, help_text: str) -> None:
         flags += ["--getbatch-stall-timeout", "5"]
     with start(tree, tmp / "d-noread", *flags) as srv:
         new_bucket(srv.url, "b")
-        blob = os.urandom(MiB)
-        for i in range(64):
+        # under 256 KiB, so they are read ahead into memory (larger ones go out with sendfile)
+        blob = os.urandom(200 * 1024)
+        for i in range(320):
             put(srv.url, "b", f"big/{i:03d}", blob)
-        entries = [{"objname": f"big/{i:03d}"} for i in range(64)]
+        entries = [{"objname": f"big/{i:03d}"} for i in range(320)]
         socks, statuses = [], {}
         peak = {"pending": 0.0, "buffered": 0.0, "rss": 0.0}
         stop = threading.Event()

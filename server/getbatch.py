@@ -276,10 +276,13 @@ async def moss(request: web.Request) -> web.StreamResponse:
         if not work.done():  # the watchdog fired: stop everything this request holds
             reason = watch.result()
             job.work.stop(reason)
-            if request.transport is not None:
-                request.transport.abort()  # drops what the transport still buffers
+            # cancel before aborting: a loop.sendfile in progress must first take its writer
+            # off the socket, or the closed descriptor stays in the selector and breaks the
+            # next connection that gets its number
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+            if request.transport is not None:
+                request.transport.abort()  # drops what the transport still buffers
             metrics.gb_err_n.inc()
             log.info("moss: request stopped: %s", reason)
             return web.Response(status=499)  # nobody reads it; aiohttp drops it quietly
