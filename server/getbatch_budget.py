@@ -301,24 +301,23 @@ class Work:
         if self._stopped.is_set():
             raise Cancelled(self.reason)
 
-    def allowance(self) -> int:
-        return int(self.floor + self.ratio * self.delivered)
-
     def charge_decompressed(self, n: int, delivering: int, what: str) -> None:
         """Account ``n`` decompressed bytes that will yield ``delivering`` bytes of output;
         WorkBoundExceeded if that passes the bound."""
         self.check()
         with self._lock:
-            self.delivered += delivering
-            limit = self.allowance()
+            delivered = self.delivered + delivering
+            limit = int(self.floor + self.ratio * delivered)
             if self.decompressed + n > limit:
                 self._metrics.gb_work_refused_n.inc()
                 raise WorkBoundExceeded(
                     f"moss: {what}: decompressing {n} more bytes would exceed this request's bound of "
-                    f"{limit} decompressed bytes ({self.floor} + {self.ratio:g} x {self.delivered} "
+                    f"{limit} decompressed bytes ({self.floor} + {self.ratio:g} x {delivered} "
                     f"delivered; getbatch_decompress_floor_bytes, getbatch_decompress_ratio)")
+            self.delivered = delivered
             self.decompressed += n
-        self._metrics.gb_decompressed.inc(n)
+        if n:
+            self._metrics.gb_decompressed.inc(n)
 
 
 # -- shard index builds: a lane of their own ----------------------------------------------

@@ -131,8 +131,9 @@ class GzStream(io.RawIOBase):
     """The decompressed bytes of a gzip object from a checkpoint on, read forward.
 
     Decompression runs in calls of at most ``_STEP`` output bytes (``max_length``: a bomb's
-    few compressed bytes cannot expand in one call); each is charged to ``work``, which also
-    stops the stream when its request is over. With ``record``, a checkpoint is appended
+    few compressed bytes cannot expand in one call); what each call made is charged to
+    ``work`` (so the bound is passed by at most one step), which also stops the stream when
+    its request is over. With ``record``, a checkpoint is appended
     every ``TGZ_SPACING`` output bytes. Concatenated gzip members are read as one stream."""
 
     def __init__(self, obj: OpenObject, start: _Checkpoint | None, work: Work | None, what: str,
@@ -179,9 +180,11 @@ class GzStream(io.RawIOBase):
                 if not self._tail:
                     raise EOFError("compressed stream ends early")
             if self._work is not None:
-                self._work.charge_decompressed(want, 0, self._what)
+                self._work.check()
             out = d.decompress(self._tail, want)
             self._tail = d.unconsumed_tail
+            if self._work is not None and out:  # what it made: at most _STEP past the bound
+                self._work.charge_decompressed(len(out), 0, self._what)
             if out or d.eof:
                 self.pos += len(out)
                 if out:
