@@ -91,8 +91,8 @@ _TUNABLES = [
      "threads (at a lower CPU priority) that build shard indexes; a TGZ index decompresses the whole shard",
      _D.getbatch_index_threads),
     ("--getbatch-decompress-floor", "getbatch_decompress_floor_bytes", _size, "SIZE",
-     "bytes any GetBatch request may decompress (TGZ/ZIP shards, TGZ indexing included) on top of "
-     "--getbatch-decompress-ratio", _mib(_D.getbatch_decompress_floor_bytes)),
+     "bytes any GetBatch request may decompress (TGZ/ZIP shards, TGZ indexing included), on top of "
+     "the decompress ratio times what it delivers", _mib(_D.getbatch_decompress_floor_bytes)),
     ("--getbatch-decompress-ratio", "getbatch_decompress_ratio", float, "X",
      "decompressed bytes a GetBatch request may add per byte it delivers; past the bound it fails",
      f"{_D.getbatch_decompress_ratio:g}"),
