@@ -290,6 +290,24 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
         assert peak["rss"] - rss0 < cap + 64 * MiB, (peak["rss"] - rss0) / MiB
 
 
+def test_request_past_its_time_limit_is_stopped(tmp_path):
+    with ServerProcess([tmp_path / "d"], "--getbatch-max-time", "1", "--getbatch-stall-timeout", "600") as srv:
+        b = new_bucket(srv.url)
+        blob = os.urandom(200 * 1024)
+        for i in range(100):
+            put(srv.url, b, f"o/{i:03d}", blob)
+        s = raw_moss(srv.url, b, [{"objname": f"o/{i:03d}"} for i in range(100)])  # never read
+        try:
+            s.settimeout(10)
+            assert s.recv(12)[9:12] == b"200"
+            wait_for(lambda: srv.metrics()["getbatch_timed_out_n_total"] == 1, 15, "the request stopped")
+            wait_for(lambda: srv.metrics()["getbatch_pending"] == 0, 10, "pending back to 0")
+            m = srv.metrics()
+            assert m["getbatch_buffered_bytes"] == 0 and m["getbatch_aborted_stalled_n_total"] == 0
+        finally:
+            s.close()
+
+
 # -- the parts on their own ------------------------------------------------------------------------
 def test_byte_budget_never_exceeds_capacity_and_serves_in_order():
     async def main() -> None:
