@@ -21,8 +21,6 @@ tree. Options a tree does not know (``--getbatch-stall-timeout`` ...) are left o
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import io
 import json
 import os
 import socket

@@ -39,7 +39,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 import uuid
 
 from aiohttp import MultipartWriter, web

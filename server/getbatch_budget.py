@@ -31,7 +31,6 @@ import collections
 import concurrent.futures
 import ctypes
 import ctypes.util
-import logging
 import os
 import threading
 import time
@@ -40,7 +39,6 @@ from typing import Any, Callable
 from server.errors import BadRequest, TooManyRequests
 from server.metrics import Metrics
 
-log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
