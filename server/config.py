@@ -42,8 +42,23 @@ class ServerConfig:
     getbatch_max_pending: int = 256
     getbatch_max_buffered_bytes: int = 1 * GiB
     getbatch_throttle_seconds: float = 0.05 * SECONDS
+    # A reply whose client has read nothing for this long (while bytes wait to be sent) is
+    # aborted and everything it holds freed; a request is stopped after the time limit.
+    getbatch_stall_timeout_seconds: float = 60 * SECONDS
+    getbatch_max_time_seconds: float = 3600 * SECONDS
+    # Reader threads one request may occupy at a time (the pool has getbatch_workers), so
+    # concurrent requests share the threads round-robin.
+    getbatch_request_threads: int = 4
+    # Threads (at nice 10) that build shard indexes: a TGZ index decompresses the whole shard.
+    getbatch_index_threads: int = 2
+    # Work bound of one request reading compressed (TGZ, ZIP) shards: it may decompress at
+    # most floor + ratio x the bytes it delivers (building a TGZ index counts too).
+    getbatch_decompress_floor_bytes: int = 1 * GiB
+    getbatch_decompress_ratio: float = 64.0
     # Per-shard TAR member indexes kept in memory (keyed by shard version).
     shard_index_cache_entries: int = 1024
+    # ... and bytes held by them (TGZ checkpoints: ~32 KiB per 4 MiB of decompressed TAR).
+    shard_index_cache_bytes: int = 256 * MiB
     # S3: when both are set, SigV4 signatures are verified; otherwise any signature passes.
     s3_access_key: str | None = dataclasses.field(default=None, repr=False)
     s3_secret_key: str | None = dataclasses.field(default=None, repr=False)
@@ -97,7 +112,9 @@ def parse_size(text: str | int) -> int:
 
 # Config-file keys that are spelled like the command-line option rather than the field.
 _ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
-            "getbatch_throttle": "getbatch_throttle_seconds"}
+            "getbatch_throttle": "getbatch_throttle_seconds",
+            "getbatch_stall_timeout": "getbatch_stall_timeout_seconds",
+            "getbatch_max_time": "getbatch_max_time_seconds"}
 
 
 def load_toml(path: Path) -> dict:

@@ -17,9 +17,13 @@ assembler opens it at its turn and streams it in 1 MiB pieces (one piece read ah
 Content-Length), an object or TAR-shard member of at least ``SENDFILE_MIN_BYTES`` is also a
 run of its own, sent at its turn from its files with ``sendfile``: no copy through memory.
 
-Invariants: read-ahead bytes are reserved before a run is read and released after it is
-written (``GetBatchState.buffered`` is the app-wide sum, the basis of admission control), so
-memory per request is bounded by ``getbatch_window_bytes`` plus two pieces. Every file is
+Invariants: read-ahead bytes are reserved by the scheduler, in request order, before a run
+is read (or, for a large member, before its pieces are), first against the request's window
+and then against the app-wide ``ByteBudget``; they are released after the run is written.
+So memory per request is bounded by ``getbatch_window_bytes`` and all requests together by
+``getbatch_max_buffered_bytes``; only the assembler releases, so it never waits for budget
+and the scheduler's wait always ends (or the stall timeout aborts the request holding it).
+Blocking calls go to the ``FairPool`` under this job as owner, with its ``Work``. Every file is
 closed by the thread that opened it, or by a done-callback on the read that still uses it, so
 a client that disconnects leaks neither descriptors nor tasks. In a sized reply every member
 must have exactly its planned size; an entry that changed since the plan fails the request
@@ -35,9 +39,10 @@ import time
 
 from server.archive import TAR_END_BYTES, TarWriter, make_writer, tar_member_bytes
 from server.config import KiB, MiB, ServerConfig
-from server.errors import NotFound, StoreError
-from server.getbatch_large import Output, send_from_files, stream_in_pieces
-from server.getbatch_read import RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
+from server.errors import BadRequest, NotFound, StoreError
+from server.getbatch_budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded
+from server.getbatch_large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
+from server.getbatch_read import NeedIndex, RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
 from server.getbatch_request import Entry, MossReq
 from server.metrics import Metrics
 from server.shards import ShardIndexCache
@@ -55,19 +60,20 @@ SENDFILE_MIN_BYTES = 256 * KiB
 
 @dataclasses.dataclass
 class GetBatchState:
-    """App-wide GetBatch state: admission counters and the reader threads."""
+    """App-wide GetBatch state: admission, the byte budget and the reader threads."""
 
     config: ServerConfig
-    pool: concurrent.futures.ThreadPoolExecutor
+    pool: FairPool
     shard_indexes: ShardIndexCache
-    pending: int = 0
-    buffered: int = 0  # bytes reserved for read-ahead (or a buffered reply) and not yet sent
+    budget: ByteBudget
+    admission: Admission
+    indexer: ShardIndexer
 
 
 @dataclasses.dataclass
 class _Run:
     entries: list[Entry]
-    reserved: int
+    reserved: int  # bytes held in the window and the budget until the run is written
     future: asyncio.Future | None  # None: a large entry, sent at its turn
     sendfile: bool = False
 
@@ -89,7 +95,8 @@ class BatchJob:
         self.planned = 0
         self.plan_missing = 0
         self.soft_errs = 0
-        self.reserved = 0  # this request's share of state.buffered
+        self.reserved = 0  # this request's share of state.budget
+        self.work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, metrics)
         self.window_used = 0
         self.window_cond = asyncio.Condition()
         self.slots = asyncio.Semaphore(max(1, config.getbatch_workers))
@@ -103,30 +110,45 @@ class BatchJob:
         # a buffered reply reserves its whole size up front; only streaming counts read-ahead
         self.count_window = req.strm
 
+    def run(self, fn, *args) -> asyncio.Future:
+        """Blocking ``fn(*args)`` on the fair pool, as this request."""
+        return self.state.pool.run(self, fn, *args)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        return self.state.pool.submit(self, fn, *args)
+
     # byte accounting ----------------------------------------------------------------------
-    def reserve(self, n: int) -> None:
+    def try_reserve(self, n: int) -> bool:
+        """Reserve ``n`` budget bytes now, or False (a buffered reply: 429 rather than wait)."""
+        if not self.state.budget.try_acquire(n):
+            return False
         self.reserved += n
-        self.state.buffered += n
-        self.metrics.gb_buffered.set(self.state.buffered)
+        return True
 
     def unreserve(self, n: int) -> None:
         self.reserved -= n
-        self.state.buffered -= n
-        self.metrics.gb_buffered.set(self.state.buffered)
+        self.state.budget.release(n)
 
     async def _window_acquire(self, n: int) -> None:
         cap = self.config.getbatch_window_bytes
         async with self.window_cond:
             await self.window_cond.wait_for(lambda: self.window_used == 0 or self.window_used + n <= cap)
             self.window_used += n
-        if self.count_window:
-            self.reserve(n)
+        if self.count_window and n:
+            try:
+                await self.state.budget.acquire(n)
+            except BaseException:
+                async with self.window_cond:
+                    self.window_used -= n
+                    self.window_cond.notify_all()
+                raise
+            self.reserved += n
 
     async def _window_release(self, n: int) -> None:
         async with self.window_cond:
             self.window_used -= n
             self.window_cond.notify_all()
-        if self.count_window:
+        if self.count_window and n:
             self.unreserve(n)
 
     # plan ---------------------------------------------------------------------------------
@@ -134,8 +156,26 @@ class BatchJob:
         upto = min(upto, self.req.n)
         while self.planned < upto:
             lo, hi = self.planned, min(self.planned + chunk, self.req.n)
-            self.plan_missing += await self.loop.run_in_executor(
-                self.state.pool, plan_chunk, self.store, self.state.shard_indexes, self.req, lo, hi)
+            try:
+                self.plan_missing += await self.run(plan_chunk, self.store, self.state.shard_indexes, self.req,
+                                                    lo, hi, self.work)
+            except NeedIndex as need:  # built off the reader pool, then plan on from there
+                self.plan_missing += need.missing
+                self.planned = need.done
+                self._check_soft(self.plan_missing)
+                try:
+                    await self.state.indexer.build(self.store, need.meta, self.work)
+                except WorkBoundExceeded:
+                    raise
+                except (NotFound, BadRequest) as err:  # unreadable shard, or gone: as in the plan
+                    if not self.req.coer:
+                        raise
+                    e = self.entries[need.done]
+                    e.kind, e.size, e.err = "missing", 0, err.message
+                    self.plan_missing += 1
+                    self.planned = need.done + 1
+                    self._check_soft(self.plan_missing)
+                continue
             self.planned = hi
             self._check_soft(self.plan_missing)
 
@@ -191,7 +231,11 @@ class BatchJob:
                 target = min(2 * target, RUN_MAX_ENTRIES)
                 await self.slots.acquire()
                 if alone:
-                    await self.queue.put(_Run(run, 0, None, sendfile))
+                    # a streamed member holds one piece being written, one read ahead and
+                    # (other formats) its encoded copy; sendfile holds none
+                    hold = 0 if sendfile else (2 if encode else 3) * STREAM_PIECE
+                    await self._window_acquire(hold)
+                    await self.queue.put(_Run(run, hold, None, sendfile))
                 else:
                     await self._window_acquire(nbytes)
                     res = read_run_cached(self.store, run, encode)
@@ -199,8 +243,8 @@ class BatchJob:
                         fut = self.loop.create_future()
                         fut.set_result(res)
                     else:
-                        fut = self.loop.run_in_executor(self.state.pool, read_run, self.store,
-                                                        self.state.shard_indexes, run, self.req.coer, encode)
+                        fut = self.run(read_run, self.store, self.state.shard_indexes, run, self.req.coer,
+                                       encode, self.work)
                     await self.queue.put(_Run(run, nbytes, fut))
                 # Read ahead only once the first member is out: reader threads (and the next
                 # plan chunk) hold the GIL in 5 ms slices, which would delay the event loop's
@@ -231,6 +275,7 @@ class BatchJob:
                     await send(self, item.entries[0], out)
                 finally:
                     self.slots.release()
+                    await self._window_release(item.reserved)
                 continue
             try:
                 res: RunResult = await item.future
@@ -239,7 +284,7 @@ class BatchJob:
                 if stateless:
                     await out.write(res.blob)
                 else:
-                    pieces = await self.loop.run_in_executor(self.state.pool, self._encode, res.members)
+                    pieces = await self.run(self._encode, res.members)
                     for p in pieces:
                         await out.write(p)
                 self.first_out.set()
@@ -288,8 +333,10 @@ class BatchJob:
         self.sizes.extend(sizes)
         self._check_soft(self.soft_errs)
 
-    async def shutdown(self) -> None:
-        """Stop the scheduler and give back every reserved byte (also on errors)."""
+    async def shutdown(self, reason: str = "request ended") -> None:
+        """Stop the scheduler and the reader threads, and give back every reserved byte
+        (also on errors)."""
+        self.work.stop(reason)
         task = self.task
         if task is not None and not task.done():
             task.cancel()

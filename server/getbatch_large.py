@@ -5,7 +5,8 @@ write. Two ways:
 
 - ``stream_in_pieces``: open the entry, then read it in ``STREAM_PIECE`` pieces in a reader
   thread with one piece read ahead, passing each through the archive writer (any format;
-  shard members that must be decompressed). Memory: two pieces, reserved while held.
+  shard members that must be decompressed). Memory: two pieces (three with an encoding
+  writer), reserved by the scheduler before the member's turn.
 - ``send_from_files``: in a *sized* reply (a plain TAR whose Content-Length was computed from
   the plan), an object or a TAR-shard member sits at known offsets of its chunk files, so
   after the header its bytes go from the page cache to the socket with ``sendfile``: no copy
@@ -46,8 +47,7 @@ class Output(Protocol):
 
 async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
     """A large object or TAR-shard member of a sized reply: header, file ranges, padding."""
-    src, count, mtime = await job.loop.run_in_executor(job.state.pool, open_source, job.store,
-                                                        job.state.shard_indexes, e)
+    src, count, mtime = await job.run(open_source, job.store, job.state.shard_indexes, e, job.work)
     try:
         assert isinstance(src, RangeSource)
         job.check_planned(e, count, "")
@@ -62,10 +62,9 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
 
 async def stream_in_pieces(job: BatchJob, e: Entry, out: Output) -> None:
     """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
-    pool, w = job.state.pool, job.writer
+    w = job.writer
     try:
-        src, count, mtime = await job.loop.run_in_executor(pool, open_source, job.store,
-                                                            job.state.shard_indexes, e)
+        src, count, mtime = await job.run(open_source, job.store, job.state.shard_indexes, e, job.work)
     except (NotFound, BadRequest) as ex:
         if not job.req.coer or isinstance(ex, RangeNotSatisfiable):
             raise
@@ -85,7 +84,9 @@ async def stream_in_pieces(job: BatchJob, e: Entry, out: Output) -> None:
         for p in w.begin(e.name, mtime, count):
             await out.write(p)
         left = count
-        cf = pool.submit(src.read, min(STREAM_PIECE, left)) if left else None
+        # concurrent futures, not asyncio ones: cancelling an asyncio wrapper marks it done
+        # while the thread may still read, and the source must outlive that read
+        cf = job.submit(src.read, min(STREAM_PIECE, left)) if left else None
         while left > 0:
             piece = await asyncio.wrap_future(cf)
             cf = None
@@ -93,14 +94,11 @@ async def stream_in_pieces(job: BatchJob, e: Entry, out: Output) -> None:
                 raise BadRequest(f"ais://{e.bucket}/{e.objname}: ended {left} bytes early")
             left -= len(piece)
             if left > 0:
-                cf = pool.submit(src.read, min(STREAM_PIECE, left))
-            job.reserve(len(piece))
-            try:
-                pieces = w.body(piece) if stateless else await job.loop.run_in_executor(pool, w.body, piece)
-                for p in pieces:
-                    await out.write(p)
-            finally:
-                job.unreserve(len(piece))
+                cf = job.submit(src.read, min(STREAM_PIECE, left))
+            pieces = w.body(piece) if stateless else await job.run(w.body, piece)
+            del piece
+            for p in pieces:
+                await out.write(p)
         for p in w.end():
             await out.write(p)
     finally:

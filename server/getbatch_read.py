@@ -1,12 +1,13 @@
 """GetBatch's blocking work, run in reader threads: the plan, and reading entries.
 
 - ``plan_chunk`` checks the next raw entries (``MossReq.check_upto``) and looks each one up:
-  its object's metadata and, for an archpath entry, the shard's index (built once per shard
-  version) to find the member. It fixes every entry's ``kind`` and planned ``size`` (ranges
+  its object's metadata and, for an archpath entry, the shard's index to find the member. A
+  shard whose index is not built yet stops the chunk with ``NeedIndex``: the job has it built
+  on the index lane (``getbatch_budget.ShardIndexer``, not this reader pool) and plans on. It fixes every entry's ``kind`` and planned ``size`` (ranges
   are checked here: 416). Under ``coer`` a missing object or member, or an unreadable shard,
   becomes kind ``missing`` (a placeholder) instead of an error.
 - ``read_run`` reads a *run* of consecutive small entries in one thread call, sharing open
-  objects and TGZ cursors between them, and (for TAR output) encodes the members too, so the
+  objects and TGZ readers between them, and (for TAR output) encodes the members too, so the
   event loop only writes one blob per run.
 - ``read_run_cached`` is ``read_run`` for the event loop itself: whole objects and ranges
   whose bytes are all in the page cache (``preadv`` with ``RWF_NOWAIT``, which fails rather
@@ -15,6 +16,10 @@
   since the plan) makes it give up, and the run goes to a thread as before.
 - ``open_source`` opens one entry for reading at its turn (large members, streamed or sent
   with ``sendfile``).
+
+Every function takes the request's ``Work``: it is checked between entries and charged every
+decompressed byte, so a request over its bound, or whose client is gone, stops here within
+one entry (or one step of a long one) and raises ``Cancelled`` / ``WorkBoundExceeded``.
 
 Invariants: every file opened here is closed before the call returns, or handed to the
 caller inside a ``MemberSource`` that closes it. An entry is read from the version the plan
@@ -29,19 +34,32 @@ import os
 
 from server.archive import TarWriter
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
+from server.getbatch_budget import Work
 from server.getbatch_request import MossReq, Entry, span
-from server.shards import MemberSource, RangeSource, ShardIndexCache, TgzCursor, open_member, open_version
+from server.shards import MemberSource, RangeSource, ShardIndexCache, TgzReader, open_member, open_version
 from server.store import ObjectMeta, OpenObject, Store
 
 MISSING_DIR = "__404__"  # placeholders are named __404__/<the member's name>
 
 
 # -- plan -----------------------------------------------------------------------------------
-def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool) -> None:
+class NeedIndex(Exception):
+    """The plan stopped at an entry whose shard has no index yet: the caller has it built
+    (``ShardIndexer``, off the reader pool) and plans again from ``done``."""
+
+    def __init__(self, meta: ObjectMeta, done: int, missing: int):
+        super().__init__(f"ais://{meta.bucket}/{meta.name}: index not built")
+        self.meta, self.done, self.missing = meta, done, missing
+
+
+def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool, work: Work) -> ObjectMeta | None:
+    """Plan entry ``e``; the shard's metadata if its index must be built first."""
     try:
         meta = store.lookup(e.bucket, e.objname)
         if e.archpath:
-            index = cache.get(store, meta)
+            index = cache.peek(meta)
+            if index is None:
+                return meta
             _, member_size = index.find(meta, e.archpath)
             e.kind, e.size = index.kind, span(e, member_size)[1]
         else:
@@ -53,14 +71,20 @@ def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool) -> None
         if not coer:
             raise
         e.kind, e.size, e.err = "missing", 0, err.message
+    return None
 
 
-def plan_chunk(store: Store, cache: ShardIndexCache, req: MossReq, lo: int, hi: int) -> int:
-    """Check and look up entries [lo, hi); the number of placeholders among them."""
+def plan_chunk(store: Store, cache: ShardIndexCache, req: MossReq, lo: int, hi: int, work: Work) -> int:
+    """Check and look up entries [lo, hi); the number of placeholders among them.
+    NeedIndex if an entry's shard has no index yet (entries before it are planned)."""
     req.check_upto(hi, store)
     missing = 0
-    for e in req.entries[lo:hi]:
-        _resolve(store, cache, e, req.coer)
+    for i in range(lo, hi):
+        work.check()
+        e = req.entries[i]
+        need = _resolve(store, cache, e, req.coer, work)
+        if need is not None:
+            raise NeedIndex(need, i, missing)
         missing += e.kind == "missing"
     return missing
 
@@ -71,11 +95,11 @@ def placeholder_name(e: Entry) -> str:
 
 # -- reading --------------------------------------------------------------------------------
 class _Handles:
-    """Objects and shard cursors opened by one run, shared by its entries, closed at its end."""
+    """Objects and TGZ readers opened by one run, shared by its entries, closed at its end."""
 
     def __init__(self) -> None:
         self.objs: dict[str, OpenObject] = {}
-        self.tgz: dict[str, TgzCursor] = {}
+        self.tgz: dict[str, TgzReader] = {}
 
     def obj(self, store: Store, meta: ObjectMeta) -> OpenObject:
         o = self.objs.get(meta.tag)
@@ -92,7 +116,8 @@ class _Handles:
         self.objs.clear()
 
 
-def open_source(store: Store, cache: ShardIndexCache, e: Entry, h: _Handles | None = None) -> tuple[MemberSource, int, int]:
+def open_source(store: Store, cache: ShardIndexCache, e: Entry, work: Work,
+                h: _Handles | None = None) -> tuple[MemberSource, int, int]:
     """Open entry ``e`` for reading: (source, byte count, mtime). With ``h``, the shard or
     object stays open in ``h`` (shared by a run); otherwise closing the source closes it."""
     meta = e.meta if e.meta is not None else store.lookup(e.bucket, e.objname)
@@ -109,18 +134,15 @@ def open_source(store: Store, cache: ShardIndexCache, e: Entry, h: _Handles | No
         if not e.archpath:
             start, count = span(e, meta.size)
             return RangeSource(obj, start, count, close_obj=own), count, mtime
-        index = cache.get(store, meta, obj)
+        index = cache.get(store, meta, obj, work)
         _, member_size = index.find(meta, e.archpath)
         start, count = span(e, member_size)
         if index.kind == "tgz" and h is not None:
-            cur = h.tgz.get(meta.tag)
-            want = index.find(meta, e.archpath)[0]
-            if cur is None or cur.pos >= want:
-                if cur is not None:
-                    cur.close()
-                cur = h.tgz[meta.tag] = TgzCursor(obj)
-            return cur.open_member(index, e.archpath, start, count), count, mtime
-        return open_member(obj, index, e.archpath, start, count, close_obj=own), count, mtime
+            reader = h.tgz.get(meta.tag)
+            if reader is None:
+                reader = h.tgz[meta.tag] = TgzReader(obj, index)
+            return reader.open_member(e.archpath, start, count, work), count, mtime
+        return open_member(obj, index, e.archpath, start, count, close_obj=own, work=work), count, mtime
     except BaseException:
         if own:
             obj.close()
@@ -134,7 +156,8 @@ class RunResult:
     sizes: list[tuple[int, str]]  # per entry: (bytes delivered, error message if a placeholder)
 
 
-def read_run(store: Store, cache: ShardIndexCache, entries: list[Entry], coer: bool, encode: bool) -> RunResult:
+def read_run(store: Store, cache: ShardIndexCache, entries: list[Entry], coer: bool, encode: bool,
+             work: Work) -> RunResult:
     """Read a run of small entries (blocking). Under coer a member that vanished or is
     unreadable since the plan becomes a placeholder; otherwise the error propagates."""
     h = _Handles()
@@ -142,10 +165,11 @@ def read_run(store: Store, cache: ShardIndexCache, entries: list[Entry], coer: b
     sizes: list[tuple[int, str]] = []
     try:
         for e in entries:
+            work.check()
             name, mtime, data, err = e.name, 0, b"", e.err
             if e.kind != "missing":
                 try:
-                    src, count, mtime = open_source(store, cache, e, h)
+                    src, count, mtime = open_source(store, cache, e, work, h)
                     try:
                         data = read_fully(src, count)
                     finally:

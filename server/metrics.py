@@ -34,6 +34,19 @@ class Metrics:
         self.gb_rejected_n = Counter("getbatch_rejected_n", "GetBatch requests refused with 429", registry=r)
         self.gb_pending = Gauge("getbatch_pending", "GetBatch requests in progress", registry=r)
         self.gb_buffered = Gauge("getbatch_buffered_bytes", "Bytes read ahead and not yet sent", registry=r)
+        self.gb_throttled = Gauge("getbatch_throttled", "GetBatch requests admitted and sleeping (throttle)",
+                                  registry=r)
+        self.gb_cancelled_n = Counter("getbatch_cancelled_n", "GetBatch requests stopped because the client left",
+                                      registry=r)
+        self.gb_aborted_stalled_n = Counter("getbatch_aborted_stalled_n",
+                                            "GetBatch replies aborted: the client read nothing for the stall timeout",
+                                            registry=r)
+        self.gb_timed_out_n = Counter("getbatch_timed_out_n", "GetBatch requests stopped at their time limit",
+                                      registry=r)
+        self.gb_work_refused_n = Counter("getbatch_work_refused_n",
+                                         "GetBatch requests stopped at their decompression bound", registry=r)
+        self.gb_decompressed = Counter("getbatch_decompressed_bytes",
+                                       "Bytes decompressed to read members of compressed shards", registry=r)
 
         # labels() takes a lock and builds a tuple on every call; the request path caches
         # the children it uses (one per operation and status, a few dozen in all).
