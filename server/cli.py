@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", action="append", type=Path, metavar="DIR",
                    help="a data directory (mountpath, one per disk); repeat for several; required "
                    "(here or in the config file)")
+    p.add_argument("--create-data-dirs", dest="create_data_dirs", action="store_true", default=None,
+                   help="create missing --data directories (and their parents); without it a missing "
+                   "one is an error, so an unmounted disk or a typo cannot fill the root filesystem "
+                   f"(default: {'on' if d.create_data_dirs else 'off'})")
     p.add_argument("--config", type=Path, metavar="FILE",
                    help="TOML file with any of these options (default: none)")
     for flag, field, typ, metavar, text, default in _TUNABLES:
@@ -135,9 +139,48 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
+    if args.create_data_dirs:
+        values["create_data_dirs"] = True
     values.setdefault("s3_access_key", os.environ.get("BATCHFS_S3_ACCESS_KEY") or None)
     values.setdefault("s3_secret_key", os.environ.get("BATCHFS_S3_SECRET_KEY") or None)
     return dataclasses.replace(_DEFAULTS, **values)
+
+
+def prepare_data_dirs(config: ServerConfig) -> list[str]:
+    """Check (or, with ``create_data_dirs``, create) the data directories before anything is
+    written. Raises ValueError for a directory the node must not use; returns warnings.
+
+    A missing directory is refused: ``mkdir -p`` of a path whose disk is not mounted (or of
+    a typo) would put the store on whatever filesystem holds the parent, usually the root
+    one, and serve an empty store. Two directories on one filesystem are allowed (tests,
+    small setups) but share one disk's space and bandwidth, so they get a warning; so does a
+    new (uninitialised) directory on the root filesystem, the signature of a missing mount."""
+    warnings: list[str] = []
+    devices: dict[int, Path] = {}
+    root_dev = os.stat("/").st_dev
+    for d in config.data_dirs:
+        if not d.exists():
+            if not config.create_data_dirs:
+                raise ValueError(f"data directory {d} does not exist (a disk not mounted, or a typo?): "
+                                 "create it, or pass --create-data-dirs (create_data_dirs = true)")
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"data directory {d}: {e.strerror}") from None
+            warnings.append(f"data directory {d} did not exist: created (--create-data-dirs)")
+        if not d.is_dir():
+            raise ValueError(f"data directory {d} is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(f"data directory {d} is not writable by this user")
+        st = os.stat(d)
+        other = devices.setdefault(st.st_dev, d)
+        if other != d:
+            warnings.append(f"data directories {other} and {d} are on the same filesystem: they share "
+                            "its space and bandwidth (one --data per disk is the intended layout)")
+        if st.st_dev == root_dev and not (d / ".batchfs" / "id").exists() and d.resolve() != Path("/"):
+            warnings.append(f"data directory {d} is new and on the root filesystem; if a disk should be "
+                            "mounted there, it is not")
+    return warnings
 
 
 def _raise_fd_limit() -> None:
@@ -184,11 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--s3-access-key and --s3-secret-key go together")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_fd_limit()
-    for d in config.data_dirs:
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            parser.error(f"data directory {d}: {e.strerror}")
+    try:
+        warnings = prepare_data_dirs(config)
+    except ValueError as e:
+        parser.error(str(e))
+    for w in warnings:
+        logging.getLogger(__name__).warning("%s", w)
     try:
         asyncio.run(serve(config))
     except OSError as e:  # e.g. address in use
