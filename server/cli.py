@@ -16,13 +16,16 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from aiohttp import web
 
 from server.app import build_app
 from server.config import ServerConfig, load_toml, parse_size
-from server.state import INFLIGHT
+from server.state import INFLIGHT, STORE
+from server.store import Store
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
@@ -191,6 +194,9 @@ def _raise_fd_limit() -> None:
 
 
 async def serve(config: ServerConfig) -> None:
+    # Files whose inode changed before this instant were left by an earlier run: the orphan
+    # scan may judge them; anything this process writes is younger.
+    started_ns = time.time_ns()
     app = build_app(config)
     # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
     # is only the final cut for connections still busy after that.
@@ -200,18 +206,34 @@ async def serve(config: ServerConfig) -> None:
     await site.start()
     host, port = runner.addresses[0][:2]
     print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
+    log = logging.getLogger(__name__)
+    stop_scan = threading.Event()
+    scan = asyncio.create_task(_orphan_scan(app[STORE], started_ns, stop_scan))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log = logging.getLogger(__name__)
+    stop_scan.set()  # the scan checks it between batches of files
+    await scan
     inflight = app[INFLIGHT]
     log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
     await site.stop()
     if not await inflight.drain(config.shutdown_timeout_seconds):
         log.warning("shutdown timeout: cutting %d requests still in flight", inflight.count)
     await runner.cleanup()
+
+
+async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> None:
+    """Collect chunk files left by crashes (``Store.collect_orphans``), after serving starts:
+    a big store takes a while to walk, and nothing depends on it finishing."""
+    log = logging.getLogger(__name__)
+    try:
+        report = await asyncio.to_thread(store.collect_orphans, started_ns, stop)
+    except Exception:
+        log.exception("orphan scan failed (the store is unaffected; it runs again at the next start)")
+        return
+    log.info("orphan scan: %s", report)
 
 
 def main(argv: list[str] | None = None) -> int:
