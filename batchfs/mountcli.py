@@ -88,6 +88,16 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise UsageError(f"not a ratio: {text!r} (a number from 0 to 1, e.g. 0.1)") from None
+    if not 0 <= v < 1:
+        raise UsageError(f"ratio must be at least 0 and below 1: {text!r}")
+    return v
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -144,6 +154,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache-quota", "cache_quota_bytes", _quota, "SIZE",
            "hard limit on the disk cache, in bytes with binary units (K, M, G, T): the cache fills up "
            "to it, then reads go through without evicting anything (default: {default})"),
+    Option("cache-free-space-ratio", "cache_free_space_ratio", _ratio, "RATIO",
+           "fraction (0 to 1) of the cache filesystem's size the disk cache leaves free; below it, "
+           "reads go through until space is freed (default: {default})"),
     Option("chunk-size", "chunk_size_bytes", _size, "SIZE",
            "size of one range request when the server does not report its own chunk size "
            "(default: {default})"),
