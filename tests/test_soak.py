@@ -103,7 +103,7 @@ class Client(threading.Thread):
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     self.shared.count(f"{op} not connected")  # never reached the server
                     time.sleep(0.05)
-                except (httpx.TransportError, tarfile.TarError, EOFError):
+                except httpx.TransportError:  # sent, then cut: a PUT or DELETE may have happened
                     self.shared.count(f"{op} unanswered")
                     time.sleep(0.05)  # the server is restarting; the next op finds the new URL
         finally:
@@ -190,8 +190,13 @@ class Client(threading.Thread):
         if r.status_code != 200:
             self.shared.fail(f"GetBatch {names}: {r.status_code} {r.text[:200]}")
             return
-        with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
-            members = [(m.name, tf.extractfile(m).read()) for m in tf]
+        try:  # the whole reply arrived (httpx raises on a cut one): it must be a whole archive
+            archive = r.content if body["strm"] else _multipart_archive(r)
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
+                members = [(m.name, tf.extractfile(m).read()) for m in tf]
+        except (tarfile.TarError, EOFError) as e:
+            self.shared.fail(f"GetBatch {names}: a complete reply that is not a whole archive: {e}")
+            return
         if len(members) != len(names):
             self.shared.fail(f"GetBatch {names}: {len(members)} members")
             return
@@ -219,6 +224,16 @@ class Client(threading.Thread):
             if name not in listed and None not in st.allowed():
                 self.shared.fail(f"list: {name} missing, but it was acknowledged ({_show(st.acked)})")
         self.shared.count("list")
+
+
+def _multipart_archive(r: httpx.Response) -> bytes:
+    """The archive part of a buffered (``strm: false``) GetBatch reply (multipart/mixed)."""
+    boundary = r.headers["Content-Type"].split("boundary=", 1)[1].strip('"').encode()
+    for part in r.content.split(b"--" + boundary):
+        head, _, body = part.partition(b"\r\n\r\n")
+        if b'name="archive"' in head:
+            return body.removesuffix(b"\r\n")
+    raise tarfile.TarError("no archive part")
 
 
 def _chunk_files(dirs: list[Path]) -> list[Path]:
