@@ -95,3 +95,34 @@ def test_corrupt_cache_database_mounts_without_the_cache(server, bucket, tmp_pat
         assert (m.mountpoint / "x").read_bytes() == b"payload" * 1000
     log = m.log()
     assert "cannot be opened" in log and "WITHOUT a disk cache" in log, log[-3000:]
+
+
+def test_caching_stops_at_the_reserve_and_resumes_when_space_is_freed(tmp_path):
+    """The engine's cache on a real 24 MiB tmpfs: entries that would go below the reserve are
+    dropped (not an error), and once space is freed, the next entries are written again."""
+    import trio
+
+    from batchfs.datacache import DiskChunkCache
+
+    with tmpfs(tmp_path / "small", "24m") as fs:
+        reserve = os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize // 4
+
+        async def main():
+            cache = await DiskChunkCache.open(fs / "cache", 10 << 30, free_space_ratio=0.25)
+            assert not cache.low_space
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cache.writer)
+                (fs / "filler").write_bytes(b"\0" * (_free(fs) - reserve - 2 * MiB))  # 2 MiB above it
+                cache._space_checked = -1e9  # as if a second had passed
+                stored = [cache.put(f"k{i}", os.urandom(MiB)) for i in range(4)]
+                assert stored[0] and not stored[-1] and cache.low_space, stored
+                assert cache.dropped_low_space >= 1
+                (fs / "filler").unlink()
+                cache._space_checked = -1e9
+                assert cache.put("after", os.urandom(MiB)) and not cache.low_space
+                await cache.flush(30)
+            assert _free(fs) >= reserve
+            assert await cache.get("after") is not None
+            cache.close()
+
+        trio.run(main)
