@@ -97,6 +97,15 @@ def test_corrupt_cache_database_mounts_without_the_cache(server, bucket, tmp_pat
     assert "cannot be opened" in log and "WITHOUT a disk cache" in log, log[-3000:]
 
 
+def test_unwritable_cache_directory_mounts_without_the_cache(server, bucket, tmp_path):
+    put(server, bucket, "y", b"data" * 5000)
+    with tmpfs(tmp_path / "ro", "1m", "ro") as fs:  # read-only: not writable even by root
+        with _mount(server, bucket, tmp_path / "mnt", fs) as m:
+            assert (m.mountpoint / "y").read_bytes() == b"data" * 5000
+        log = m.log()
+        assert "cannot be opened" in log and "WITHOUT a disk cache" in log, log[-3000:]
+
+
 def test_caching_stops_at_the_reserve_and_resumes_when_space_is_freed(tmp_path):
     """The engine's cache on a real 24 MiB tmpfs: entries that would go below the reserve are
     dropped (not an error), and once space is freed, the next entries are written again."""

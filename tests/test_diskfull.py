@@ -33,12 +33,14 @@ MiB = 1 << 20
 
 
 @contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    """A real tmpfs of ``size`` at ``path``, unmounted at the end."""
+def tmpfs(path: Path, size: str, options: str = ""):
+    """A real tmpfs of ``size`` at ``path`` (extra mount ``options`` such as ``ro``),
+    unmounted at the end."""
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("mounting a tmpfs needs root")
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",{options}" if options else ""),
+                        "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
