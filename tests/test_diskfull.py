@@ -103,6 +103,25 @@ def test_put_on_a_full_disk_is_507_and_leaves_nothing(tmp_path):
             assert r.status_code == 507, (r.status_code, r.text)
             assert ET.fromstring(r.content).findtext("Code") == "InsufficientStorage"
             assert _tmp_files(data) == []
+            # 0 bytes free: tiny PUTs now fail wherever the disk says no first (the temp file, the
+            # rename's directory, or SQLite's "database or disk is full" at the catalog commit);
+            # each is acknowledged and readable, or 507 with nothing left behind
+            filler = data / "filler"
+            with open(filler, "wb", buffering=0) as f:
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * 4096)
+            tiny = {}
+            for i in range(30):
+                body = b"" if i % 2 else b"t%d" % i
+                r = httpx.put(f"{u}/v1/objects/b/tiny{i}", content=body, timeout=60)
+                assert r.status_code in (200, 507), (r.status_code, r.text)
+                if r.status_code == 200:
+                    tiny[f"tiny{i}"] = body
+            assert _tmp_files(data) == []
+            assert len(_files(data, "objs")) == len(acked) + len(tiny)
+            filler.unlink()
+            acked.update(tiny)
             # nothing acknowledged was lost, and the node still serves; space freed is usable
             for name, expect in acked.items():
                 assert httpx.get(f"{u}/v1/objects/b/{name}", timeout=30).content == expect
