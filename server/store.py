@@ -194,8 +194,9 @@ class Mountpath:
             try:
                 db.execute("COMMIT")
             except BaseException:
-                # A COMMIT that fails (SQLITE_FULL on a full disk) leaves the transaction
-                # open, and every later BEGIN on this connection would fail: end it.
+                # SQLite rolls back by itself after most failed COMMITs (SQLITE_FULL included,
+                # as tests/test_diskfull.py sees), but not after all: one left open would make
+                # every later BEGIN on this connection fail, so end it if it is still there.
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
