@@ -599,14 +599,11 @@ class Store:
                     tags.add(int(tag, 16))
             report.buckets += 1
             for mp in self.mountpaths:
-                top = mp.objs / bucket
-                if not top.is_dir():
-                    continue
-                for fan in os.scandir(top):
+                for fan in _scandir(mp.objs / bucket):
                     if not fan.is_dir(follow_symlinks=False):
                         report.unknown += 1
                         continue
-                    for entry in os.scandir(fan.path):
+                    for entry in _scandir(fan.path):
                         seen += 1
                         if seen % ORPHAN_SCAN_BATCH == 0:
                             if stop is not None and stop.wait(ORPHAN_SCAN_PAUSE_SECONDS):
@@ -633,6 +630,15 @@ class Store:
                             report.removed_bytes += st.st_size
         report.seconds = time.monotonic() - started
         return report
+
+
+def _scandir(path) -> list[os.DirEntry]:
+    """A directory's entries, or none if it is gone (a bucket destroyed while the scan runs)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 # The orphan scan pauses this long after every batch of this many files: a few percent of one
