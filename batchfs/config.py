@@ -37,6 +37,9 @@ class MountConfig:
     # (epoch scans read everything once; LRU would evict exactly what comes next).
     cache_dir: Path | None = None  # None: no disk cache
     cache_quota_bytes: int = 10 * GiB
+    # ...and never fills its filesystem: at least this fraction of the filesystem's size stays
+    # free (JuiceFS's --free-space-ratio); below it, reads go through until space is freed.
+    cache_free_space_ratio: float = 0.1
     # Reads are fetched in chunks of this size unless the server reports its own chunk size
     # (Ais-Chunks-Max-Chunk-Size), which then wins so range reads align with stored chunks.
     chunk_size_bytes: int = 8 * MiB

@@ -11,7 +11,17 @@ Invariants:
   fixed headroom for the SQLite files (whose WAL is kept small by pragmas).
 - The cache only accelerates. Every entry carries its length and xxh3-64; a truncated,
   corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
-  (disk full, I/O error) stops further writes: read-through.
+  (disk full, I/O error) stops further writes: read-through. A cache that cannot be opened
+  (its filesystem full, its directory unwritable, its SQLite file corrupt) is no cache:
+  ``open_or_none`` logs a warning and the mount runs without one.
+- The quota is also bounded by the filesystem: like JuiceFS's ``--free-space-ratio``, the
+  cache keeps ``free_space_ratio`` of its filesystem's size free (and never less than
+  ``SQLITE_HEADROOM_BYTES``). ``put`` drops an entry that would take free space below that
+  reserve (statvfs at most every ``SPACE_RECHECK_SECONDS``, minus what is queued since), and
+  the writer checks statvfs again right before each batch. Unlike the quota this is not
+  final: when space is freed, caching resumes. A small filesystem under the default 10 GiB
+  quota is therefore never filled to 0 bytes free (which made the next mount fail with
+  "database or disk is full").
 - Writes never block reads, and take only spare CPU: ``put`` queues the bytes for a writer
   task and returns; the writes run on one thread at the lowest CPU priority (``_IdleWriter``,
   ``SCHED_IDLE`` at nice 19); when more than ``write_buffer_bytes`` are waiting, the entry is
@@ -45,6 +55,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from pathlib import Path
 
 import cachetools
@@ -67,6 +78,9 @@ WRITE_SLICE_BYTES = 4 * 1024 * 1024  # the pieces file entries are written in
 # written in batches gathered for this long, which makes the per-entry cost ~0.05 ms.
 BATCH_MIN_BYTES = 1024 * 1024
 BATCH_WAIT_SECONDS = 0.05
+# statvfs is a syscall of a few microseconds, but put() runs per chunk on the trio thread:
+# between checks, what was queued since is subtracted from the last reading.
+SPACE_RECHECK_SECONDS = 1.0
 
 
 def chunk_key(source: str, bucket: str, key: str, version: str, chunk_size: int, index: int) -> str:
@@ -203,8 +217,17 @@ class DiskChunkCache:
     """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end."""
 
     def __init__(self, cache: diskcache.Cache, quota_bytes: int, used_bytes: int, write_buffer_bytes: int,
-                 present: bytearray | None = None):
+                 present: bytearray | None = None, directory: Path | None = None,
+                 free_space_ratio: float = 0.0):
         self._cache = cache
+        self.directory = Path(directory if directory is not None else cache.directory)
+        self.free_space_ratio = free_space_ratio
+        self.reserve_bytes = SQLITE_HEADROOM_BYTES
+        self._free_bytes = 0
+        self._queued_since_check = 0
+        self._space_checked = -math.inf
+        self.low_space = False  # below the reserve: entries are dropped until space is freed
+        self.dropped_low_space = 0
         self._present = present if present is not None else bytearray(FILTER_BITS // 8)
         self.quota_bytes = quota_bytes
         self.used_bytes = used_bytes  # estimate of what du reports, reservations included
@@ -218,7 +241,21 @@ class DiskChunkCache:
         self.hits = self.misses = self.writes = self.dropped = self.corrupt = 0
 
     @classmethod
-    async def open(cls, directory: Path, quota_bytes: int, write_buffer_bytes: int = 64 * 1024 * 1024) -> "DiskChunkCache":
+    async def open_or_none(cls, directory: Path, quota_bytes: int, free_space_ratio: float = 0.0,
+                           write_buffer_bytes: int = 64 * 1024 * 1024) -> "DiskChunkCache | None":
+        """The cache, or None (with a warning) if it cannot be opened: a mount never fails
+        because of its cache, it reads from the server instead."""
+        try:
+            return await cls.open(directory, quota_bytes, write_buffer_bytes, free_space_ratio=free_space_ratio)
+        except Exception as e:  # disk full, permissions, a corrupt SQLite file, diskcache errors
+            log.warning("disk cache %s cannot be opened (%s: %s): running WITHOUT a disk cache, every read "
+                        "goes to the server; free space there, fix its permissions, or remove the directory "
+                        "to start a new cache", directory, type(e).__name__, e)
+            return None
+
+    @classmethod
+    async def open(cls, directory: Path, quota_bytes: int, write_buffer_bytes: int = 64 * 1024 * 1024,
+                   free_space_ratio: float = 0.0) -> "DiskChunkCache":
         def do_open():
             directory.mkdir(parents=True, exist_ok=True)
             cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
@@ -232,8 +269,49 @@ class DiskChunkCache:
             return cache, _du(directory), present
 
         cache, used, present = await trio.to_thread.run_sync(do_open)
-        log.info("disk cache %s: %d of %d bytes used", directory, used, quota_bytes)
-        return cls(cache, quota_bytes, used, write_buffer_bytes, present)
+        self = cls(cache, quota_bytes, used, write_buffer_bytes, present, directory, free_space_ratio)
+        try:
+            self._refresh_space()
+        except OSError:
+            self.close()
+            raise
+        log.info("disk cache %s: %d of %d bytes used; %d bytes free on its filesystem, %d kept free (%g of it)",
+                 directory, used, quota_bytes, self._free_bytes, self.reserve_bytes, free_space_ratio)
+        if self.low_space:
+            log.warning("disk cache %s: its filesystem has less than %d bytes free: reading through "
+                        "until space is freed", directory, self.reserve_bytes)
+        return self
+
+    def _statvfs(self) -> tuple[int, int]:
+        """(free bytes available to us, reserve in bytes) of the cache's filesystem."""
+        st = os.statvfs(self.directory)
+        total = st.f_blocks * st.f_frsize
+        return st.f_bavail * st.f_frsize, max(SQLITE_HEADROOM_BYTES, int(total * self.free_space_ratio))
+
+    def _refresh_space(self) -> None:
+        self._free_bytes, self.reserve_bytes = self._statvfs()
+        self._queued_since_check = 0
+        self._space_checked = time.monotonic()
+        self._set_low_space(self._free_bytes < self.reserve_bytes)
+
+    def _set_low_space(self, low: bool) -> None:
+        if low != self.low_space:
+            self.low_space = low
+            if low:
+                log.warning("disk cache %s: free space on its filesystem is below the %d-byte reserve: "
+                            "reading through, nothing more is cached until space is freed",
+                            self.directory, self.reserve_bytes)
+            else:
+                log.info("disk cache %s: free space is back above the reserve: caching again", self.directory)
+
+    def _space_for(self, cost: int) -> bool:
+        """Would writing ``cost`` more bytes keep the filesystem's free space above the reserve?"""
+        if time.monotonic() - self._space_checked >= SPACE_RECHECK_SECONDS:
+            try:
+                self._refresh_space()
+            except OSError:
+                return False
+        return self._free_bytes - self._queued_since_check - cost >= self.reserve_bytes
 
     def _maybe_present(self, key: str) -> bool:
         i = _slot(key)
@@ -289,6 +367,12 @@ class DiskChunkCache:
         if self._pending_bytes + len(data) > self.write_buffer_bytes:
             self.dropped += 1
             return False
+        if not self._space_for(cost):
+            self._set_low_space(True)
+            self.dropped += 1
+            self.dropped_low_space += 1
+            return False
+        self._queued_since_check += cost
         self.used_bytes += cost
         self._pending_bytes += len(data)
         self._send.send_nowait((key, data, cost))
@@ -313,7 +397,14 @@ class DiskChunkCache:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 try:
-                    await trio.to_thread.run_sync(self._idle.run, self._write_batch, batch, limiter=self._limiter)
+                    written = await trio.to_thread.run_sync(self._idle.run, self._write_batch, batch,
+                                                            limiter=self._limiter)
+                    if not written:  # free space fell below the reserve meanwhile
+                        self.used_bytes -= sum(cost for _, _, cost in batch)
+                        self.dropped += len(batch)
+                        self.dropped_low_space += len(batch)
+                        self._set_low_space(True)
+                        continue
                     self.writes += len(batch)
                     for key, _, _ in batch:
                         i = _slot(key)
@@ -325,13 +416,19 @@ class DiskChunkCache:
                 finally:
                     self._pending_bytes -= sum(_pending_size(data) for _, data, _ in batch)
 
-    def _write_batch(self, batch: list) -> None:
+    def _write_batch(self, batch: list) -> bool:
+        """Write a batch; False (nothing written) if it would take the filesystem's free space
+        below the reserve: other writers may have filled it since ``put`` looked."""
+        free, reserve = self._statvfs()
+        if free - sum(cost for _, _, cost in batch) < reserve:
+            return False
         if len(batch) == 1:
             self._write(*batch[0][:2])
-            return
+            return True
         with self._cache.transact(retry=True):
             for key, data, _ in batch:
                 self._write(key, data)
+        return True
 
     def _write(self, key: str, data: bytes | int) -> None:
         if isinstance(data, int):  # a geometry entry
@@ -357,8 +454,9 @@ class DiskChunkCache:
         return await trio.to_thread.run_sync(read, limiter=self._limiter)
 
     def put_geometry(self, key: str, chunk_size: int) -> None:
-        if self.full or self._pending_bytes + 64 > self.write_buffer_bytes:
+        if self.full or self._pending_bytes + 64 > self.write_buffer_bytes or not self._space_for(ENTRY_OVERHEAD_BYTES):
             return
+        self._queued_since_check += ENTRY_OVERHEAD_BYTES
         self.used_bytes += ENTRY_OVERHEAD_BYTES
         self._pending_bytes += _pending_size(chunk_size)
         self._send.send_nowait((key, chunk_size, ENTRY_OVERHEAD_BYTES))

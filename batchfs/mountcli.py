@@ -9,8 +9,9 @@ Invariants:
   ``--help`` prints each default from the dataclass, so help and behaviour cannot drift.
   ``-o`` values are applied first, explicit long flags win.
 - Everything that can be checked before forking is checked here (SOURCE syntax, mountpoint,
-  log file, cache dir), so those errors are one line on stderr and exit 2 (usage) or 1, with
-  nothing mounted. Errors only the engine can see (server unreachable, bucket missing) come
+  log file), so those errors are one line on stderr and exit 2 (usage) or 1, with
+  nothing mounted. A cache directory that cannot be created or written is only a warning:
+  the cache accelerates, so the mount goes on without it. Errors only the engine can see (server unreachable, bucket missing) come
   back from the daemon through its startup pipe (``batchfs.daemon``).
 """
 
@@ -88,6 +89,16 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise UsageError(f"not a ratio: {text!r} (a number from 0 to 1, e.g. 0.1)") from None
+    if not 0 <= v < 1:
+        raise UsageError(f"ratio must be at least 0 and below 1: {text!r}")
+    return v
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -144,6 +155,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache-quota", "cache_quota_bytes", _quota, "SIZE",
            "hard limit on the disk cache, in bytes with binary units (K, M, G, T): the cache fills up "
            "to it, then reads go through without evicting anything (default: {default})"),
+    Option("cache-free-space-ratio", "cache_free_space_ratio", _ratio, "RATIO",
+           "fraction (0 to 1) of the cache filesystem's size the disk cache leaves free; below it, "
+           "reads go through until space is freed (default: {default})"),
     Option("chunk-size", "chunk_size_bytes", _size, "SIZE",
            "size of one range request when the server does not report its own chunk size "
            "(default: {default})"),
@@ -318,12 +332,17 @@ def check_local_paths(config: MountConfig) -> None:
         except OSError as e:
             raise MountError(f"cannot open log file {config.log_file}: {e.strerror}") from None
     if config.cache_dir is not None:
+        # The cache only accelerates: a cache directory that cannot be used is a warning, and
+        # the mount runs without it (the daemon logs the same when it tries to open it).
+        problem = None
         try:
             config.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise MountError(f"cannot create cache directory {config.cache_dir}: {e.strerror}") from None
-        if not os.access(config.cache_dir, os.W_OK | os.X_OK):
-            raise MountError(f"cache directory {config.cache_dir} is not writable")
+            problem = f"cannot create cache directory {config.cache_dir}: {e.strerror}"
+        if problem is None and not os.access(config.cache_dir, os.W_OK | os.X_OK):
+            problem = f"cache directory {config.cache_dir} is not writable"
+        if problem is not None:
+            print(f"{PROG}: warning: {problem}; mounting without a disk cache", file=sys.stderr)
 
 
 def _fail(message: str, status: int) -> int:

@@ -72,8 +72,10 @@ class Reader:
         keep_freed_chunks_mapped(config.memory_budget_bytes // 4)
         disk = None
         if config.cache_dir is not None:
-            disk = await DiskChunkCache.open(config.cache_dir, config.cache_quota_bytes)
-            nursery.start_soon(disk.writer)
+            disk = await DiskChunkCache.open_or_none(config.cache_dir, config.cache_quota_bytes,
+                                                     config.cache_free_space_ratio)
+            if disk is not None:
+                nursery.start_soon(disk.writer)
         return cls(config, client, nursery, disk)
 
     async def aclose(self) -> None:

@@ -16,13 +16,16 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from aiohttp import web
 
 from server.app import build_app
 from server.config import ServerConfig, load_toml, parse_size
-from server.state import INFLIGHT
+from server.state import INFLIGHT, STORE
+from server.store import Store
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
@@ -143,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", action="append", type=Path, metavar="DIR",
                    help="a data directory (mountpath, one per disk); repeat for several; required "
                    "(here or in the config file)")
+    p.add_argument("--create-data-dirs", dest="create_data_dirs", action="store_true", default=None,
+                   help="create missing --data directories (and their parents); without it a missing "
+                   "one is an error, so an unmounted disk or a typo cannot fill the root filesystem "
+                   f"(default: {'on' if d.create_data_dirs else 'off'})")
     p.add_argument("--config", type=Path, metavar="FILE",
                    help="TOML file with any of these options (default: none)")
     for flag, field, typ, metavar, text, default in _TUNABLES:
@@ -169,9 +176,48 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
+    if args.create_data_dirs:
+        values["create_data_dirs"] = True
     values.setdefault("s3_access_key", os.environ.get("BATCHFS_S3_ACCESS_KEY") or None)
     values.setdefault("s3_secret_key", os.environ.get("BATCHFS_S3_SECRET_KEY") or None)
     return dataclasses.replace(_DEFAULTS, **values)
+
+
+def prepare_data_dirs(config: ServerConfig) -> list[str]:
+    """Check (or, with ``create_data_dirs``, create) the data directories before anything is
+    written. Raises ValueError for a directory the node must not use; returns warnings.
+
+    A missing directory is refused: ``mkdir -p`` of a path whose disk is not mounted (or of
+    a typo) would put the store on whatever filesystem holds the parent, usually the root
+    one, and serve an empty store. Two directories on one filesystem are allowed (tests,
+    small setups) but share one disk's space and bandwidth, so they get a warning; so does a
+    new (uninitialised) directory on the root filesystem, the signature of a missing mount."""
+    warnings: list[str] = []
+    devices: dict[int, Path] = {}
+    root_dev = os.stat("/").st_dev
+    for d in config.data_dirs:
+        if not d.exists():
+            if not config.create_data_dirs:
+                raise ValueError(f"data directory {d} does not exist (a disk not mounted, or a typo?): "
+                                 "create it, or pass --create-data-dirs (create_data_dirs = true)")
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"data directory {d}: {e.strerror}") from None
+            warnings.append(f"data directory {d} did not exist: created (--create-data-dirs)")
+        if not d.is_dir():
+            raise ValueError(f"data directory {d} is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(f"data directory {d} is not writable by this user")
+        st = os.stat(d)
+        other = devices.setdefault(st.st_dev, d)
+        if other != d:
+            warnings.append(f"data directories {other} and {d} are on the same filesystem: they share "
+                            "its space and bandwidth (one --data per disk is the intended layout)")
+        if st.st_dev == root_dev and not (d / ".batchfs" / "id").exists() and d.resolve() != Path("/"):
+            warnings.append(f"data directory {d} is new and on the root filesystem; if a disk should be "
+                            "mounted there, it is not")
+    return warnings
 
 
 def _raise_fd_limit() -> None:
@@ -182,6 +228,9 @@ def _raise_fd_limit() -> None:
 
 
 async def serve(config: ServerConfig) -> None:
+    # Files whose inode changed before this instant were left by an earlier run: the orphan
+    # scan may judge them; anything this process writes is younger.
+    started_ns = time.time_ns()
     app = build_app(config)
     # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
     # is only the final cut for connections still busy after that.
@@ -191,18 +240,34 @@ async def serve(config: ServerConfig) -> None:
     await site.start()
     host, port = runner.addresses[0][:2]
     print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
+    log = logging.getLogger(__name__)
+    stop_scan = threading.Event()
+    scan = asyncio.create_task(_orphan_scan(app[STORE], started_ns, stop_scan))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log = logging.getLogger(__name__)
+    stop_scan.set()  # the scan checks it between batches of files
+    await scan
     inflight = app[INFLIGHT]
     log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
     await site.stop()
     if not await inflight.drain(config.shutdown_timeout_seconds):
         log.warning("shutdown timeout: cutting %d requests still in flight", inflight.count)
     await runner.cleanup()
+
+
+async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> None:
+    """Collect chunk files left by crashes (``Store.collect_orphans``), after serving starts:
+    a big store takes a while to walk, and nothing depends on it finishing."""
+    log = logging.getLogger(__name__)
+    try:
+        report = await asyncio.to_thread(store.collect_orphans, started_ns, stop)
+    except Exception:
+        log.exception("orphan scan failed (the store is unaffected; it runs again at the next start)")
+        return
+    log.info("orphan scan: %s", report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--s3-access-key and --s3-secret-key go together")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_fd_limit()
-    for d in config.data_dirs:
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            parser.error(f"data directory {d}: {e.strerror}")
+    try:
+        warnings = prepare_data_dirs(config)
+    except ValueError as e:
+        parser.error(str(e))
+    for w in warnings:
+        logging.getLogger(__name__).warning("%s", w)
     try:
         asyncio.run(serve(config))
     except OSError as e:  # e.g. address in use

@@ -23,6 +23,9 @@ class ServerConfig:
     # Each data directory is a mountpath (one disk); objects are placed on them by
     # rendezvous hashing, chunks of large objects are spread over all of them.
     data_dirs: tuple[Path, ...] = ()
+    # A missing data directory is refused unless this is set: an unmounted disk or a typo
+    # would otherwise have the node create the path and fill the root filesystem.
+    create_data_dirs: bool = False
     # Objects larger than this are stored as chunks of this size (AIStore's layout for
     # parallel download); HEAD reports it as Ais-Chunks-Max-Chunk-Size.
     chunk_size_bytes: int = 8 * MiB
@@ -87,6 +90,8 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be positive, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        if not isinstance(self.create_data_dirs, bool):
+            raise ValueError(f"create_data_dirs must be true or false, got {self.create_data_dirs!r}")
         if self.meta_cache_entries < 0:
             raise ValueError("meta_cache_entries must be >= 0")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -7,13 +7,17 @@
     ├── Conflict               (409) bucket already exists
     ├── RangeNotSatisfiable    (416) a range outside the object
     ├── TooManyRequests        (429) admission control refused new work
-    └── CorruptData            (500) stored bytes fail their checksum, or a shard is unreadable
+    ├── CorruptData            (500) stored bytes fail their checksum, or a shard is unreadable
+    └── InsufficientStorage    (507) a data directory is full (ENOSPC, EDQUOT, SQLITE_FULL)
 
 Handlers raise these; exactly one middleware (``server.app``) formats them as AIStore-style
 JSON (or an S3 XML error under the S3 API). Anything else is a bug and becomes a logged 500.
 """
 
 from __future__ import annotations
+
+import errno
+import sqlite3
 
 
 class StoreError(Exception):
@@ -54,3 +58,17 @@ class TooManyRequests(StoreError):
 
 class CorruptData(StoreError):
     status = 500
+
+
+class InsufficientStorage(StoreError):
+    """A write found its data directory full; the PUT wrote nothing (its files are removed)."""
+
+    status = 507
+
+    @staticmethod
+    def matches(e: BaseException) -> bool:
+        """Is ``e`` "out of space": a full filesystem or quota for a data file, or SQLite
+        unable to grow its catalog or WAL ("database or disk is full")."""
+        if isinstance(e, OSError):
+            return e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return isinstance(e, sqlite3.Error) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL

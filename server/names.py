@@ -3,11 +3,17 @@
 Object names are opaque keys but must be safe to echo into TAR member names and to compare
 as paths: no empty, ``.`` or ``..`` segments, no NUL or control characters, no leading ``/``.
 Validation happens once at the API edge; the store trusts what reaches it.
+
+Names are Unicode text that must encode to UTF-8: a lone surrogate (``\udcff``, which a JSON
+body can spell as an escape) cannot be stored in the catalog, written to a TAR header or
+echoed in an S3 document, so it is a 400 everywhere (``check_objname``, and
+``check_json_text`` for whole JSON bodies), never a 500 from the encoder deep inside.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from server.errors import BadRequest, RangeNotSatisfiable
 
@@ -25,7 +31,7 @@ def check_bucket(name: str) -> str:
 # none of them '.' or '..', joined by single '/', with at most one trailing '/'. The per-rule
 # checks below run only when this does not match, to say which rule failed (the pattern
 # accepts nothing they refuse: tests/test_getbatch.py compares the two over generated names).
-_SEGMENT = r"(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+"
+_SEGMENT = r"(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/\ud800-\udfff]+"
 _OBJNAME_OK = re.compile(rf"(?:{_SEGMENT}/)*{_SEGMENT}/?")
 _LONG_CHARS = MAX_OBJNAME_BYTES // 4  # up to this many characters, UTF-8 cannot pass the byte cap
 
@@ -49,6 +55,8 @@ def explain_objname(name: str) -> str:
         raise BadRequest(f"object name {name!r} starts with '/'")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
         raise BadRequest(f"object name {name!r} contains a NUL or control character")
+    if _SURROGATE.search(name):
+        raise BadRequest(f"object name {name!r} is not valid Unicode (a lone surrogate: invalid UTF-8 or UTF-16)")
     # a single trailing '/' (a "directory marker" object, as S3 tools create) is allowed
     body = name[:-1] if name.endswith("/") else name
     if not body or any(seg in ("", ".", "..") for seg in body.split("/")):
@@ -56,10 +64,36 @@ def explain_objname(name: str) -> str:
     return name
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# A JSON string escape of a UTF-16 surrogate (\ud800-\udfff): only bodies holding one are walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_json_text(raw: bytes, value: Any) -> Any:
+    """``value`` (parsed from ``raw``) if no string in it holds a lone surrogate, else
+    BadRequest. JSON allows ``"\udcff"``; json.loads joins valid pairs, so what is left is a
+    character no UTF-8 encoder accepts. Costs one regex scan of the body unless it holds a
+    surrogate escape, then one walk of the value."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return value
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise BadRequest(f"JSON body holds a string that is not valid Unicode (a lone surrogate): {v[:200]!r}")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return value
+
+
 def check_member_path(archpath: str) -> str:
     """An archpath names a member inside a shard; it may not escape the shard's root."""
     p = archpath[2:] if archpath.startswith("./") else archpath
-    if not p or p.startswith("/") or "\x00" in p:
+    if not p or p.startswith("/") or "\x00" in p or _SURROGATE.search(p):
         raise BadRequest(f"invalid archpath {archpath!r}")
     if any(seg == ".." for seg in p.split("/")):
         raise BadRequest(f"archpath {archpath!r} escapes its shard")

@@ -13,7 +13,7 @@ import os
 import msgpack
 from aiohttp import web
 
-from server.errors import BadRequest
+from server.errors import BadRequest, InsufficientStorage
 from server.names import check_bucket, check_objname, parse_range
 from server.state import CONFIG, METRICS, OP_KEY, STORE, read_json
 from server.store import CKSUM_TYPE, ObjectMeta, OpenObject
@@ -145,8 +145,11 @@ async def put_object(request: web.Request) -> web.Response:
     except asyncio.IncompleteReadError:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise ConnectionResetError("client closed the connection mid-body") from None
-    except BaseException:
+    except BaseException as e:
         await asyncio.shield(asyncio.to_thread(writer.abort))
+        if InsufficientStorage.matches(e):  # the writer's files are gone; say why, not a bare 500
+            raise InsufficientStorage(f"ais://{bucket}/{name}: no space left in the data directory "
+                                      f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
     return web.Response(text="", headers=object_headers(meta))

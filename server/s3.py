@@ -34,7 +34,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from server import native
-from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
+from server.errors import (BadRequest, Conflict, CorruptData, InsufficientStorage, NotFound, PayloadTooLarge,
+                           RangeNotSatisfiable, StoreError)
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
 from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
@@ -363,8 +364,11 @@ async def _put_object(request: web.Request) -> web.Response:
             if chunked and declared is not None and size != declared:
                 raise S3Error(400, "IncompleteBody", f"decoded {size} bytes, x-amz-decoded-content-length says {declared}")
             meta = await asyncio.to_thread(_check_and_commit, writer, digests)
-    except BaseException:
+    except BaseException as e:
         await asyncio.shield(asyncio.to_thread(writer.abort))
+        if InsufficientStorage.matches(e):  # MinIO's status for a full disk, with S3's XML error
+            raise S3Error(507, "InsufficientStorage", f"no space left in the data directory for {key!r} "
+                          f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
     return web.Response(headers={"ETag": f'"{meta.etag}"'})

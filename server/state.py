@@ -11,6 +11,7 @@ from aiohttp import web
 from server.config import ServerConfig
 from server.errors import BadRequest, PayloadTooLarge
 from server.metrics import Metrics
+from server.names import check_json_text
 from server.store import Store
 
 class InFlight:
@@ -70,7 +71,9 @@ async def read_json(request: web.Request, *, required: bool = True):
             raise BadRequest("missing JSON request body")
         return None
     try:
-        return json.loads(raw)
+        return check_json_text(raw, json.loads(raw))
+    except BadRequest:
+        raise
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON request body: {e}") from None
     except RecursionError:  # e.g. 100,000 nested '[': refuse rather than crash the handler

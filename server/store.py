@@ -17,7 +17,10 @@ Invariants:
 - A PUT writes every chunk to a temp file, fsyncs, renames to a name unique to this version
   (the tag), fsyncs the directory, and only then commits the catalog row (SQLite WAL,
   synchronous=FULL). The old version's files are unlinked after the commit. A crash at any
-  point leaves the old object or none visible, never a partial one; orphans are harmless.
+  point leaves the old object or none visible, never a partial one. The files such a crash
+  leaves behind are collected at the next start: ``tmp/`` is emptied when a mountpath opens,
+  and ``collect_orphans`` (run in the background once the node serves) removes chunk files
+  that no catalog row names.
 - Checksums are xxhash64 of the whole object (AIStore's default family, ~10 GB/s, so reads
   of whole small objects are verified for free) plus one per chunk.
 - Listing is a merge of per-mountpath index scans (ORDER BY name LIMIT page): memory per
@@ -188,7 +191,15 @@ class Mountpath:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-            db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except BaseException:
+                # SQLite rolls back by itself after most failed COMMITs (SQLITE_FULL included,
+                # as tests/test_diskfull.py sees), but not after all: one left open would make
+                # every later BEGIN on this connection fail, so end it if it is still there.
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
 
     def data_path(self, bucket: str, name: str, tag: str, index: int) -> Path:
         return Path(self.data_file(bucket, name, tag, index))
@@ -348,6 +359,21 @@ class PutWriter:
         for _, tmp, _, _ in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        self._discard_renamed()
+
+    def _discard_renamed(self) -> None:
+        """After a commit that failed between renaming chunks and committing the catalog row
+        (e.g. SQLite could not grow on a full disk), remove the renamed chunk files: no row
+        names them. A version whose row did commit is left alone."""
+        finals = [mp.data_path(self.bucket, self.name, self.tag, i) for i, (mp, *_) in enumerate(self._files)]
+        if not any(p.exists() for p in finals):
+            return
+        found = self.store._find(self.bucket, self.name)
+        if found is not None and found[1].tag == self.tag:
+            return
+        for p in finals:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
 
 
 class Store:
@@ -544,6 +570,98 @@ class Store:
         if len(page) > limit:
             return page[:limit], page[limit - 1].name
         return page, ""
+
+    # -- orphans ---------------------------------------------------------------------------
+    def collect_orphans(self, older_than_ns: int, stop: threading.Event | None = None) -> "OrphanReport":
+        """Remove chunk files under ``objs/`` that no catalog row names: left by a crash
+        between a PUT's renames and its catalog commit, between a commit and the unlink of
+        the replaced version, or in the middle of a bucket destroy. Blocking and throttled
+        (``ORPHAN_SCAN_PAUSE_SECONDS`` every ``ORPHAN_SCAN_BATCH`` files); run it in a
+        thread while the node serves. ``stop`` ends it early.
+
+        Safe beside live PUTs: only files whose inode changed (ctime, set by the rename)
+        before ``older_than_ns`` — the time the node started, before it accepted any
+        request — are candidates, so a version this process is writing or has just
+        committed is never one; and each bucket's tags are read from the catalogs before its
+        files are walked, so every version committed before this run is known. Memory: one
+        integer per object of the bucket being scanned. Files that are not shaped like
+        chunk files are left alone and counted. Directories are left in place (an empty one
+        is harmless, and removing one could race a PUT that has just created it)."""
+        report = OrphanReport()
+        started = time.monotonic()
+        buckets = sorted({e.name for mp in self.mountpaths if mp.objs.is_dir()
+                          for e in os.scandir(mp.objs) if e.is_dir(follow_symlinks=False)})
+        seen = 0
+        for bucket in buckets:
+            tags: set[int] = set()
+            for mp in self.mountpaths:
+                for (tag,) in mp.reader().execute("SELECT tag FROM objects WHERE bucket = ?", (bucket,)):
+                    tags.add(int(tag, 16))
+            report.buckets += 1
+            for mp in self.mountpaths:
+                for fan in _scandir(mp.objs / bucket):
+                    if not fan.is_dir(follow_symlinks=False):
+                        report.unknown += 1
+                        continue
+                    for entry in _scandir(fan.path):
+                        seen += 1
+                        if seen % ORPHAN_SCAN_BATCH == 0:
+                            if stop is not None and stop.wait(ORPHAN_SCAN_PAUSE_SECONDS):
+                                report.stopped = True
+                                report.seconds = time.monotonic() - started
+                                return report
+                            if stop is None:
+                                time.sleep(ORPHAN_SCAN_PAUSE_SECONDS)
+                        parts = entry.name.split(".")
+                        try:
+                            tag = int(parts[1], 16) if len(parts) == 3 and parts[2].isdigit() else None
+                            st = entry.stat(follow_symlinks=False)
+                        except (ValueError, FileNotFoundError):
+                            tag, st = None, None
+                        if tag is None or st is None or not entry.is_file(follow_symlinks=False):
+                            report.unknown += 1
+                            continue
+                        report.checked += 1
+                        if tag in tags or st.st_ctime_ns >= older_than_ns:
+                            continue
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+                            report.removed += 1
+                            report.removed_bytes += st.st_size
+        report.seconds = time.monotonic() - started
+        return report
+
+
+def _scandir(path) -> list[os.DirEntry]:
+    """A directory's entries, or none if it is gone (a bucket destroyed while the scan runs)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+# The orphan scan pauses this long after every batch of this many files: a few percent of one
+# core at most, so a store of millions of files is scanned in the background without
+# slowing the requests it serves.
+ORPHAN_SCAN_BATCH = 1000
+ORPHAN_SCAN_PAUSE_SECONDS = 0.01
+
+
+@dataclasses.dataclass
+class OrphanReport:
+    buckets: int = 0
+    checked: int = 0  # chunk files looked at
+    removed: int = 0
+    removed_bytes: int = 0
+    unknown: int = 0  # files not shaped like chunk files, left alone
+    stopped: bool = False  # ended early (shutdown)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.checked} chunk files in {self.buckets} buckets checked, {self.removed} orphans removed "
+                f"({self.removed_bytes} bytes), {self.unknown} other files left, in {self.seconds:.2f} s"
+                + (" (stopped early)" if self.stopped else ""))
 
 
 class OpenObject:

@@ -33,3 +33,10 @@ def bucket(server) -> str:
 def put(server, bucket: str, name: str, data: bytes) -> None:
     r = httpx.put(f"{server.url}/v1/objects/{bucket}/{name}", content=data, timeout=60)
     r.raise_for_status()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("soak", "tests/test_soak.py (run with -m soak)")
+    group.addoption("--soak-seconds", type=float, default=120.0,
+                    help="seconds of client traffic in the soak test (default: 120)")
+    group.addoption("--soak-seed", type=int, default=9, help="seed of the soak test's clients (default: 9)")

@@ -81,7 +81,7 @@ def test_every_config_field_has_a_flag():
 
 
 def test_long_flags_and_o_options_set_the_same_fields():
-    values = {"cache-dir": "/tmp/c", "cache-quota": "200G", "chunk-size": "4M", "parallel-per-file": "3",
+    values = {"cache-dir": "/tmp/c", "cache-quota": "200G", "cache-free-space-ratio": "0.25", "chunk-size": "4M", "parallel-per-file": "3",
               "parallel-total": "7", "memory-budget": "1G", "memory-cache": "64M", "metadata-ttl": "2.5",
               "negative-ttl": "1s", "metadata-cache-entries": "1000", "direct-io-min-size": "2M",
               "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "http-read-size": "256K",
@@ -91,6 +91,7 @@ def test_long_flags_and_o_options_set_the_same_fields():
     by_o = config("http://h:1/b", "/m", "-o", ",".join(f"{k.replace('-', '_')}={v}" for k, v in values.items()))
     assert by_flag == by_o
     assert by_flag.cache_dir == Path("/tmp/c") and by_flag.cache_quota_bytes == 200 * GiB
+    assert by_flag.cache_free_space_ratio == 0.25
     assert by_flag.chunk_size_bytes == 4 * MiB and by_flag.metadata_ttl_seconds == 2.5
     assert by_flag.retries == 0 and by_flag.log_level == "WARNING" and by_flag.http_read_bytes == 256 * 1024
 
@@ -117,6 +118,8 @@ def test_mount_options_split():
     ("bogus", "unknown mount option 'bogus'"),
     ("cache_quota", "needs a value"),
     ("cache_quota=lots", "not a size"),
+    ("cache_free_space_ratio=1", "ratio must be at least 0 and below 1"),
+    ("cache_free_space_ratio=much", "not a ratio"),
     ("parallel_total=0", "must be at least 1"),
     ("metadata_ttl=-1", "must not be negative"),
     ("log_level=loud", "log level must be"),
@@ -203,9 +206,12 @@ def test_cli_errors_before_mounting(tmp_path):
     _one_line_error(run_cli("mount", src, str(empty), "--cache-quota", "x"), 2, "not a size")
     _one_line_error(run_cli("mount", src, str(empty), "--log-file", str(tmp_path / "no" / "dir" / "log")), 1,
                     "cannot open log file")
+    # an unusable cache directory is not a reason to refuse a mount: a warning, then the mount
+    # goes on without the cache (here it then fails on the unreachable server, as it should)
     (tmp_path / "cachefile").write_text("x")
-    _one_line_error(run_cli("mount", src, str(empty), "--cache-dir", str(tmp_path / "cachefile")), 1,
-                    "cannot create cache directory")
+    r = run_cli("mount", src, str(empty), "--cache-dir", str(tmp_path / "cachefile"))
+    assert r.stderr.startswith("batchfs: warning: cannot create cache directory"), r.stderr
+    assert "mounting without a disk cache" in r.stderr and r.returncode == 1, r.stderr
     _one_line_error(run_cli("umount", str(empty)), 1, "is not mounted")
     assert not is_mounted(empty)
 

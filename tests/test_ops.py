@@ -74,6 +74,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 def test_options_from_a_toml_config_file(tmp_path):
     data = tmp_path / "from-config"
+    data.mkdir()
     cfg = tmp_path / "server.toml"
     cfg.write_text(f'listen = "127.0.0.1:1"\ndata = ["{data}"]\nchunk-size = "64KiB"\n'
                    f'max_json = 1024\nmeta_cache_entries = 0\nlog_level = "WARNING"\n')
@@ -142,6 +143,7 @@ def test_port_in_use_exits_1(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
+        (tmp_path / "d").mkdir()
         out = subprocess.run([sys.executable, "-m", "server.cli", "--listen", f"127.0.0.1:{port}",
                               "--data", str(tmp_path / "d")], capture_output=True, text=True, timeout=30,
                              cwd=ROOT)

@@ -102,6 +102,12 @@ class ServerProcess(ServiceProcess):
         self.data_dirs = data_dirs
         self.args = list(args)
 
+    def start(self, timeout: float = 30.0):
+        # the server refuses a missing data directory (an unmounted disk); tests make theirs
+        for d in self.data_dirs:
+            Path(d).mkdir(parents=True, exist_ok=True)
+        return super().start(timeout)
+
     def command(self) -> list[str]:
         cmd = [str(BIN / "batchfs-server"), "--listen", "127.0.0.1:0"]
         for d in self.data_dirs:
