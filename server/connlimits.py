@@ -19,14 +19,15 @@ Where a connection goes (peer = the client's IP address):
    else gets ``429`` (this peer is over its limit) or ``503`` (the node is full) in AIStore's
    JSON error shape, with ``Retry-After``. So health and metrics keep answering for anyone
    not holding their own reserve share, and a legitimate client over a limit learns why.
-3. **shed**: past the reserve too. A prebuilt ``503``/``429`` reply is written without reading
-   anything (no parser, no task, no buffer) and the socket is closed at once, so an attacker's
-   extra connections cost a descriptor only for the few microseconds of the callback.
+3. **shed**: past the reserve too. A prebuilt ``503``/``429`` reply is written without parsing
+   anything (no parser, no task, no buffer) and our side of the socket is shut down. The socket
+   is closed when the client's request arrives (read and dropped, so the close sends a FIN and
+   not a reset that could destroy the reply in the client's buffer) or after
+   ``SHED_LINGER_SECONDS``; past ``SHED_LINGER_MAX`` such sockets, at once.
 
 Invariants:
 
-- Open client sockets ≤ ``max_connections + reserve`` (+ those being shed, each closed within
-  the same event-loop callback that accepted it). ``serve()`` sizes these from RLIMIT_NOFILE so
+- Open client sockets ≤ ``max_connections + reserve + SHED_LINGER_MAX``. ``serve()`` sizes these from RLIMIT_NOFILE so
   that ``accept()`` never meets EMFILE from connections alone (see ``fd_budget``).
 - A request's header must be complete within ``header_timeout`` of the connection's accept
   (first request) or of the first byte of that request (later requests); else the connection
@@ -73,6 +74,10 @@ FD_FLOOR = 256
 # A request header still incomplete after this many bytes is refused (431) and the connection
 # closed: aiohttp alone would buffer up to 128 fields of 8 KiB each (1 MiB) per connection.
 MAX_HEADER_BYTES = 64 * 1024
+# Shed connections: how many may wait (and how long) for the client's request to arrive, so
+# it is read before the close; see "shed" above.
+SHED_LINGER_MAX = 256
+SHED_LINGER_SECONDS = 1.0
 # The admin address (--admin-listen) serves monitoring, not data: a few connections suffice.
 ADMIN_MAX_CONNECTIONS = 64
 ADMIN_MAX_PER_CLIENT = 16
@@ -139,6 +144,7 @@ class ConnMetrics:
 class _Tier:
     ADMITTED = "admitted"
     RESERVE = "reserve"
+    SHED = "shed"
 
 
 class ConnectionGuard:
@@ -167,6 +173,7 @@ class ConnectionGuard:
         self.main = self.restricted if admin_only else main
         self.admitted = 0
         self.reserved = 0
+        self.shedding = 0  # shed sockets still open (SHED_LINGER_MAX)
         self.per_client: dict[str, int] = {}  # admitted connections per peer
         self.reserve_per_client: dict[str, int] = {}
         # Why each reserve connection is there (429: its peer is over its limit; 503: full).
@@ -285,9 +292,16 @@ class _Guarded(asyncio.Protocol):
         peername = transport.get_extra_info("peername")
         self.peer = peername[0] if peername else ""
         tier, status = guard.admit(self.peer)
-        if tier is None:  # shed: the prebuilt reply fits the socket buffer; close at once
+        if tier is None:  # shed: the prebuilt reply fits the socket buffer
             transport.write(guard.shed_reply(status))
-            transport.close()
+            if guard.shedding >= SHED_LINGER_MAX:
+                transport.close()
+                return
+            guard.shedding += 1
+            self.tier = _Tier.SHED
+            self.transport = transport
+            transport.write_eof()  # type: ignore[attr-defined]  # the reply, then FIN
+            self._header_handle = guard._loop.call_later(SHED_LINGER_SECONDS, transport.close)
             return
         self.tier = tier
         self.transport = transport
@@ -301,6 +315,8 @@ class _Guarded(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         inner = self.inner
         if inner is None:
+            if self.tier == _Tier.SHED and self.transport is not None:
+                self.transport.close()  # the request has been read: close with a FIN
             return
         loop = self.guard._loop
         self._last_rx = loop.time()
@@ -344,7 +360,10 @@ class _Guarded(asyncio.Protocol):
                 handle.cancel()
         self._header_handle = self._body_handle = None
         inner, self.inner = self.inner, None
-        self.guard.release(self.peer, self.tier)
+        if self.tier == _Tier.SHED:
+            self.guard.shedding -= 1
+        else:
+            self.guard.release(self.peer, self.tier)
         self.tier = None
         if inner is not None:
             self.guard.reserve_reason.pop(inner, None)
