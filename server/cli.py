@@ -27,6 +27,7 @@ from server.state import INFLIGHT, METRICS
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
+_BACKLOG = 4096
 
 
 def _size(text: str) -> int:
@@ -202,13 +203,13 @@ async def serve(config: ServerConfig) -> None:
     await runner.setup()
     limits = _conn_limits(config, log)
     conn_metrics = connlimits.ConnMetrics(app[METRICS].registry)
-    loop = asyncio.get_running_loop()
-    # The guard is the protocol factory: it counts and times connections before aiohttp
-    # sees them (aiohttp's TCPSite would hand sockets straight to the app's web.Server).
+    # The guard counts and times connections before aiohttp sees them, on sockets our own
+    # Listener accepts (aiohttp's TCPSite would hand every socket to the app's web.Server).
     guards = [connlimits.ConnectionGuard(runner.server, limits, conn_metrics)]
-    listeners = [await loop.create_server(guards[0], config.host, config.port, backlog=1024,
-                                          reuse_address=True)]
-    host, port = listeners[0].sockets[0].getsockname()[:2]
+    # A deep accept queue absorbs bursts (refused connections cost microseconds each, see
+    # connlimits.Listener); net.core.somaxconn caps it.
+    listeners = [connlimits.Listener.bind(guards[0], config.host, config.port, _BACKLOG)]
+    host, port = listeners[0].address
     print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
     if config.admin_listen:
         admin_limits = dataclasses.replace(limits, max_connections=connlimits.ADMIN_MAX_CONNECTIONS,
@@ -220,8 +221,8 @@ async def serve(config: ServerConfig) -> None:
             a_host, a_port = _listen(config.admin_listen)
         except argparse.ArgumentTypeError as e:
             raise OSError(f"admin_listen: {e}") from None
-        listeners.append(await loop.create_server(guards[1], a_host, a_port, backlog=128, reuse_address=True))
-        a_host, a_port = listeners[1].sockets[0].getsockname()[:2]
+        listeners.append(connlimits.Listener.bind(guards[1], a_host, a_port, 128))
+        a_host, a_port = listeners[1].address
         print(f"batchfs-server: admin (health, metrics) on http://{a_host}:{a_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

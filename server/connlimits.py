@@ -3,10 +3,12 @@
 aiohttp alone keeps a connection that sends half a request header for its keep-alive timeout
 (3,630 s by default) and accepts connections until ``accept()`` fails with EMFILE, after which
 asyncio stops accepting for a second at a time and every client, ``/v1/health`` included,
-times out. This module sits between the listening socket and aiohttp: ``ConnectionGuard`` is
-the protocol factory passed to ``loop.create_server``; each accepted socket gets a small
-``_Guarded`` protocol that decides, in ``connection_made``, where the connection goes, and
-only then builds aiohttp's ``RequestHandler`` (from a ``web.Server``) and delegates to it.
+times out. This module sits between the listening socket and aiohttp. ``Listener`` accepts
+connections itself (rather than ``loop.create_server``, whose accept path costs a Task, a
+transport and a protocol per connection even for one about to be refused) and asks
+``ConnectionGuard`` where each goes; an admitted connection gets a small ``_Guarded``
+protocol (via ``loop.connect_accepted_socket``) that builds aiohttp's ``RequestHandler``
+(from a ``web.Server``), delegates to it, and runs the timers.
 
 Where a connection goes (peer = the client's IP address):
 
@@ -19,15 +21,15 @@ Where a connection goes (peer = the client's IP address):
    else gets ``429`` (this peer is over its limit) or ``503`` (the node is full) in AIStore's
    JSON error shape, with ``Retry-After``. So health and metrics keep answering for anyone
    not holding their own reserve share, and a legitimate client over a limit learns why.
-3. **shed**: past the reserve too. A prebuilt ``503``/``429`` reply is written without parsing
-   anything (no parser, no task, no buffer) and our side of the socket is shut down. The socket
-   is closed when the client's request arrives (read and dropped, so the close sends a FIN and
-   not a reset that could destroy the reply in the client's buffer) or after
-   ``SHED_LINGER_SECONDS``; past ``SHED_LINGER_MAX`` such sockets, at once.
+3. **shed**: past the reserve too. A prebuilt ``503``/``429`` reply is sent on the bare socket
+   right after ``accept()`` (no transport, task, protocol, parser or buffer), our side is shut
+   down, whatever the client already sent is read and dropped, and the socket is closed, all
+   in the accept loop. Linux keeps the reply readable by the client even if its request
+   arrives after the close and draws a reset.
 
 Invariants:
 
-- Open client sockets ≤ ``max_connections + reserve + SHED_LINGER_MAX``. ``serve()`` sizes these from RLIMIT_NOFILE so
+- Open client sockets ≤ ``max_connections + reserve`` (+1 being shed). ``serve()`` sizes these from RLIMIT_NOFILE so
   that ``accept()`` never meets EMFILE from connections alone (see ``fd_budget``).
 - A request's header must be complete within ``header_timeout`` of the connection's accept
   (first request) or of the first byte of that request (later requests); else the connection
@@ -55,7 +57,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import errno
 import logging
+import socket
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -74,10 +78,9 @@ FD_FLOOR = 256
 # A request header still incomplete after this many bytes is refused (431) and the connection
 # closed: aiohttp alone would buffer up to 128 fields of 8 KiB each (1 MiB) per connection.
 MAX_HEADER_BYTES = 64 * 1024
-# Shed connections: how many may wait (and how long) for the client's request to arrive, so
-# it is read before the close; see "shed" above.
-SHED_LINGER_MAX = 256
-SHED_LINGER_SECONDS = 1.0
+# Connections accepted per event-loop turn: bounded so a flood of connections cannot hold the
+# loop (and the requests of admitted clients) for long; the kernel queues the rest (backlog).
+ACCEPT_BATCH = 128
 # The admin address (--admin-listen) serves monitoring, not data: a few connections suffice.
 ADMIN_MAX_CONNECTIONS = 64
 ADMIN_MAX_PER_CLIENT = 16
@@ -144,7 +147,6 @@ class ConnMetrics:
 class _Tier:
     ADMITTED = "admitted"
     RESERVE = "reserve"
-    SHED = "shed"
 
 
 class ConnectionGuard:
@@ -173,7 +175,6 @@ class ConnectionGuard:
         self.main = self.restricted if admin_only else main
         self.admitted = 0
         self.reserved = 0
-        self.shedding = 0  # shed sockets still open (SHED_LINGER_MAX)
         self.per_client: dict[str, int] = {}  # admitted connections per peer
         self.reserve_per_client: dict[str, int] = {}
         # Why each reserve connection is there (429: its peer is over its limit; 503: full).
@@ -184,9 +185,33 @@ class ConnectionGuard:
                                     f"too many connections from this address (limit {limits.max_per_client}); "
                                     "retry later")
         self._loop = asyncio.get_running_loop()
+        self._starting: set[asyncio.Task] = set()
 
-    def __call__(self) -> asyncio.Protocol:
-        return _Guarded(self)
+    def accept(self, sock: socket.socket, address) -> None:
+        """Route one socket fresh from ``accept()``: shed it here, or start serving it."""
+        peer = address[0] if address else ""
+        tier, status = self.admit(peer)
+        if tier is None:
+            _shed(sock, self.shed_reply(status))
+            return
+        protocol = _Guarded(self, tier, status, peer)
+        try:
+            sock.setblocking(False)
+        except OSError:
+            protocol.connection_lost(None)
+            sock.close()
+            return
+        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: protocol, sock))
+        self._starting.add(task)
+
+        def started(t: asyncio.Task) -> None:
+            self._starting.discard(t)
+            if t.cancelled() or t.exception() is not None:  # never reached connection_made
+                if protocol.transport is None:
+                    protocol.connection_lost(None)
+                sock.close()
+
+        task.add_done_callback(started)
 
     @property
     def servers(self) -> tuple[web.Server, ...]:
@@ -270,15 +295,16 @@ class ConnectionGuard:
 class _Guarded(asyncio.Protocol):
     """One accepted connection: limits at accept, timers while it lives, aiohttp inside."""
 
-    __slots__ = ("guard", "inner", "transport", "peer", "tier", "_header_handle", "_header_mark",
+    __slots__ = ("guard", "inner", "transport", "peer", "tier", "status", "_header_handle", "_header_mark",
                  "_header_bytes", "_body_handle", "_last_rx")
 
-    def __init__(self, guard: ConnectionGuard) -> None:
+    def __init__(self, guard: ConnectionGuard, tier: str, status: int, peer: str) -> None:
         self.guard = guard
         self.inner: RequestHandler | None = None
         self.transport: asyncio.Transport | None = None
-        self.peer = ""
-        self.tier: str | None = None
+        self.peer = peer
+        self.tier: str | None = tier  # counted in guard until connection_lost
+        self.status = status  # what a reserve connection answers other paths with
         self._header_handle: asyncio.TimerHandle | None = None
         self._header_mark = 0  # inner._request_count when the header clock started
         self._header_bytes = 0  # bytes of the header being received
@@ -289,34 +315,17 @@ class _Guarded(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self.guard
-        peername = transport.get_extra_info("peername")
-        self.peer = peername[0] if peername else ""
-        tier, status = guard.admit(self.peer)
-        if tier is None:  # shed: the prebuilt reply fits the socket buffer
-            transport.write(guard.shed_reply(status))
-            if guard.shedding >= SHED_LINGER_MAX:
-                transport.close()
-                return
-            guard.shedding += 1
-            self.tier = _Tier.SHED
-            self.transport = transport
-            transport.write_eof()  # type: ignore[attr-defined]  # the reply, then FIN
-            self._header_handle = guard._loop.call_later(SHED_LINGER_SECONDS, transport.close)
-            return
-        self.tier = tier
-        self.transport = transport
-        server = guard.main if tier == _Tier.ADMITTED else guard.restricted
+        self.transport = transport  # type: ignore[assignment]
+        server = guard.main if self.tier == _Tier.ADMITTED else guard.restricted
         self.inner = inner = server()
-        if tier == _Tier.RESERVE:
-            guard.reserve_reason[inner] = status
+        if self.tier == _Tier.RESERVE:
+            guard.reserve_reason[inner] = self.status
         inner.connection_made(transport)
         self._start_header_clock()
 
     def data_received(self, data: bytes) -> None:
         inner = self.inner
         if inner is None:
-            if self.tier == _Tier.SHED and self.transport is not None:
-                self.transport.close()  # the request has been read: close with a FIN
             return
         loop = self.guard._loop
         self._last_rx = loop.time()
@@ -360,10 +369,7 @@ class _Guarded(asyncio.Protocol):
                 handle.cancel()
         self._header_handle = self._body_handle = None
         inner, self.inner = self.inner, None
-        if self.tier == _Tier.SHED:
-            self.guard.shedding -= 1
-        else:
-            self.guard.release(self.peer, self.tier)
+        self.guard.release(self.peer, self.tier)
         self.tier = None
         if inner is not None:
             self.guard.reserve_reason.pop(inner, None)
@@ -434,3 +440,77 @@ class _Guarded(asyncio.Protocol):
             inner.force_close()
             return
         self._body_handle = loop.call_at(self._last_rx + self._body_timeout(), self._check_body)
+
+
+def _shed(sock: socket.socket, reply: bytes) -> None:
+    """Answer a refused connection without reading its request, and close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(reply)  # a few hundred bytes: fits an empty socket buffer
+        sock.shutdown(socket.SHUT_WR)
+        sock.recv(65536)  # drop what already arrived, so the close is a FIN when it can be
+    except OSError:
+        pass
+    sock.close()
+
+
+class Listener:
+    """A listening socket whose connections go through ``guard.accept``."""
+
+    def __init__(self, guard: ConnectionGuard, sock: socket.socket) -> None:
+        self.guard = guard
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._retry: asyncio.TimerHandle | None = None
+        sock.setblocking(False)
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    @classmethod
+    def bind(cls, guard: ConnectionGuard, host: str, port: int, backlog: int) -> "Listener":
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(backlog)
+        except OSError:
+            sock.close()
+            raise
+        return cls(guard, sock)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()[:2]
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, address = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors despite the budget (files opened by requests): stop
+                    # accepting for a moment rather than spin; the kernel queues meanwhile.
+                    log.error("accept: %s; pausing accepts for 0.1 s", e.strerror)
+                    self.guard.count_timeout("accept_" + errno.errorcode.get(e.errno, "error").lower())
+                    self._loop.remove_reader(self.sock.fileno())
+                    self._retry = self._loop.call_later(0.1, self._resume)
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue  # the client left before we accepted
+                raise
+            self.guard.accept(conn, address)
+
+    def _resume(self) -> None:
+        self._retry = None
+        if self.sock.fileno() >= 0:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stop accepting (connections already accepted stay)."""
+        if self._retry is not None:
+            self._retry.cancel()
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
