@@ -61,7 +61,7 @@ class ServerConfig:
     # A request header must be complete this long after the connection opened (first
     # request) or after its first byte (later requests); a keep-alive connection may sit
     # idle between requests this long; a request body may pause this long between bytes.
-    header_timeout_seconds: float = 10 * SECONDS
+    header_timeout_seconds: float = 30 * SECONDS
     idle_timeout_seconds: float = 60 * SECONDS
     body_timeout_seconds: float = 60 * SECONDS
     # Optional second address ("HOST:PORT") serving only /v1/health and /metrics, with its

@@ -499,7 +499,8 @@ class Listener:
                     return
                 if e.errno in (errno.ECONNABORTED, errno.EPROTO):
                     continue  # the client left before we accepted
-                raise
+                log.error("accept: %s", e)
+                return
             self.guard.accept(conn, address)
 
     def _resume(self) -> None:

@@ -272,6 +272,19 @@ def test_global_limit_keeps_health_answering(server):
             socks += open_partial(url, 1000, src)
         assert len(socks) == 3000
         opened = time.monotonic()
+        # The kernel completed these connects; wait (on the admin address, which has its own
+        # accept queue) until the server has accepted them all, so the timings below are of
+        # a full node and not of a new connection queued behind 3,000 in the accept queue.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with httpx.Client(timeout=10) as c:
+                text = c.get(admin + "/metrics").text
+            seen = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(('batchfs_connections{listener="main"',
+                                           'batchfs_connections_refused_total{listener="main"')))
+            if seen >= 3000:
+                break
+            time.sleep(0.1)
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=10) as c:
             started = time.monotonic()  # (not the client's own setup, slow on a loaded machine)
             r = c.get(url + "/v1/objects/b/obj")
