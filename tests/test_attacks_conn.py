@@ -456,13 +456,17 @@ def _measure(args) -> int:
                      "127.0.0.1", "--connections", str(n), "--hold", str(args.hold),
                      "--open-seconds", str(args.open_seconds)],
                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent))
+            targets = [("127.0.0.1", srv.url), ("127.0.0.2", srv.url)]
+            if any("admin (health, metrics) on" in line for line in srv.output):
+                targets.append(("admin", _admin_url(srv)))
             worst: dict[str, float] = {}
             fails: dict[str, int] = {}
             t_attack = time.monotonic()
             while time.monotonic() - t_attack < args.probe_seconds:
                 line = []
-                for src in ("127.0.0.1", "127.0.0.2"):
-                    status, took = health(srv.url, src, timeout=args.probe_timeout)
+                for src, base in targets:
+                    status, took = health(base, "127.0.0.1" if src == "admin" else src,
+                                          timeout=args.probe_timeout)
                     worst[src] = max(worst.get(src, 0.0), took)
                     fails[src] = fails.get(src, 0) + (status != 200)
                     line.append(f"{src} {status} {took:.3f}s")
