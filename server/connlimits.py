@@ -127,8 +127,9 @@ def _error_body(status: int, message: str, method: str = "", path: str = "") -> 
 def _canned(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP/1.1 reply, built once, for connections we do not read."""
     body = _error_body(status, message)
+    retry = "Retry-After: 1\r\n" if status in (429, 503) else ""
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
     return head.encode() + body
 
 
