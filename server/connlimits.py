@@ -29,8 +29,12 @@ Where a connection goes (peer = the client's IP address):
 
 Invariants:
 
-- Open client sockets ≤ ``max_connections + reserve`` (+1 being shed). ``serve()`` sizes these from RLIMIT_NOFILE so
-  that ``accept()`` never meets EMFILE from connections alone (see ``fd_budget``).
+- Open client sockets ≤ ``max_connections + reserve`` (+1 being shed). ``serve()`` sizes
+  these from RLIMIT_NOFILE so that ``accept()`` never meets EMFILE from connections alone
+  (see ``fd_budget``); if files opened by requests exhaust descriptors anyway, the listener
+  pauses 0.1 s rather than spin.
+- At most ``ACCEPT_BATCH`` accepts per event-loop turn, so a flood of connections interleaves
+  with the requests of admitted clients.
 - A request's header must be complete within ``header_timeout`` of the connection's accept
   (first request) or of the first byte of that request (later requests); else the connection
   is closed. A connection idle between requests is closed after ``idle_timeout`` (aiohttp's
@@ -39,8 +43,9 @@ Invariants:
   ``body_timeout``; else the connection is closed, which the PUT path already treats as a
   client that went away (temp files removed, nothing committed). Time during which *we* paused
   reading (flow control, the handler is slower than the client) does not count.
-- Every counter is decremented exactly once, in ``connection_lost`` (asyncio calls it once
-  for every ``connection_made``).
+- Every counter is decremented exactly once: in ``connection_lost`` (asyncio calls it once
+  for every ``connection_made``), or, for a socket that never reached ``connection_made``, in
+  ``ConnectionGuard.accept``'s done-callback.
 
 aiohttp's ``RequestHandler`` exposes no hooks for "a request header completed" or "the
 handler is waiting for the next request"; ``_Guarded`` reads four of its attributes for
