@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.util import BIN, ServerProcess
+from tests.util import ServerProcess
 
 PARTIAL = b"GET /v1/health HTTP/1.1\r\nHost: attacker\r\nX-Slow: "  # never ends its header
 
@@ -452,8 +452,8 @@ def _measure(args) -> int:
             for i in range(0, args.connections, per):
                 n = min(per, args.connections - i)
                 procs.append(subprocess.Popen(
-                    ["nice", "-n", str(args.attacker_nice), sys.executable, "-m", "tests.test_attacks_conn", "attack", "--url", srv.url, "--src",
-                     "127.0.0.1", "--connections", str(n), "--hold", str(args.hold),
+                    ["nice", "-n", str(args.attacker_nice), sys.executable, "-m", "tests.test_attacks_conn",
+                     "attack", "--url", srv.url, "--src", "127.0.0.1", "--connections", str(n), "--hold", str(args.hold),
                      "--open-seconds", str(args.open_seconds)],
                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent))
             targets = [("127.0.0.1", srv.url), ("127.0.0.2", srv.url)]
