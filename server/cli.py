@@ -22,13 +22,15 @@ from pathlib import Path
 
 from aiohttp import web
 
+from server import connlimits
 from server.app import build_app
 from server.config import ServerConfig, load_toml, parse_size
-from server.state import INFLIGHT, STORE
+from server.state import INFLIGHT, METRICS, STORE
 from server.store import Store
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
+_BACKLOG = 4096
 
 
 def _size(text: str) -> int:
@@ -123,6 +125,27 @@ _TUNABLES = [
     ("--metrics-auth", "metrics_auth", _metrics_auth, "{token,none}",
      "token: /metrics wants the bearer token when tokens are configured; none: /metrics is "
      "open (it names operations and status codes, never buckets or objects)", _D.metrics_auth),
+    ("--max-connections", "max_connections", int, "N",
+     "client connections served at once; past it a new connection gets 503 (0: half the "
+     "descriptors RLIMIT_NOFILE leaves after a floor of 256 and the reserve)", "0 (auto)"),
+    ("--max-connections-per-client", "max_connections_per_client", int, "N",
+     "client connections served at once from one IP address; past it a new connection gets 429",
+     _D.max_connections_per_client),
+    ("--reserve-connections", "reserve_connections", int, "N",
+     "connections accepted past those limits only to answer /v1/health and /metrics (others get "
+     "the 429/503); one address may hold an eighth of them; past these, connections are closed "
+     "at once after a canned 429/503", _D.reserve_connections),
+    ("--header-timeout", "header_timeout_seconds", float, "SECONDS",
+     "a request header must be complete this long after the connection opened (first request) or "
+     "after its first byte; else 408 and close", f"{_D.header_timeout_seconds:g}"),
+    ("--idle-timeout", "idle_timeout_seconds", float, "SECONDS",
+     "a keep-alive connection idle this long between requests is closed", f"{_D.idle_timeout_seconds:g}"),
+    ("--body-timeout", "body_timeout_seconds", float, "SECONDS",
+     "a request body (PUT) that pauses this long is aborted and the connection closed; nothing is "
+     "stored", f"{_D.body_timeout_seconds:g}"),
+    ("--admin-listen", "admin_listen", lambda t: "%s:%d" % _listen(t), "HOST:PORT",
+     "a second address serving only /v1/health and /metrics, with its own 64 connections",
+     "none"),
     ("--shutdown-timeout", "shutdown_timeout_seconds", float, "SECONDS",
      "after SIGTERM or SIGINT, how long requests in flight may take before they are cut",
      f"{_D.shutdown_timeout_seconds:g}"),
@@ -227,20 +250,63 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _conn_limits(config: ServerConfig, log: logging.Logger) -> connlimits.Limits:
+    """Size the connection limits from the descriptor limit (raised to the hard one by main())."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    admin = connlimits.ADMIN_MAX_CONNECTIONS if config.admin_listen else 0
+    reserve = config.reserve_connections
+    max_conns, why = connlimits.fd_budget(nofile, config.max_connections, reserve, admin)
+    if why.startswith("lowered") or why.startswith("RLIMIT"):
+        log.warning("max connections %d (%s)", max_conns, why)
+    limits = connlimits.Limits(
+        max_connections=max_conns,
+        max_per_client=min(config.max_connections_per_client, max_conns),
+        reserve=reserve, reserve_per_client=max(1, reserve // 8),
+        header_timeout_seconds=config.header_timeout_seconds,
+        idle_timeout_seconds=config.idle_timeout_seconds,
+        body_timeout_seconds=config.body_timeout_seconds)
+    log.info("connections: at most %d (%s), %d per client address, %d reserve; descriptors %d; "
+             "timeouts: header %gs, idle %gs, body %gs", limits.max_connections, why, limits.max_per_client,
+             reserve, nofile, limits.header_timeout_seconds, limits.idle_timeout_seconds,
+             limits.body_timeout_seconds)
+    return limits
+
+
 async def serve(config: ServerConfig) -> None:
     # Files whose inode changed before this instant were left by an earlier run: the orphan
     # scan may judge them; anything this process writes is younger.
     started_ns = time.time_ns()
+    log = logging.getLogger(__name__)
     app = build_app(config)
     # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
-    # is only the final cut for connections still busy after that.
-    runner = web.AppRunner(app, shutdown_timeout=_FINAL_CUT_SECONDS, access_log=None, handle_signals=False)
+    # is only the final cut for connections still busy after that. aiohttp's keep-alive timer
+    # is our idle timeout; connlimits adds the header and body timeouts and the counts.
+    runner = web.AppRunner(app, shutdown_timeout=_FINAL_CUT_SECONDS, access_log=None, handle_signals=False,
+                           keepalive_timeout=config.idle_timeout_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    limits = _conn_limits(config, log)
+    conn_metrics = connlimits.ConnMetrics(app[METRICS].registry)
+    # The guard counts and times connections before aiohttp sees them, on sockets our own
+    # Listener accepts (aiohttp's TCPSite would hand every socket to the app's web.Server).
+    guards = [connlimits.ConnectionGuard(runner.server, limits, conn_metrics)]
+    # A deep accept queue absorbs bursts (refused connections cost microseconds each, see
+    # connlimits.Listener); net.core.somaxconn caps it.
+    listeners = [connlimits.Listener.bind(guards[0], config.host, config.port, _BACKLOG)]
+    host, port = listeners[0].address
     print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
-    log = logging.getLogger(__name__)
+    if config.admin_listen:
+        admin_limits = dataclasses.replace(limits, max_connections=connlimits.ADMIN_MAX_CONNECTIONS,
+                                           max_per_client=connlimits.ADMIN_MAX_PER_CLIENT,
+                                           reserve=0, reserve_per_client=0)
+        guards.append(connlimits.ConnectionGuard(runner.server, admin_limits, conn_metrics, name="admin",
+                                                 admin_only=True))
+        try:
+            a_host, a_port = _listen(config.admin_listen)
+        except argparse.ArgumentTypeError as e:
+            raise OSError(f"admin_listen: {e}") from None
+        listeners.append(connlimits.Listener.bind(guards[1], a_host, a_port, 128))
+        a_host, a_port = listeners[1].address
+        print(f"batchfs-server: admin (health, metrics) on http://{a_host}:{a_port}", flush=True)
     stop_scan = threading.Event()
     scan = asyncio.create_task(_orphan_scan(app[STORE], started_ns, stop_scan))
     stop = asyncio.Event()
@@ -252,9 +318,13 @@ async def serve(config: ServerConfig) -> None:
     await scan
     inflight = app[INFLIGHT]
     log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
-    await site.stop()
+    for listener in listeners:
+        listener.close()
     if not await inflight.drain(config.shutdown_timeout_seconds):
         log.warning("shutdown timeout: cutting %d requests still in flight", inflight.count)
+    for guard in guards:  # the restricted servers' connections (the app's go in runner.cleanup)
+        guard.restricted.pre_shutdown()
+        await guard.restricted.shutdown(_FINAL_CUT_SECONDS)
     await runner.cleanup()
 
 

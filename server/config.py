@@ -72,6 +72,26 @@ class ServerConfig:
     auth_token_digests: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
     # /metrics: "token" wants the bearer token when one is configured; "none" leaves it open.
     metrics_auth: str = "token"
+    # Connection limits (server/connlimits.py). Client connections served at once; 0 = auto:
+    # half the descriptors RLIMIT_NOFILE leaves after a floor and the reserve (the other half
+    # is for the files those connections open). Past it, or past the per-client cap, a
+    # connection gets 503 / 429 (health and metrics still answered, from a small reserve).
+    max_connections: int = 0
+    # Per client IP address. A training node holds many: e.g. 8 GPUs x 16 DataLoader workers
+    # x 16 pooled connections = 2,048, plus the mount's pool; 4,096 leaves twice that.
+    max_connections_per_client: int = 4096
+    # Connections accepted past those limits to answer /v1/health and /metrics (and to tell
+    # anyone else 429/503 with a reason); one client may hold an eighth of them.
+    reserve_connections: int = 64
+    # A request header must be complete this long after the connection opened (first
+    # request) or after its first byte (later requests); a keep-alive connection may sit
+    # idle between requests this long; a request body may pause this long between bytes.
+    header_timeout_seconds: float = 30 * SECONDS
+    idle_timeout_seconds: float = 60 * SECONDS
+    body_timeout_seconds: float = 60 * SECONDS
+    # Optional second address ("HOST:PORT") serving only /v1/health and /metrics, with its
+    # own few connections, so monitoring works whatever the data address is under.
+    admin_listen: str | None = None
     # Graceful shutdown: requests in flight get this long after SIGTERM.
     shutdown_timeout_seconds: float = 30 * SECONDS
     log_level: str = "INFO"
@@ -86,12 +106,14 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
             if isinstance(default, float) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if f.name != "meta_cache_entries" and f.name != "port" and value <= 0:
+            if f.name not in ("meta_cache_entries", "port", "max_connections") and value <= 0:
                 raise ValueError(f"{f.name} must be positive, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if not isinstance(self.create_data_dirs, bool):
             raise ValueError(f"create_data_dirs must be true or false, got {self.create_data_dirs!r}")
+        if self.max_connections < 0:
+            raise ValueError("max_connections must be >= 0 (0 = from RLIMIT_NOFILE)")
         if self.meta_cache_entries < 0:
             raise ValueError("meta_cache_entries must be >= 0")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -119,7 +141,9 @@ def parse_size(text: str | int) -> int:
 _ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
             "getbatch_throttle": "getbatch_throttle_seconds",
             "getbatch_stall_timeout": "getbatch_stall_timeout_seconds",
-            "getbatch_max_time": "getbatch_max_time_seconds"}
+            "getbatch_max_time": "getbatch_max_time_seconds",
+            "header_timeout": "header_timeout_seconds", "idle_timeout": "idle_timeout_seconds",
+            "body_timeout": "body_timeout_seconds"}
 
 
 def load_toml(path: Path) -> dict:

@@ -166,7 +166,9 @@ def test_client_disconnect_mid_get_leaks_no_fds(tmp_path):
 
 
 def test_10000_concurrent_small_requests(tmp_path):
-    with ServerProcess([tmp_path / "d1"]) as srv:
+    # one client address with 10,000 connections: raise the connection caps (docs/server.md)
+    with ServerProcess([tmp_path / "d1"], "--max-connections", "10100",
+                       "--max-connections-per-client", "10100") as srv:
         httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
         small = os.urandom(1024)
         httpx.put(f"{srv.url}/v1/objects/b/small", content=small).raise_for_status()
