@@ -80,7 +80,7 @@ def _corrupt(meta: ObjectMeta, kind: str, e: BaseException) -> BadRequest:
 
 def build_index(obj: OpenObject) -> ShardIndex:
     meta = obj.meta
-    head = obj.pread(0, min(meta.size, 4), verify=False)
+    head = obj.pread(0, min(meta.size, 4))
     kind = shard_format(meta.name, head)
     members: dict[str, tuple[int, int]] = {}
     try:
@@ -175,11 +175,16 @@ class RangeSource(MemberSource):
         end = min(self._end, self._pos + n)
         if end <= self._pos:
             return b""
-        data = self._obj.pread(self._pos, end, verify=False)
+        data = self._obj.pread(self._pos, end)
         if len(data) != end - self._pos:
             raise BadRequest(f"ais://{self._obj.meta.bucket}/{self._obj.meta.name}: shorter than its index says")
         self._pos = end
         return data
+
+    def span(self) -> tuple[OpenObject, tuple[int, int]]:
+        """The open object and the object bytes [start, end) not yet read (for sendfile, after
+        ``OpenObject.verify`` of each piece)."""
+        return self._obj, (self._pos, self._end)
 
     def segments(self) -> list[tuple[int, int, int]]:
         """(fd, offset in that file, count) pieces of the bytes not yet read, for sendfile;
