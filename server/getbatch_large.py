@@ -54,7 +54,7 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
         job.check_planned(e, count, "")
         await out.write(tar_header(e.name, count, mtime))
         obj, (start, end) = src.span()
-        for lo, hi in verify_pieces(start, end):
+        for lo, hi in verify_pieces(obj, start, end):
             # each piece is checked (in a reader thread) before sendfile sends it
             err = await verify_in_thread(obj, lo, hi, job.state.pool)
             if err is not None:

@@ -209,7 +209,7 @@ async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict
         return web.Response(status=status, body=body, headers=headers)
     # The first piece is checked before the 200 goes out, so a corrupt first piece (every
     # object of up to VERIFY_PIECE bytes) is a clean 500 error too.
-    pieces = verify_pieces(start, end)
+    pieces = verify_pieces(obj, start, end)
     ahead = verify_in_thread(obj, *pieces[0])
     try:
         err = await ahead

@@ -735,6 +735,9 @@ class OpenObject:
             self._sums = self.store.block_sums(self.meta) if self.store is not None else None
         return self._sums  # type: ignore[return-value]
 
+    def has_block_sums(self) -> bool:
+        return self._block_sums() is not None
+
     def close(self) -> None:
         """Release the owner's hold (idempotent); the files close when no thread reads them."""
         with self._refs_lock:
@@ -787,15 +790,16 @@ class OpenObject:
 
     def _read_chunk(self, i: int, fd: int, off: int, count: int, flags: int = 0,
                     check_only: bool = False) -> memoryview | bytes | None:
-        """Bytes [off, off+count) of chunk ``i``, verified: against the chunk's block sums
-        (reading the blocks that cover the span) when it has them, else against the chunk
-        checksum (reading the whole chunk, at most one block unless the read is whole).
-        Not verified: a partial read of a chunk larger than a block of an object written
-        before block sums existed. ``check_only``: verify, return nothing (the bytes go
-        through a reused per-thread buffer: no allocation, no page faults)."""
+        """Bytes [off, off+count) of chunk ``i``, verified: a whole chunk (or one of at most a
+        block) against its chunk checksum, unless the block sums are loaded already (xxh3 is
+        faster); a partial read against the block sums of the blocks that cover it. Not
+        verified: a partial read of a chunk larger than a block of an object written before
+        block sums existed. ``check_only``: verify (in place, in the page cache), return None."""
         chunk = self.meta.chunks[i]
         size = chunk.size
-        sums = self._block_sums() if size > VERIFY_BLOCK else None
+        whole = count == size
+        # A whole read needs no catalog query for sums: small and whole-object GETs skip it.
+        sums = self._block_sums() if size > VERIFY_BLOCK and (not whole or self._sums is not True) else None
         if sums is not None:
             bs = sums.block_size
             lo = off - off % bs
@@ -889,9 +893,19 @@ def _mapped(obj: OpenObject, i: int, fd: int, lo: int, hi: int) -> Iterator[memo
         m.close()
 
 
-def verify_pieces(start: int, end: int) -> list[tuple[int, int]]:
-    """[start, end) cut at multiples of VERIFY_PIECE (a multiple of the verify block and of
-    the default chunk size's divisors, so pieces of a default-chunked object split no block)."""
+def verify_pieces(obj: OpenObject, start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut into the pieces a streamed read checks then sends: at multiples of
+    VERIFY_PIECE (a multiple of the block, so with the default chunk size no block is checked
+    twice); for an object without block sums, at chunk boundaries instead, so that every
+    chunk sent whole is checked whole against its chunk checksum."""
+    if obj.meta.chunks and max(c.size for c in obj.meta.chunks) > VERIFY_BLOCK and obj.has_block_sums() is False:
+        bounds, base = [], 0
+        for c in obj.meta.chunks:
+            base += c.size
+            if start < base < end:
+                bounds.append(base)
+        edges = [start, *bounds, end]
+        return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
     out, lo = [], start
     while lo < end:
         hi = min(end, (lo // VERIFY_PIECE + 1) * VERIFY_PIECE)

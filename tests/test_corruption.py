@@ -322,7 +322,7 @@ def test_objects_without_block_sums(tmp_path):
     whole chunk are verified against its chunk checksum; partial reads of a chunk larger than
     a block are not (documented in docs/server.md)."""
     from server.errors import CorruptData
-    from server.store import Store
+    from server.store import Store, verify_pieces
 
     store = Store([tmp_path / "d"], chunk_size=MiB)
     store.create_bucket("b")
@@ -341,7 +341,15 @@ def test_objects_without_block_sums(tmp_path):
         with pytest.raises(CorruptData):
             obj.verify(0, 3 * MiB)
         assert obj.pread(MiB + 400, MiB + 600) != data[MiB + 400:MiB + 600]  # not verified: documented
-    assert store.corrupt_reads == 2
+        # a streamed GET checks such an object chunk by chunk, so each whole chunk is verified
+        assert verify_pieces(obj, 0, 3 * MiB) == [(0, MiB), (MiB, 2 * MiB), (2 * MiB, 3 * MiB)]
+        assert verify_pieces(obj, 100, MiB + 5) == [(100, MiB), (MiB, MiB + 5)]
+        with pytest.raises(CorruptData):
+            obj.verify(MiB, 2 * MiB)
+    assert store.corrupt_reads == 3
+    store.put_bytes("b", "new", data)  # a new object has block sums: 4 MiB pieces
+    with store.open("b", "new") as obj:
+        assert verify_pieces(obj, 0, 3 * MiB) == [(0, 3 * MiB)]
 
 
 def test_a_cancelled_verification_never_reads_a_closed_descriptor(tmp_path):
