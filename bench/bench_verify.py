@@ -63,11 +63,13 @@ def setup(srv: ServerProcess, tmp: Path, large_mib: int) -> None:
     curl_seconds(f"{base}/v1/objects/b/large")  # warm the page cache
 
 
-def one_run(base: str, large_mib: int, rng: random.Random) -> dict[str, float]:
+def one_run(base: str, large_mib: int, rng: random.Random, whole_only: bool = False) -> dict[str, float]:
     """One measurement of every read: name -> rate (GB/s or req/s)."""
     size = large_mib * MiB
     url = f"{base}/v1/objects/b/large"
     out = {f"GET {large_mib} MiB (curl), GB/s": size / curl_seconds(url) / 1e9}
+    if whole_only:
+        return out
     with httpx.Client(timeout=60) as c:
         for length, n in ((64 * 1024, 200), (MiB, 100), (8 * MiB, 20)):
             out[f"range GET {length // 1024} KiB (httpx, 1 conn), req/s"] = ranges_per_second(c, url, size, length, n, rng)
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="a checkout of the code to compare with: its server runs beside this tree's, "
                          "and the runs alternate between the two (same machine, same load)")
+    ap.add_argument("--whole-only", action="store_true", help="measure only the whole GET of the large object")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-verify-"))
     servers: dict[str, ServerProcess] = {}
@@ -105,7 +108,7 @@ def main() -> None:
         results: dict[str, dict[str, list[float]]] = {label: {} for label in servers}
         for _ in range(args.runs):
             for label, srv in servers.items():
-                for k, v in one_run(srv.url, args.large_mib, rng).items():
+                for k, v in one_run(srv.url, args.large_mib, rng, args.whole_only).items():
                     results[label].setdefault(k, []).append(v)
         labels = list(servers)
         print("| read (median of %d) | %s |" % (args.runs, " | ".join(labels)))

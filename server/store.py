@@ -914,17 +914,18 @@ def verify_pieces(obj: OpenObject, start: int, end: int) -> list[tuple[int, int]
     return out
 
 
-def verify_in_thread(obj: OpenObject, lo: int, hi: int, executor=None) -> "asyncio.Future[CorruptData | None]":
-    """Check bytes [lo, hi) in a thread; the future's result is None or the CorruptData.
+def verify_in_thread(obj: OpenObject, lo: int, hi: int, executor=None) -> "asyncio.Future[Exception | None]":
+    """Check bytes [lo, hi) in a thread; the future's result is None, or the exception that
+    stopped the check (``CorruptData``, or an ``OSError`` such as EIO from a failing disk).
     The thread holds the object open, so a request cancelled meanwhile cannot close its
     descriptors under it."""
     obj.hold()
 
-    def run() -> CorruptData | None:
+    def run() -> Exception | None:
         try:
             obj.verify(lo, hi)
             return None
-        except CorruptData as e:
+        except Exception as e:  # noqa: BLE001 - handed to the caller, who decides
             return e
         finally:
             obj.release()
