@@ -11,8 +11,10 @@
     ├── BackendError                (EIO) the server answered with an error we do not retry, or
     │   │                           kept failing (429/5xx/resets) after every retry;
     │   │                           (EACCES) when that answer was 401 or 403: credentials refused
-    │   └── RequestTimeout          (EIO) the request (with its retries) ran past
-    │                               ``request_timeout_seconds``: server down, hung or killed
+    │   ├── RequestTimeout          (EIO) the request (with its retries) ran past
+    │   │                           ``request_timeout_seconds``: server down, hung or killed
+    │   └── ChecksumMismatch        (EIO) a whole-object reply whose bytes do not match the
+    │                               checksum the server sent with them (never returned, never cached)
     └── VersionChanged              (EIO) the object was replaced while a handle had it open; the
                                     handle fails instead of mixing bytes of two versions
 
@@ -69,6 +71,10 @@ class BackendError(BatchfsError):
 
 
 class RequestTimeout(BackendError):
+    pass
+
+
+class ChecksumMismatch(BackendError):
     pass
 
 

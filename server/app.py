@@ -93,6 +93,7 @@ def build_app(config: ServerConfig, store: Store | None = None) -> web.Applicati
     app[CONFIG] = config
     app[STORE] = store
     app[METRICS] = Metrics()
+    store.on_corrupt = app[METRICS].corrupt_reads.inc  # the store detects, the metric counts
     app[INFLIGHT] = InFlight()
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)

@@ -30,6 +30,7 @@ from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
 from server.getbatch_read import open_source, placeholder_name
 from server.getbatch_request import Entry
 from server.shards import RangeSource
+from server.store import verify_in_thread, verify_pieces
 
 if TYPE_CHECKING:
     from server.getbatch_job import BatchJob
@@ -52,8 +53,14 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
         assert isinstance(src, RangeSource)
         job.check_planned(e, count, "")
         await out.write(tar_header(e.name, count, mtime))
-        for fd, offset, n in src.segments():
-            await out.sendfile(fd, offset, n)
+        obj, (start, end) = src.span()
+        for lo, hi in verify_pieces(obj, start, end):
+            # each piece is checked (in a reader thread) before sendfile sends it
+            err = await verify_in_thread(obj, lo, hi, job.state.pool)
+            if err is not None:
+                raise err  # after the 200: the stream is cut short, never the bad bytes
+            for _, fd, offset, n in obj.segments(lo, hi):
+                await out.sendfile(fd, offset, n)
         await out.write(tar_padding(count))
     finally:
         src.close()

@@ -10,8 +10,8 @@
   objects and TGZ readers between them, and (for TAR output) encodes the members too, so the
   event loop only writes one blob per run.
 - ``read_run_cached`` is ``read_run`` for the event loop itself: whole objects and ranges
-  whose bytes are all in the page cache (``preadv`` with ``RWF_NOWAIT``, which fails rather
-  than wait for a disk). It saves the thread hop and, more, the GIL contention between reader
+  whose bytes are all in the page cache (``OpenObject.pread_nowait``: ``preadv`` with
+  ``RWF_NOWAIT``, which fails rather than wait for a disk, then the checksum check). It saves the thread hop and, more, the GIL contention between reader
   threads and the event loop; anything else (a cold byte, a shard member, a version replaced
   since the plan) makes it give up, and the run goes to a thread as before.
 - ``open_source`` opens one entry for reading at its turn (large members, streamed or sent
@@ -20,6 +20,11 @@
 Every function takes the request's ``Work``: it is checked between entries and charged every
 decompressed byte, so a request over its bound, or whose client is gone, stops here within
 one entry (or one step of a long one) and raises ``Cancelled`` / ``WorkBoundExceeded``.
+
+Every byte read here is verified against its stored checksums (``server.store``). A corrupt
+entry is a hard error even under ``coer``, as in AIStore, whose continue-on-error covers
+missing objects and members only: ``CorruptData`` (500) fails the request before the 200, or
+truncates the stream after it; it is never a placeholder, and never bytes.
 
 Invariants: every file opened here is closed before the call returns, or handed to the
 caller inside a ``MemberSource`` that closes it. An entry is read from the version the plan
@@ -30,7 +35,6 @@ caller compares sizes where the reply's length was announced).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from server.archive import TarWriter
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
@@ -193,21 +197,6 @@ def read_run(store: Store, cache: ShardIndexCache, entries: list[Entry], coer: b
     return RunResult(None, members, sizes)
 
 
-def _pread_cached(obj: OpenObject, start: int, end: int) -> bytes | None:
-    """Object bytes [start, end) if every one is in the page cache, else None (never blocks
-    on a disk)."""
-    parts = []
-    for _, fd, off, count in obj.segments(start, end):
-        buf = bytearray(count)
-        try:
-            if os.preadv(fd, [buf], off, os.RWF_NOWAIT) != count:
-                return None
-        except (BlockingIOError, OSError):
-            return None
-        parts.append(buf)
-    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-
-
 def read_run_cached(store: Store, entries: list[Entry], encode: bool) -> RunResult | None:
     """``read_run`` without blocking, for the event loop: None unless every entry is a planned
     placeholder or a whole object or range whose bytes are in the page cache."""
@@ -225,7 +214,7 @@ def read_run_cached(store: Store, entries: list[Entry], encode: bool) -> RunResu
             meta = e.meta
             obj = h.obj(store, meta)
             start = e.start if e.length else 0
-            data = _pread_cached(obj, start, start + e.size)
+            data = obj.pread_nowait(start, start + e.size)  # verified, as every read
             if data is None:
                 return None
             members.append((e.name, meta.atime_ns // 1_000_000_000, data))

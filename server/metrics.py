@@ -21,6 +21,10 @@ class Metrics:
                                  ["op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.bytes_out = Counter("batchfs_sent_bytes", "Response body bytes sent", ["op"], registry=r)
         self.bytes_in = Counter("batchfs_received_bytes", "Object bytes received by PUTs", registry=r)
+        # Reads refused because stored bytes failed their checksum (each one also logged with
+        # bucket, object, chunk and file); exposed as batchfs_server_corrupt_reads_total.
+        self.corrupt_reads = Counter("batchfs_server_corrupt_reads",
+                                     "Reads refused: stored bytes failed their checksum", registry=r)
         # GetBatch, with AIStore's names
         self.gb_n = Counter("getbatch_n", "GetBatch requests served", registry=r)
         self.gb_obj_n = Counter("getbatch_obj_n", "Whole objects (or object ranges) delivered", registry=r)

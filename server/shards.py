@@ -167,7 +167,7 @@ class GzStream(io.RawIOBase):
             if d.eof:
                 rest = d.unused_data + self._tail
                 if not rest:
-                    rest = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER), verify=False)
+                    rest = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER))
                     self._in += len(rest)
                 if not rest or not rest.strip(b"\0"):  # the end (some writers pad with zeros)
                     self._eof = True
@@ -175,7 +175,7 @@ class GzStream(io.RawIOBase):
                 d = self._d = _new_gunzip()  # a further gzip member
                 self._tail = rest
             if not self._tail:
-                self._tail = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER), verify=False)
+                self._tail = self._obj.pread(self._in, min(self._obj.meta.size, self._in + _READ_BUFFER))
                 self._in += len(self._tail)
                 if not self._tail:
                     raise EOFError("compressed stream ends early")
@@ -215,7 +215,7 @@ class GzStream(io.RawIOBase):
 
 def build_index(obj: OpenObject, work: Work | None = None) -> ShardIndex:
     meta = obj.meta
-    head = obj.pread(0, min(meta.size, 4), verify=False)
+    head = obj.pread(0, min(meta.size, 4))
     kind = shard_format(meta.name, head)
     members: dict[str, tuple[int, int]] = {}
     try:
@@ -343,11 +343,16 @@ class RangeSource(MemberSource):
         end = min(self._end, self._pos + n)
         if end <= self._pos:
             return b""
-        data = self._obj.pread(self._pos, end, verify=False)
+        data = self._obj.pread(self._pos, end)
         if len(data) != end - self._pos:
             raise BadRequest(f"ais://{self._obj.meta.bucket}/{self._obj.meta.name}: shorter than its index says")
         self._pos = end
         return data
+
+    def span(self) -> tuple[OpenObject, tuple[int, int]]:
+        """The open object and the object bytes [start, end) not yet read (for sendfile, after
+        ``OpenObject.verify`` of each piece)."""
+        return self._obj, (self._pos, self._end)
 
     def segments(self) -> list[tuple[int, int, int]]:
         """(fd, offset in that file, count) pieces of the bytes not yet read, for sendfile;

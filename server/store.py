@@ -21,8 +21,16 @@ Invariants:
   leaves behind are collected at the next start: ``tmp/`` is emptied when a mountpath opens,
   and ``collect_orphans`` (run in the background once the node serves) removes chunk files
   that no catalog row names.
-- Checksums are xxhash64 of the whole object (AIStore's default family, ~10 GB/s, so reads
-  of whole small objects are verified for free) plus one per chunk.
+- Checksums are xxhash64 of the whole object (AIStore's default family) plus one per chunk,
+  plus one xxh3-64 per ``VERIFY_BLOCK`` bytes of each chunk larger than that block (table
+  ``blocksums``, written in the same transaction as the object's row; computed by the PUT
+  writer as the bytes go by, so no extra read). Every read through ``OpenObject`` is
+  verified before a byte leaves it: a read that covers a whole chunk against the chunk's
+  checksum, a partial read by reading the blocks that cover it and checking each. A mismatch
+  raises ``CorruptData`` after a log line naming bucket, object, chunk and file, and counts in
+  ``Store.corrupt_reads`` (the ``batchfs_server_corrupt_reads_total`` metric). Objects
+  written before block sums existed have no ``blocksums`` row: their partial reads of chunks
+  larger than a block are not verified (whole-chunk reads are).
 - Listing is a merge of per-mountpath index scans (ORDER BY name LIMIT page): memory per
   request is O(page size × mountpaths), whatever the bucket holds.
 - Metadata of recently read objects is kept in a bounded LRU (``MetaCache``) so a GET of a
@@ -33,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -42,6 +51,7 @@ import io
 import itertools
 import json
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -68,7 +78,21 @@ CREATE TABLE IF NOT EXISTS objects(
     version INTEGER NOT NULL, atime_ns INTEGER NOT NULL, chunk_size INTEGER NOT NULL,
     tag TEXT NOT NULL, chunks TEXT NOT NULL,
     PRIMARY KEY (bucket, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocksums(
+    bucket TEXT NOT NULL, name TEXT NOT NULL, tag TEXT NOT NULL, block_size INTEGER NOT NULL,
+    sums BLOB NOT NULL,
+    PRIMARY KEY (bucket, name)) WITHOUT ROWID;
 """
+
+# Reads are verified in blocks of this size (one xxh3-64, 8 bytes, per block of each chunk
+# larger than a block). A range read reads and hashes the blocks that cover it, so a 4 KiB
+# range costs at most two blocks of reading; the sums of a 1 GiB object are 128 KiB.
+# 64 KiB measured best among 64 KiB / 256 KiB / 1 MiB (docs/server.md, "Checksums"): with
+# 256 KiB blocks 64 KiB range GETs lost ~40%, with 64 KiB about nothing.
+VERIFY_BLOCK = 64 * 1024
+VERIFY_PIECE = 4 * 1024 * 1024  # streamed GETs verify (then send) this much at a time
+_MAP_MIN = 128 * 1024  # reads that check at least this much map the file instead of copying it all
+_SUMS_CACHE_BYTES = 16 * 1024 * 1024  # block sums of recently read objects kept in memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +319,10 @@ class PutWriter:
         self._hash = xxhash.xxh64()
         self._chunk_hash = xxhash.xxh64()
         self._files: list[tuple[Mountpath, Path, int, str]] = []  # mp, tmp path, size, cksum
+        # xxh3-64 of each VERIFY_BLOCK of every chunk, in order (a chunk's last block may be short)
+        self._block_sums = bytearray()
+        self._block_hash = xxhash.xxh3_64()
+        self._block_len = 0
         self._fd: int | None = None
         self._cur_len = 0
         self.size = 0
@@ -308,9 +336,16 @@ class PutWriter:
         self._cur_len = 0
         self._chunk_hash = xxhash.xxh64()
 
+    def _end_block(self) -> None:
+        self._block_sums += self._block_hash.intdigest().to_bytes(8, "little")
+        self._block_hash.reset()
+        self._block_len = 0
+
     def _close_current(self) -> None:
         if self._fd is None:
             return
+        if self._block_len:
+            self._end_block()
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
@@ -328,11 +363,21 @@ class PutWriter:
             n = min(len(view), csize - self._cur_len)
             part = view[:n]
             self._chunk_hash.update(part)
+            self._hash_blocks(part)
             while len(part):
                 written = os.write(self._fd, part)
                 part = part[written:]
             self._cur_len += n
             view = view[n:]
+
+    def _hash_blocks(self, part: memoryview) -> None:
+        while len(part):
+            n = min(len(part), VERIFY_BLOCK - self._block_len)
+            self._block_hash.update(part[:n])
+            self._block_len += n
+            part = part[n:]
+            if self._block_len == VERIFY_BLOCK:
+                self._end_block()
 
     def commit(self) -> ObjectMeta:
         if not self._files:
@@ -349,8 +394,11 @@ class PutWriter:
         for d in dirs:
             _fsync_dir(d)
         chunk_size = self.store.chunk_size if len(chunks) > 1 else 0
+        # Chunks of one block or less are verified whole against their chunk checksum: small
+        # objects need no block sums (and no second row written).
+        sums = bytes(self._block_sums) if any(c.size > VERIFY_BLOCK for c in chunks) else None
         return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
-                                  chunk_size, self.tag, tuple(chunks))
+                                  chunk_size, self.tag, tuple(chunks), sums)
 
     def abort(self) -> None:
         if self._fd is not None:
@@ -393,6 +441,9 @@ class Store:
         if len(self.by_id) != len(self.mountpaths):
             raise ValueError("two data directories are the same mountpath (same .batchfs/id)")
         self._ids = list(self.by_id)
+        self.sums_cache = SumsCache(_SUMS_CACHE_BYTES)
+        self.corrupt_reads = 0  # reads refused because stored bytes failed their checksum
+        self.on_corrupt: Callable[[], None] | None = None  # the server's metric hook
         self.buckets: dict[str, int] = {}
         for mp in self.mountpaths:
             for name, created in mp.reader().execute("SELECT name, created_ns FROM buckets"):
@@ -428,8 +479,10 @@ class Store:
             with mp.writer() as db:
                 db.execute("DELETE FROM buckets WHERE name = ?", (bucket,))
                 db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
+                db.execute("DELETE FROM blocksums WHERE bucket = ?", (bucket,))
             shutil.rmtree(mp.objs / bucket, ignore_errors=True)
         self.meta_cache.invalidate()
+        self.sums_cache.clear()
 
     # -- objects ---------------------------------------------------------------------------
     def _find(self, bucket: str, name: str) -> tuple[Mountpath, ObjectMeta] | None:
@@ -487,7 +540,36 @@ class Store:
             wanted = base < end and start < base + c.size if c.size else start <= base <= end
             files.append((self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, i) if wanted else None, c.size))
             base += c.size
-        return OpenObject(meta, files)
+        return OpenObject(meta, files, self)
+
+    def block_sums(self, meta: ObjectMeta) -> "BlockSums | None":
+        """The block checksums of this version (None: written before block sums existed),
+        from a bounded cache or one point query on the catalog that holds its row."""
+        key = (meta.bucket, meta.name, meta.tag)
+        hit = self.sums_cache.get(key)
+        if hit is not None:
+            return hit or None
+        found = None
+        home = self.home(meta.bucket, meta.name)
+        for mp in itertools.chain([home], (m for m in self.mountpaths if m is not home)):
+            row = mp.reader().execute("SELECT block_size, sums FROM blocksums WHERE bucket = ? AND name = ? AND tag = ?",
+                                      (meta.bucket, meta.name, meta.tag)).fetchone()
+            if row is not None:
+                found = BlockSums(meta, row[0], row[1])
+                break
+        self.sums_cache.put(key, found or False)
+        return found
+
+    def report_corrupt(self, meta: ObjectMeta, index: int, what: str) -> CorruptData:
+        """Log and count a failed verification; the error to raise (a 500, never bytes)."""
+        c = meta.chunks[index]
+        path = self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, index)
+        log.error("corrupt read: ais://%s/%s version %s chunk %d (%s): %s", meta.bucket, meta.name,
+                  meta.version, index, path, what)
+        self.corrupt_reads += 1
+        if self.on_corrupt is not None:
+            self.on_corrupt()
+        return CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {index} {what}")
 
     def writer(self, bucket: str, name: str) -> PutWriter:
         self.require_bucket(bucket)
@@ -502,7 +584,7 @@ class Store:
             w.abort()
             raise
 
-    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks) -> ObjectMeta:
+    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks, sums: bytes | None = None) -> ObjectMeta:
         home = self.home(bucket, name)
         with home.writer() as db:
             row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
@@ -512,6 +594,11 @@ class Store:
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
                        (bucket, name, size, cksum, version, meta.atime_ns, chunk_size, tag,
                         json.dumps([dataclasses.astuple(c) for c in chunks])))
+            if sums is not None:
+                db.execute("INSERT OR REPLACE INTO blocksums VALUES (?,?,?,?,?)",
+                           (bucket, name, tag, VERIFY_BLOCK, sums))
+            else:
+                db.execute("DELETE FROM blocksums WHERE bucket = ? AND name = ?", (bucket, name))
         self.meta_cache.invalidate((bucket, name))
         if old is not None:
             self._forget(*old, drop_row=old[0] is not home)
@@ -522,6 +609,8 @@ class Store:
         if drop_row:
             with mp.writer() as db:
                 db.execute("DELETE FROM objects WHERE bucket = ? AND name = ? AND tag = ?",
+                           (meta.bucket, meta.name, meta.tag))
+                db.execute("DELETE FROM blocksums WHERE bucket = ? AND name = ? AND tag = ?",
                            (meta.bucket, meta.name, meta.tag))
             self.meta_cache.invalidate((meta.bucket, meta.name))
         for path, _ in self.chunk_files(meta):
@@ -664,13 +753,80 @@ class OrphanReport:
                 + (" (stopped early)" if self.stopped else ""))
 
 
+class BlockSums:
+    """The block checksums of one object version: ``VERIFY_BLOCK``-sized xxh3-64 sums of
+    every chunk, concatenated in chunk order (8 bytes each, little-endian)."""
+
+    __slots__ = ("block_size", "sums", "first")
+
+    def __init__(self, meta: ObjectMeta, block_size: int, sums: bytes):
+        self.block_size, self.sums = block_size, sums
+        self.first: list[int] = []  # index of each chunk's first sum
+        n = 0
+        for c in meta.chunks:
+            self.first.append(n)
+            n += -(-c.size // block_size)
+        if n * 8 != len(sums):
+            raise ValueError("block sums do not match the chunk table")
+
+    def get(self, chunk: int, block: int) -> int:
+        i = (self.first[chunk] + block) * 8
+        return int.from_bytes(self.sums[i:i + 8], "little")
+
+
+class SumsCache:
+    """A bounded LRU of block sums by (bucket, name, tag), with ``False`` for versions that
+    have none; a version's sums never change, so nothing is ever invalidated but by size."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._items: collections.OrderedDict[tuple[str, str, str], BlockSums | bool] = collections.OrderedDict()
+
+    def get(self, key: tuple[str, str, str]) -> "BlockSums | bool | None":
+        with self._lock:
+            v = self._items.get(key)
+            if v is not None:
+                self._items.move_to_end(key)
+            return v
+
+    def put(self, key: tuple[str, str, str], value: "BlockSums | bool") -> None:
+        cost = 64 + (len(value.sums) if isinstance(value, BlockSums) else 0)
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self._bytes += cost
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= 64 + (len(old.sums) if isinstance(old, BlockSums) else 0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+
 class OpenObject:
     """One object version with the chunk files of a byte span open (all of them by default).
     Reads use ``os.pread``, so one open object may serve concurrent readers in several
-    threads. Reading outside the opened span is a programming error (ValueError)."""
+    threads. Reading outside the opened span is a programming error (ValueError).
 
-    def __init__(self, meta: ObjectMeta, files: list[tuple[Path | str | None, int]]):
+    Every read is verified (see the module docstring): ``pread`` returns only bytes whose
+    chunk or blocks matched their checksums, and ``verify`` checks a span that the caller
+    then sends with ``sendfile`` from the same (now cached) pages."""
+
+    def __init__(self, meta: ObjectMeta, files: list[tuple[Path | str | None, int]], store: "Store | None" = None):
         self.meta = meta
+        self.store = store
+        self._sums: BlockSums | None | bool = True  # True: not looked up yet
+        # Holders: the owner (released by close) plus one per thread still reading; the files
+        # close with the last release, so a cancelled request never closes (and the kernel
+        # never reuses) a descriptor under a verification still running in a thread.
+        self._refs = 1
+        self._owner_closed = False
+        self._refs_lock = threading.Lock()
         self.files: list[tuple[int, int]] = []  # (fd, size); fd -1: chunk not opened
         try:
             for i, (path, size) in enumerate(files):
@@ -682,16 +838,54 @@ class OpenObject:
                 # One fstat per chunk: a truncated or extended file is caught before any byte
                 # is sent (sendfile would otherwise send a short or wrong body).
                 if os.fstat(fd).st_size != size:
-                    raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} has the wrong size on disk")
+                    raise self._corrupt(i, "has the wrong size on disk")
         except BaseException:
             self.close()
             raise
 
+    def _corrupt(self, index: int, what: str) -> CorruptData:
+        if self.store is None:
+            return CorruptData(f"ais://{self.meta.bucket}/{self.meta.name}: chunk {index} {what}")
+        return self.store.report_corrupt(self.meta, index, what)
+
+    def _block_sums(self) -> BlockSums | None:
+        if self._sums is True:  # looked up at the first partial read only: whole reads never need it
+            self._sums = self.store.block_sums(self.meta) if self.store is not None else None
+        return self._sums  # type: ignore[return-value]
+
+    def has_block_sums(self) -> bool:
+        return self._block_sums() is not None
+
     def close(self) -> None:
+        """Release the owner's hold (idempotent); the files close when no thread reads them."""
+        with self._refs_lock:
+            if self._owner_closed:
+                return
+            self._owner_closed = True
+            self._refs -= 1
+            if self._refs:
+                return
+        self._close_files()
+
+    def _close_files(self) -> None:
         for fd, _ in self.files:
             if fd >= 0:
                 os.close(fd)
         self.files = []
+
+    def hold(self) -> None:
+        """Keep the files open for a reader in another thread until its ``release``."""
+        with self._refs_lock:
+            if self._refs <= 0 or self._owner_closed:
+                raise ValueError("object already closed")
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._refs_lock:
+            self._refs -= 1
+            if self._refs:
+                return
+        self._close_files()
 
     def __enter__(self) -> "OpenObject":
         return self
@@ -712,20 +906,175 @@ class OpenObject:
             if base >= end:
                 break
 
+    def _read_chunk(self, i: int, fd: int, off: int, count: int, flags: int = 0,
+                    check_only: bool = False) -> memoryview | bytes | None:
+        """Bytes [off, off+count) of chunk ``i``, verified: a whole chunk (or one of at most a
+        block) against its chunk checksum, unless the block sums are loaded already (xxh3 is
+        faster); a partial read against the block sums of the blocks that cover it. Not
+        verified: a partial read of a chunk larger than a block of an object written before
+        block sums existed. ``check_only``: verify (in place, in the page cache), return None."""
+        chunk = self.meta.chunks[i]
+        size = chunk.size
+        whole = count == size
+        # A whole read needs no catalog query for sums: small and whole-object GETs skip it.
+        sums = self._block_sums() if size > VERIFY_BLOCK and (not whole or self._sums is not True) else None
+        if sums is not None:
+            bs = sums.block_size
+            lo = off - off % bs
+            hi = min(size, -(-(off + count) // bs) * bs)
+        elif size > VERIFY_BLOCK and count < size:  # an old object: nothing finer to check
+            return None if check_only else _pread_exact(self, i, fd, count, off, flags)
+        else:
+            lo, hi = 0, size
+        if check_only or (not flags and hi - lo >= _MAP_MIN):
+            # Large spans are checked in place in the page cache; only the asked bytes are copied.
+            with _mapped(self, i, fd, lo, hi) as mv:
+                self._check(i, mv, lo, hi, sums)
+                return None if check_only else mv[off - lo:off - lo + count].tobytes()
+        buf = _pread_exact(self, i, fd, hi - lo, lo, flags)
+        mv = memoryview(buf)
+        self._check(i, mv, lo, hi, sums)
+        if lo == off and hi - lo == count:
+            return buf
+        return mv[off - lo:off - lo + count]
+
+    def _check(self, i: int, mv: memoryview, lo: int, hi: int, sums: "BlockSums | None") -> None:
+        """Bytes [lo, hi) of chunk ``i`` (``mv``) against the chunk checksum (``sums`` None:
+        then they are the whole chunk) or against their block sums."""
+        chunk = self.meta.chunks[i]
+        size = chunk.size
+        if sums is None:
+            if xxhash.xxh64_hexdigest(mv) != chunk.cksum:
+                raise self._corrupt(i, "fails its checksum")
+        else:
+            bs = sums.block_size
+            for b in range(lo // bs, -(-hi // bs)):
+                a = b * bs - lo
+                if xxhash.xxh3_64_intdigest(mv[a:a + bs]) != sums.get(i, b):
+                    raise self._corrupt(i, f"block {b} (bytes {b * bs}-{min(size, (b + 1) * bs) - 1} "
+                                           "of the chunk) fails its checksum")
+
     def pread(self, start: int = 0, end: int | None = None, verify: bool = True) -> bytes:
-        """Object bytes [start, end). Chunks read in full are checksum-verified."""
+        """Object bytes [start, end), verified (``verify=False`` only for a caller that
+        verified this span already)."""
         meta = self.meta
         end = meta.size if end is None else min(end, meta.size)
         parts = []
         for i, fd, off, count in self.segments(start, end):
-            data = os.pread(fd, count, off)
-            if len(data) != count:
-                raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} truncated")
-            chunk = meta.chunks[i]
-            if verify and count == chunk.size and xxhash.xxh64_hexdigest(data) != chunk.cksum:
-                raise CorruptData(f"ais://{meta.bucket}/{meta.name}: chunk {i} fails its checksum")
-            parts.append(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            if verify:
+                parts.append(self._read_chunk(i, fd, off, count))
+            else:
+                parts.append(_pread_exact(self, i, fd, count, off))
+        if len(parts) == 1:
+            p = parts[0]
+            return p if isinstance(p, bytes) else bytes(p)
+        return b"".join(parts)
+
+    def pread_nowait(self, start: int, end: int) -> bytes | None:
+        """``pread`` of bytes that are all in the page cache (``RWF_NOWAIT``), else None:
+        never blocks on a disk."""
+        parts = []
+        try:
+            for i, fd, off, count in self.segments(start, end):
+                parts.append(self._read_chunk(i, fd, off, count, os.RWF_NOWAIT))
+        except _NotCached:
+            return None
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+    def verify(self, start: int, end: int) -> None:
+        """Check the chunks or blocks covering bytes [start, end), reading them (the reads
+        leave them in the page cache for the ``sendfile`` that follows)."""
+        for i, fd, off, count in self.segments(start, end):
+            self._read_chunk(i, fd, off, count, check_only=True)
+
+
+@contextlib.contextmanager
+def _mapped(obj: OpenObject, i: int, fd: int, lo: int, hi: int) -> Iterator[memoryview]:
+    """Bytes [lo, hi) of a chunk file mapped read-only and populated at once: hashing the
+    page cache in place measured 4.3 GB/s against 2.1 GB/s for ``preadv`` into a reused
+    buffer and hashing that (the copy is the cost). A chunk file is never truncated by this
+    server (versions are replaced by rename); the size is checked again before mapping, as a
+    file cut short under a mapping would fault (SIGBUS) instead of reading short."""
+    if hi == lo:
+        yield memoryview(b"")
+        return
+    if os.fstat(fd).st_size < hi:
+        raise obj._corrupt(i, "has the wrong size on disk")
+    page_lo = lo - lo % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, hi - page_lo, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ,
+                  offset=page_lo)
+    try:
+        with memoryview(m) as mv:
+            with mv[lo - page_lo:] as view:
+                yield view
+    finally:
+        m.close()
+
+
+def verify_pieces(obj: OpenObject, start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut into the pieces a streamed read checks then sends: at multiples of
+    VERIFY_PIECE (a multiple of the block, so with the default chunk size no block is checked
+    twice); for an object without block sums, at chunk boundaries instead, so that every
+    chunk sent whole is checked whole against its chunk checksum."""
+    if obj.meta.chunks and max(c.size for c in obj.meta.chunks) > VERIFY_BLOCK and obj.has_block_sums() is False:
+        bounds, base = [], 0
+        for c in obj.meta.chunks:
+            base += c.size
+            if start < base < end:
+                bounds.append(base)
+        edges = [start, *bounds, end]
+        return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
+    out, lo = [], start
+    while lo < end:
+        hi = min(end, (lo // VERIFY_PIECE + 1) * VERIFY_PIECE)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def verify_in_thread(obj: OpenObject, lo: int, hi: int, executor=None) -> "asyncio.Future[Exception | None]":
+    """Check bytes [lo, hi) in a thread; the future's result is None, or the exception that
+    stopped the check (``CorruptData``, or an ``OSError`` such as EIO from a failing disk).
+    The thread holds the object open, so a request cancelled meanwhile cannot close its
+    descriptors under it."""
+    obj.hold()
+
+    def run() -> Exception | None:
+        try:
+            obj.verify(lo, hi)
+            return None
+        except Exception as e:  # noqa: BLE001 - handed to the caller, who decides
+            return e
+        finally:
+            obj.release()
+
+    return asyncio.get_running_loop().run_in_executor(executor, run)
+
+
+def discard(fut: asyncio.Future) -> None:
+    """Let a verification finish on its own: retrieve its outcome so nothing is logged."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+
+class _NotCached(Exception):
+    """A ``RWF_NOWAIT`` read found a byte that is not in the page cache."""
+
+
+def _pread_exact(obj: OpenObject, i: int, fd: int, count: int, off: int, flags: int = 0) -> bytes | bytearray:
+    if flags:
+        buf = bytearray(count)
+        try:
+            n = os.preadv(fd, [buf], off, flags)
+        except (BlockingIOError, OSError):
+            raise _NotCached() from None
+        if n != count:
+            raise _NotCached()
+        return buf
+    data = os.pread(fd, count, off)
+    if len(data) != count:
+        raise obj._corrupt(i, f"is truncated (read {len(data)} of {count} bytes at {off})")
+    return data
 
 
 class ObjectReader(io.RawIOBase):
@@ -755,7 +1104,7 @@ class ObjectReader(io.RawIOBase):
         end = min(self._size, self._pos + len(b))
         if end <= self._pos:
             return 0
-        data = self._obj.pread(self._pos, end, verify=False)
+        data = self._obj.pread(self._pos, end)
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)
