@@ -56,7 +56,7 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
         obj, (start, end) = src.span()
         for lo, hi in verify_pieces(obj, start, end):
             # each piece is checked (in a reader thread) before sendfile sends it
-            err = await verify_in_thread(obj, lo, hi, job.state.pool)
+            err = await verify_in_thread(obj, lo, hi, job)  # on the fair pool, as this request
             if err is not None:
                 raise err  # after the 200: the stream is cut short, never the bad bytes
             for _, fd, offset, n in obj.segments(lo, hi):

@@ -1036,7 +1036,8 @@ def verify_in_thread(obj: OpenObject, lo: int, hi: int, executor=None) -> "async
     """Check bytes [lo, hi) in a thread; the future's result is None, or the exception that
     stopped the check (``CorruptData``, or an ``OSError`` such as EIO from a failing disk).
     The thread holds the object open, so a request cancelled meanwhile cannot close its
-    descriptors under it."""
+    descriptors under it. ``executor`` is anything with ``submit(fn, *args)``: a GetBatch job
+    passes itself, so the check runs on its share of the fair pool; None is the loop's own."""
     obj.hold()
 
     def run() -> Exception | None:
