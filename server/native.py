@@ -13,6 +13,7 @@ import os
 import msgpack
 from aiohttp import web
 
+from server import archget
 from server.errors import BadRequest
 from server.names import check_bucket, check_objname, parse_range
 from server.state import CONFIG, METRICS, OP_KEY, STORE, read_json
@@ -170,6 +171,8 @@ async def head_object(request: web.Request) -> web.Response:
 async def get_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "get"
     bucket, name = _names(request)
+    if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
+        return await archget.get_member(request, bucket, name)
     header = request.headers.get("Range")
     # Only the chunks the range covers are opened (a bad range fails before any is).
     obj = request.app[STORE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
