@@ -185,8 +185,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
 async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict | None = None) -> web.StreamResponse:
     """Reply with an open object (honouring ``Range``); shared by the native and S3 GETs."""
     meta = obj.meta
-    headers = object_headers(meta) | (extra_headers or {})
-    headers["Content-Type"] = "application/octet-stream"
+    headers = {"Content-Type": "application/octet-stream"} | object_headers(meta) | (extra_headers or {})
     start, end, status = 0, meta.size, 200
     if "Range" in request.headers:
         start, end = parse_range(request.headers["Range"], meta.size)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import email.utils
 import hashlib
 import zlib
 from collections.abc import Callable
@@ -37,8 +38,8 @@ from server import native
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
-from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
-                           list_objects_doc, location_doc, xml_response)
+from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, default_code, delete_result_doc, error_response,
+                           list_buckets_doc, list_objects_doc, location_doc, parse_delete_doc, xml_response)
 from server.sigv4 import aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
@@ -50,14 +51,44 @@ SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified signature (chains 
 MAX_PUT_BYTES = 5 * 1024**3  # S3's limit for a single PUT
 MAX_NAME_BYTES = 1024  # prefixes, markers and delimiters, like keys
 CREATE_BUCKET_BODY_MAX = 64 * 1024  # a CreateBucketConfiguration document (ignored)
-# Sub-resources that select another operation: answering them as a plain GET/PUT would
-# return the wrong document or overwrite an object, so they get 501 NotImplemented.
-UNSUPPORTED_SUBRESOURCES = frozenset({
-    "accelerate", "acl", "analytics", "attributes", "cors", "delete", "encryption",
-    "intelligent-tiering", "inventory", "legal-hold", "lifecycle", "logging", "metrics",
-    "notification", "object-lock", "ownershipControls", "partNumber", "policy",
-    "publicAccessBlock", "replication", "requestPayment", "restore", "retention", "select",
-    "tagging", "torrent", "uploadId", "uploads", "versionId", "versioning", "versions", "website"})
+# What each operation accepts. Anything else a client sends (a sub-resource such as ?acl or
+# ?uploads, versionId, partNumber, an x-amz-* header such as server-side encryption, tagging,
+# object lock, a copy source) would change what S3 does; answering it as the plain operation
+# would return the wrong document, overwrite an object or drop a promise, so it is refused
+# with 501 NotImplemented (400 for a value we cannot honour) before anything is read or changed.
+SIGNING_PARAMS = frozenset({
+    "x-id",  # botocore names the operation in the URL
+    "X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-Expires", "X-Amz-Signature",
+    "X-Amz-SignedHeaders", "X-Amz-Security-Token", "AWSAccessKeyId", "Expires", "Signature"})
+RESPONSE_OVERRIDES = {  # GetObject's response-* parameters: the header each one sets
+    "response-content-type": "Content-Type", "response-content-language": "Content-Language",
+    "response-expires": "Expires", "response-cache-control": "Cache-Control",
+    "response-content-disposition": "Content-Disposition", "response-content-encoding": "Content-Encoding"}
+LIST_PARAMS = frozenset({"list-type", "prefix", "delimiter", "max-keys", "continuation-token", "start-after",
+                         "marker", "encoding-type", "fetch-owner", "location"})
+ALLOWED_PARAMS = {
+    ("list_buckets", "GET"): frozenset(),
+    ("bucket", "GET"): LIST_PARAMS, ("bucket", "HEAD"): frozenset(), ("bucket", "PUT"): frozenset(),
+    ("bucket", "DELETE"): frozenset(), ("bucket", "POST"): frozenset({"delete"}),
+    ("obj", "GET"): frozenset(RESPONSE_OVERRIDES), ("obj", "HEAD"): frozenset(RESPONSE_OVERRIDES),
+    ("obj", "PUT"): frozenset(), ("obj", "DELETE"): frozenset(), ("obj", "POST"): frozenset(),
+}
+# x-amz-* headers that only authenticate, describe the body, or ask for nothing we would do
+# differently (x-amz-checksum-mode asks for checksums S3 returns only when it stored one).
+HARMLESS_HEADERS = frozenset({"x-amz-date", "x-amz-content-sha256", "x-amz-security-token", "x-amz-user-agent",
+                              "x-amz-request-payer", "x-amz-sdk-checksum-algorithm", "x-amz-expected-bucket-owner",
+                              "x-amz-checksum-mode"})
+BODY_CHECKSUMS = ("x-amz-checksum-crc32", "x-amz-checksum-sha1", "x-amz-checksum-sha256")
+ALLOWED_HEADERS = {  # beyond HARMLESS_HEADERS; x-amz-meta-* is handled apart
+    ("obj", "PUT"): frozenset({"x-amz-decoded-content-length", "x-amz-trailer", "x-amz-checksum-type",
+                               "x-amz-storage-class", "x-amz-acl", *BODY_CHECKSUMS}),
+    ("bucket", "POST"): frozenset(BODY_CHECKSUMS),
+    ("bucket", "PUT"): frozenset({"x-amz-acl"}),
+}
+# Standard headers that S3 stores with an object (and we would not): refused on PutObject.
+STORED_HEADERS = ("Cache-Control", "Content-Disposition", "Content-Language", "Expires")
+MAX_DELETE_KEYS = 1000  # S3's cap per DeleteObjects request
+DELETE_BODY_MAX = 2 * 1024 * 1024  # 1000 keys of up to 1024 bytes, XML-escaped, with ETags
 
 
 def _code_for(request: web.Request, e: StoreError) -> str:
@@ -76,7 +107,8 @@ def _code_for(request: web.Request, e: StoreError) -> str:
 
 _OPS = {  # metrics label by handler and method
     "list_buckets": {"GET": "s3_list_buckets"},
-    "bucket": {"GET": "s3_list", "HEAD": "s3_head_bucket", "PUT": "s3_create_bucket", "DELETE": "s3_delete_bucket"},
+    "bucket": {"GET": "s3_list", "HEAD": "s3_head_bucket", "PUT": "s3_create_bucket", "DELETE": "s3_delete_bucket",
+               "POST": "s3_delete_objects"},
     "obj": {"GET": "s3_get", "HEAD": "s3_head", "PUT": "s3_put", "DELETE": "s3_delete"},
 }
 
@@ -87,6 +119,8 @@ def _s3(handler, root: bool):
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if root and request.match_info.get("bucket") in RESERVED_AT_ROOT:
+            if request.method == "POST":  # as before S3 took POST: the path exists, the method not
+                raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD", "PUT", "DELETE"])
             raise web.HTTPNotFound()  # a native path that matched no native route
         request[API_KEY] = "s3"
         op = ops.get(request.method, "s3_other")
@@ -95,6 +129,7 @@ def _s3(handler, root: bool):
             config = request.app[CONFIG]
             if config.s3_access_key and config.s3_secret_key:
                 request[SIGNED_KEY] = verify(request, config.s3_access_key, config.s3_secret_key)
+            _refuse_unsupported(request, handler.__name__)
             return await handler(request)
         except StoreError as e:
             request[CODE_KEY] = _code_for(request, e)
@@ -113,10 +148,63 @@ def _require_bucket(request: web.Request) -> str:
     return bucket
 
 
-def _reject_subresources(request: web.Request) -> None:
-    found = sorted(UNSUPPORTED_SUBRESOURCES & request.query.keys())
-    if found:
-        raise S3Error(501, "NotImplemented", f"the {found[0]!r} sub-resource is not implemented")
+_WHY = {  # a clearer reason for what clients send most
+    "uploads": "multipart uploads are not implemented: upload objects (up to 5 GiB) with one PutObject",
+    "uploadId": "multipart uploads are not implemented: upload objects (up to 5 GiB) with one PutObject",
+    "partNumber": "multipart objects and part numbers are not implemented",
+    "versionId": "versioning is not implemented: only the current version of an object exists",
+    "x-amz-copy-source": "CopyObject is not implemented: GET the source and PUT the copy",
+}
+
+
+def _not_implemented(what: str, kind: str) -> S3Error:
+    why = _WHY.get(what, f"the {what!r} {kind} is not implemented")
+    return S3Error(501, "NotImplemented", f"{why}; nothing was read or changed")
+
+
+def _refuse_unsupported(request: web.Request, handler: str) -> None:
+    """501 for any query parameter or header that would make S3 do something we do not
+    (see ALLOWED_PARAMS), before the handler reads or changes anything."""
+    op = (handler, request.method)
+    allowed = ALLOWED_PARAMS.get(op, frozenset())
+    for param in request.query:
+        if param not in allowed and param not in SIGNING_PARAMS:
+            raise _not_implemented(param, "query parameter")
+    extra = ALLOWED_HEADERS.get(op, frozenset())
+    h = request.headers
+    for name in h:
+        low = name.lower()
+        if not low.startswith("x-amz-") or low in HARMLESS_HEADERS or low in extra:
+            continue
+        if low.startswith("x-amz-meta-") and op == ("obj", "PUT"):
+            continue  # user metadata: accepted and not stored (docs/s3.md), as s3fs and rclone send it
+        raise _not_implemented(low, "header")
+    owner = h.get("x-amz-expected-bucket-owner")
+    if owner is not None and owner != OWNER_ID:
+        raise S3Error(403, "AccessDenied", f"the bucket owner is {OWNER_ID!r}, not {owner!r}")
+    if h.get("x-amz-acl", "private") != "private":
+        raise S3Error(501, "NotImplemented", "only the 'private' canned ACL is implemented; nothing was changed")
+    if op == ("obj", "PUT"):
+        if h.get("x-amz-storage-class", "STANDARD") != "STANDARD":
+            raise S3Error(501, "NotImplemented", "only the STANDARD storage class is implemented")
+        if h.get("x-amz-checksum-type", "FULL_OBJECT") != "FULL_OBJECT":
+            raise S3Error(501, "NotImplemented", "only FULL_OBJECT checksums are implemented")
+        for name in STORED_HEADERS:
+            if name in h:
+                raise _not_implemented(f"{name} (stored object metadata)", "header")
+        encodings = [e.strip().lower() for e in h.get("Content-Encoding", "").split(",") if e.strip()]
+        if any(e != "aws-chunked" for e in encodings):
+            raise _not_implemented("Content-Encoding (stored object metadata)", "header")
+        for name in h.get("x-amz-trailer", "").split(","):
+            if name.strip() and name.strip().lower() not in BODY_CHECKSUMS:
+                raise _not_implemented(f"trailing {name.strip()}", "checksum")
+    if op in (("obj", "PUT"), ("obj", "DELETE")):
+        for name in ("If-Modified-Since", "If-Unmodified-Since"):
+            if name in h:
+                raise _not_implemented(f"{name} on {request.method}", "header")
+        inm = h.get("If-None-Match")
+        if inm is not None and (request.method == "DELETE" or inm.strip() != "*"):
+            raise S3Error(501, "NotImplemented", f"If-None-Match on {request.method} accepts only '*' on PUT")
 
 
 def _key(request: web.Request) -> str:
@@ -139,7 +227,10 @@ async def list_buckets(request: web.Request) -> web.Response:
 async def bucket(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     method = request.method
-    _reject_subresources(request)
+    if method == "POST":
+        if "delete" not in request.query:
+            raise S3Error(501, "NotImplemented", "POST uploads (HTML forms) are not implemented")
+        return await _delete_objects(request, _require_bucket(request))
     if method == "GET" and "location" in request.query:
         _require_bucket(request)
         return xml_response(location_doc())
@@ -199,13 +290,60 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     next_token = base64.urlsafe_b64encode(page.last.encode("utf-8", "surrogatepass")).decode()
     return xml_response(list_objects_doc(
         v2=v2, bucket=bucket_name, prefix=prefix, delimiter=delimiter, marker=marker, max_keys=max_keys,
-        url_encoded=encoding == "url", page=page, next_token=next_token, continuation_token=token))
+        url_encoded=encoding == "url", page=page, next_token=next_token, continuation_token=token,
+        fetch_owner=q.get("fetch-owner") == "true"))
+
+
+async def _delete_objects(request: web.Request, bucket_name: str) -> web.Response:
+    """DeleteObjects (``POST /B?delete``): up to 1000 keys, each deleted as DeleteObject would
+    (a missing key counts as deleted; an ``<ETag>`` is that key's If-Match). The body must carry
+    Content-MD5 or an x-amz-checksum-*, as S3 requires, and is read whole under a cap; expat
+    refuses entity-expansion bombs and ElementTree fetches no external entities."""
+    if (request.content_length or 0) > DELETE_BODY_MAX:
+        raise S3Error(400, "MalformedXML", f"a Delete document is limited to {DELETE_BODY_MAX} bytes")
+    digests = _expected_digests(request)
+    if not any(code == "BadDigest" for code, _, _ in digests):
+        raise S3Error(400, "InvalidRequest", "Missing required header for this request: Content-MD5 "
+                      "or x-amz-checksum-*")
+    body = await request.content.read(DELETE_BODY_MAX + 1)
+    if len(body) > DELETE_BODY_MAX:
+        raise S3Error(400, "MalformedXML", f"a Delete document is limited to {DELETE_BODY_MAX} bytes")
+    for code, hasher, want in digests:
+        hasher.update(body)
+        if hasher.digest() != want:
+            raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was deleted")
+    quiet, wanted = parse_delete_doc(body, MAX_DELETE_KEYS)
+    store = request.app[STORE]
+
+    def delete_all() -> tuple[list[str], list[tuple[str, str, str]]]:
+        deleted, errors = [], []
+        for key, etag, version in wanted:
+            if version is not None:
+                errors.append((key, "NotImplemented", "versioning is not implemented"))
+                continue
+            try:
+                store.delete(bucket_name, check_objname(key), None if etag is None else _must_match(etag))
+                deleted.append(key)
+            except BadRequest as e:
+                errors.append((key, "InvalidArgument", e.message))
+            except NotFound:
+                if etag is None:
+                    deleted.append(key)
+                else:
+                    errors.append((key, "NoSuchKey", "the key does not exist (ETag given)"))
+            except S3Error as e:
+                errors.append((key, e.code, e.message))
+        return deleted, errors
+
+    deleted, errors = await asyncio.to_thread(delete_all)
+    return xml_response(delete_result_doc([] if quiet else deleted, errors))
 
 
 # -- objects --------------------------------------------------------------------------------
 async def obj(request: web.Request) -> web.StreamResponse:
-    _reject_subresources(request)
     method = request.method
+    if method == "POST":  # multipart upload calls were refused before this, by their parameters
+        raise S3Error(501, "NotImplemented", "POST on an object is not implemented")
     if method == "GET":
         return await _get_object(request)
     if method == "HEAD":
@@ -215,31 +353,89 @@ async def obj(request: web.Request) -> web.StreamResponse:
             return not_modified
         headers = native.object_headers(meta)
         headers.update({"Content-Length": str(meta.size), "Content-Type": "application/octet-stream"})
+        headers.update(_response_overrides(request))
         return web.Response(headers=headers)
     if method == "PUT":
         return await _put_object(request)
     bucket_name, key = _require_bucket(request), _key(request)
+    if_match = request.headers.get("If-Match")
     try:
-        await asyncio.to_thread(request.app[STORE].delete, bucket_name, key)
+        await asyncio.to_thread(request.app[STORE].delete, bucket_name, key,
+                                None if if_match is None else _must_match(if_match))
     except NotFound:
-        pass  # S3 answers 204 whether or not the key existed
+        if if_match is not None:  # a conditional delete of a missing key, as S3 answers it
+            raise S3Error(404, "NoSuchKey", f"the key {key!r} does not exist (If-Match)") from None
+        # S3 answers 204 whether or not the key existed
     return web.Response(status=204)
 
 
+def _etag_matches(header: str, meta: ObjectMeta) -> bool:
+    """An If-Match / If-None-Match list against the version's ETag (quoted or not, or '*')."""
+    tags = [t.strip() for t in header.split(",")]
+    return "*" in tags or f'"{meta.etag}"' in tags or meta.etag in tags
+
+
+def _precondition_failed(why: str) -> S3Error:
+    return S3Error(412, "PreconditionFailed", f"At least one of the pre-conditions you specified did not hold: {why}")
+
+
+def _must_match(header: str) -> Callable[[ObjectMeta], None]:
+    def check(current: ObjectMeta) -> None:
+        if not _etag_matches(header, current):
+            raise _precondition_failed(f"If-Match {header}")
+    return check
+
+
+def _put_precondition(request: web.Request) -> Callable[[ObjectMeta | None], None] | None:
+    """PutObject's If-None-Match: * (the key must not exist) and If-Match (it must, with that
+    ETag), as one check the store runs in the transaction that commits the new version."""
+    if_none, if_match = request.headers.get("If-None-Match"), request.headers.get("If-Match")
+    if if_none is None and if_match is None:
+        return None
+
+    def check(current: ObjectMeta | None) -> None:
+        if if_none is not None and current is not None:
+            raise _precondition_failed("If-None-Match: * and the key exists")
+        if if_match is not None and (current is None or not _etag_matches(if_match, current)):
+            raise _precondition_failed(f"If-Match {if_match}" + (" and the key does not exist" if current is None else ""))
+    return check
+
+
+def _http_seconds(text: str | None) -> int | None:
+    """An HTTP date as epoch seconds; None when absent or unparsable (then ignored, as RFC 9110
+    and S3 do)."""
+    if text is None:
+        return None
+    try:
+        return int(email.utils.parsedate_to_datetime(text).timestamp())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
 def _preconditions(request: web.Request, meta: ObjectMeta) -> web.Response | None:
-    """If-Match (412 when no ETag matches) and If-None-Match (304 when one does), as S3
-    evaluates them; s3transfer pins multi-range downloads to one version with If-Match."""
-    etag = f'"{meta.etag}"'
-
-    def matches(header: str) -> bool:
-        tags = [t.strip() for t in header.split(",")]
-        return "*" in tags or etag in tags or meta.etag in tags
-
-    if "If-Match" in request.headers and not matches(request.headers["If-Match"]):
-        raise S3Error(412, "PreconditionFailed", "at least one of the preconditions you specified did not hold")
-    if "If-None-Match" in request.headers and matches(request.headers["If-None-Match"]):
-        return web.Response(status=304, headers={"ETag": etag})
+    """GET/HEAD conditionals in RFC 9110's order, as S3 evaluates them: If-Match (412), else
+    If-Unmodified-Since (412); If-None-Match (304), else If-Modified-Since (304). A true
+    If-Match outranks a false If-Unmodified-Since, and a false If-None-Match a true
+    If-Modified-Since. s3transfer pins multi-range downloads to one version with If-Match."""
+    h = request.headers
+    modified = meta.atime_ns // 1_000_000_000  # Last-Modified has whole seconds
+    if "If-Match" in h:
+        if not _etag_matches(h["If-Match"], meta):
+            raise _precondition_failed(f"If-Match {h['If-Match']}")
+    elif (since := _http_seconds(h.get("If-Unmodified-Since"))) is not None and modified > since:
+        raise _precondition_failed(f"If-Unmodified-Since {h['If-Unmodified-Since']}")
+    not_modified = web.Response(status=304, headers={"ETag": f'"{meta.etag}"', "Last-Modified": meta.last_modified})
+    if "If-None-Match" in h:
+        if _etag_matches(h["If-None-Match"], meta):
+            return not_modified
+    elif (since := _http_seconds(h.get("If-Modified-Since"))) is not None and modified <= since:
+        return not_modified
     return None
+
+
+def _response_overrides(request: web.Request) -> dict[str, str]:
+    """GetObject's response-* parameters (a presigned link that downloads as a named file)."""
+    return {header: request.query[p] for p, header in RESPONSE_OVERRIDES.items() if p in request.query}
 
 
 def _s3_span(rng: str | None) -> Callable[[ObjectMeta], tuple[int, int]] | None:
@@ -275,7 +471,7 @@ async def _get_object(request: web.Request) -> web.StreamResponse:
                 headers = request.headers.copy()
                 del headers["Range"]
                 request = request.clone(headers=headers)
-        return await native.send_object(request, obj_)
+        return await native.send_object(request, obj_, _response_overrides(request))
     finally:
         obj_.close()
 
@@ -323,22 +519,28 @@ def _write(writer, digests, data: bytes) -> None:
     writer.write(data)
 
 
-def _check_and_commit(writer, digests) -> ObjectMeta:
+def _check_and_commit(writer, digests, precondition=None) -> ObjectMeta:
     for code, hasher, want in digests:
         if hasher.digest() != want:
             raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was stored")
-    return writer.commit()
+    return writer.commit(precondition)
 
 
-def _write_and_commit(writer, digests, data: bytes) -> ObjectMeta:
+def _write_and_commit(writer, digests, data: bytes, precondition=None) -> ObjectMeta:
     _write(writer, digests, data)
-    return _check_and_commit(writer, digests)
+    return _check_and_commit(writer, digests, precondition)
 
 
 async def _put_object(request: web.Request) -> web.Response:
-    if "x-amz-copy-source" in request.headers:
-        raise S3Error(501, "NotImplemented", "CopyObject is not implemented")
     bucket_name, key = _require_bucket(request), _key(request)
+    store = request.app[STORE]
+    precondition = _put_precondition(request)
+    if precondition is not None:  # fail fast, before the body; checked again at the commit
+        try:
+            current = store.lookup(bucket_name, key)
+        except NotFound:
+            current = None
+        precondition(current)
     chunked = is_aws_chunked(request)
     length = request.content_length
     declared = request.headers.get("x-amz-decoded-content-length") if chunked else length
@@ -349,12 +551,11 @@ async def _put_object(request: web.Request) -> web.Response:
     if declared is not None and declared > MAX_PUT_BYTES:
         raise S3Error(400, "EntityTooLarge", f"a single PUT is limited to {MAX_PUT_BYTES} bytes")
     digests = _expected_digests(request)
-    store = request.app[STORE]
     writer = store.writer(bucket_name, key)
     try:
         if not chunked and length is not None and length <= native.PUT_INLINE_MAX:
             data = await request.content.readexactly(length) if length else b""
-            meta = await asyncio.to_thread(_write_and_commit, writer, digests, data)
+            meta = await asyncio.to_thread(_write_and_commit, writer, digests, data, precondition)
         else:
             body = aws_chunks(request, request.get(SIGNED_KEY)) if chunked else request.content.iter_chunked(native.PUT_PIECE)
             size = 0
@@ -365,7 +566,7 @@ async def _put_object(request: web.Request) -> web.Response:
                 await asyncio.to_thread(_write, writer, digests, piece)
             if chunked and declared is not None and size != declared:
                 raise S3Error(400, "IncompleteBody", f"decoded {size} bytes, x-amz-decoded-content-length says {declared}")
-            meta = await asyncio.to_thread(_check_and_commit, writer, digests)
+            meta = await asyncio.to_thread(_check_and_commit, writer, digests, precondition)
     except BaseException:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise
@@ -382,5 +583,5 @@ def add_routes(app: web.Application) -> None:
         for path, handler in ((base + "/{bucket}", bucket), (base + "/{bucket}/", bucket),
                               (base + "/{bucket}/{key:.+}", obj)):
             wrapped = _s3(handler, root)
-            for method in ("GET", "HEAD", "PUT", "DELETE"):
+            for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
                 r.add_route(method, path, wrapped)

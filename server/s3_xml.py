@@ -128,11 +128,13 @@ def contents_entry(meta, encode, owner: bool) -> ET.Element:
 
 
 def list_objects_doc(*, v2: bool, bucket: str, prefix: str, delimiter: str, marker: str, max_keys: int,
-                     url_encoded: bool, page, next_token: str = "", continuation_token: str | None = None) -> ET.Element:
+                     url_encoded: bool, page, next_token: str = "", continuation_token: str | None = None,
+                     fetch_owner: bool = False) -> ET.Element:
     """ListObjects (V1) or ListObjectsV2 result for one ``server.s3_listing.ListPage``.
 
     V1 gives NextMarker only with a delimiter (without one, clients resume after the last
-    key, as S3 specifies); V2 gives KeyCount and an opaque NextContinuationToken."""
+    key, as S3 specifies); V2 gives KeyCount and an opaque NextContinuationToken, and an
+    Owner per key only with fetch-owner=true (V1 always has it)."""
     enc = url_encode if url_encoded else (lambda s: s)
     root = element("ListBucketResult")
     leaf(root, "Name", bucket)
@@ -155,8 +157,55 @@ def list_objects_doc(*, v2: bool, bucket: str, prefix: str, delimiter: str, mark
         leaf(root, "NextContinuationToken", next_token)
     elif page.truncated and delimiter:
         leaf(root, "NextMarker", enc(page.last))
-    root.extend(contents_entry(m, enc, owner=not v2) for m in page.contents)
+    root.extend(contents_entry(m, enc, owner=fetch_owner or not v2) for m in page.contents)
     for p in page.prefixes:
         cp = ET.SubElement(root, "CommonPrefixes")
         leaf(cp, "Prefix", enc(p))
+    return root
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]  # with or without the S3 namespace
+
+
+def parse_delete_doc(body: bytes, max_keys: int) -> tuple[bool, list[tuple[str, str | None, str | None]]]:
+    """A DeleteObjects ``<Delete>`` document: (quiet, [(key, ETag or None, VersionId or None)])."""
+    def malformed(why: str) -> S3Error:
+        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
+
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as e:
+        raise malformed(str(e)) from None
+    if _local(root.tag) != "Delete":
+        raise malformed("the root element is not Delete")
+    quiet, objects = False, []
+    for child in root:
+        tag = _local(child.tag)
+        if tag == "Quiet":
+            quiet = (child.text or "").strip().lower() == "true"
+        elif tag == "Object":
+            fields = {_local(c.tag): c.text or "" for c in child}
+            if "Key" not in fields:
+                raise malformed("an Object without a Key")
+            objects.append((fields["Key"], fields.get("ETag"), fields.get("VersionId")))
+        else:
+            raise malformed(f"unexpected element {tag!r}")
+    if not objects:
+        raise malformed("no Object to delete")
+    if len(objects) > max_keys:
+        raise malformed(f"more than {max_keys} objects in one request")
+    return quiet, objects
+
+
+def delete_result_doc(deleted: list[str], errors: list[tuple[str, str, str]]) -> ET.Element:
+    root = element("DeleteResult")
+    for key in deleted:
+        d = ET.SubElement(root, "Deleted")
+        leaf(d, "Key", key)
+    for key, code, message in errors:
+        e = ET.SubElement(root, "Error")
+        leaf(e, "Key", key)
+        leaf(e, "Code", code)
+        leaf(e, "Message", message)
     return root

@@ -323,7 +323,11 @@ class PutWriter:
             self._cur_len += n
             view = view[n:]
 
-    def commit(self) -> ObjectMeta:
+    def commit(self, precondition: Callable[[ObjectMeta | None], None] | None = None) -> ObjectMeta:
+        """Make the version durable and current. ``precondition(current version or None)`` is
+        called inside the catalog transaction that replaces it, so no other commit of this name
+        runs between the check and the write (S3's conditional PUT); if it raises, nothing
+        is committed and the caller aborts."""
         if not self._files:
             self._open_next()  # an empty object is one empty file
         self._close_current()
@@ -338,8 +342,26 @@ class PutWriter:
         for d in dirs:
             _fsync_dir(d)
         chunk_size = self.store.chunk_size if len(chunks) > 1 else 0
-        return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
-                                  chunk_size, self.tag, tuple(chunks))
+        if precondition is None:
+            return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
+                                      chunk_size, self.tag, tuple(chunks))
+        refused = False
+
+        def check(current: ObjectMeta | None) -> None:
+            nonlocal refused
+            refused = True
+            precondition(current)
+            refused = False
+
+        try:
+            return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
+                                      chunk_size, self.tag, tuple(chunks), check)
+        except BaseException:
+            if refused:  # nothing was committed: the renamed files belong to no version
+                for i, (mp, _, _, _) in enumerate(self._files):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(mp.data_path(self.bucket, self.name, self.tag, i))
+            raise
 
     def abort(self) -> None:
         if self._fd is not None:
@@ -476,11 +498,13 @@ class Store:
             w.abort()
             raise
 
-    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks) -> ObjectMeta:
+    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks, precondition=None) -> ObjectMeta:
         home = self.home(bucket, name)
         with home.writer() as db:
             row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
             old = (home, _row_to_meta(row)) if row else self._find(bucket, name)
+            if precondition is not None:
+                precondition(old[1] if old else None)
             version = (old[1].version if old else 0) + 1
             meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
@@ -502,11 +526,16 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def delete(self, bucket: str, name: str) -> None:
+    def delete(self, bucket: str, name: str,
+               precondition: Callable[[ObjectMeta], None] | None = None) -> None:
+        """Delete the current version. ``precondition(version)`` may refuse (S3's If-Match);
+        a PUT committed after the check survives, since only that version's row goes."""
         self.require_bucket(bucket)
         found = self._find(bucket, name)
         if found is None:
             raise NotFound(f"ais://{bucket}/{name} does not exist")
+        if precondition is not None:
+            precondition(found[1])
         self._forget(*found)
 
     def chunk_files(self, meta: ObjectMeta) -> list[tuple[Path, int]]:
