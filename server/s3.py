@@ -40,7 +40,7 @@ from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_r
 from server.s3_listing import MAX_KEYS, list_objects
 from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, default_code, delete_result_doc, error_response,
                            list_buckets_doc, list_objects_doc, location_doc, parse_delete_doc, xml_response)
-from server.sigv4 import aws_chunks, is_aws_chunked, verify
+from server.sigv4 import TRAILERS_KEY, aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
 
@@ -489,21 +489,46 @@ class _Crc32:
         return self.value.to_bytes(4, "big")
 
 
+_DIGESTS = (("Content-MD5", hashlib.md5), ("x-amz-checksum-crc32", _Crc32),
+            ("x-amz-checksum-sha1", hashlib.sha1), ("x-amz-checksum-sha256", hashlib.sha256))
+
+
+def _decode_digest(header: str, text: str, hasher) -> bytes:
+    try:
+        want = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise S3Error(400, "InvalidDigest", f"{header} is not valid base64") from None
+    if len(want) != len(hasher.digest()):
+        raise S3Error(400, "InvalidDigest", f"{header} has the wrong length")
+    return want
+
+
+def _trailing_digests(request: web.Request) -> list[tuple[str, object, None]]:
+    """(header, running hash) for every checksum an aws-chunked body announces in x-amz-trailer
+    (botocore sends its CRC32 there); checked against the trailer when the body ends."""
+    names = [n.strip().lower() for n in request.headers.get("x-amz-trailer", "").split(",") if n.strip()]
+    factories = dict(_DIGESTS)
+    return [(name, factories[name](), None) for name in names if name in factories]
+
+
+def _check_trailers(request: web.Request, trailing: list[tuple[str, object, None]]) -> list[tuple[str, object, bytes]]:
+    got = request.get(TRAILERS_KEY, {})
+    out = []
+    for name, hasher, _ in trailing:
+        if name not in got:
+            raise S3Error(400, "IncompleteBody", f"x-amz-trailer announced {name}, and the body's trailer lacks it")
+        out.append(("BadDigest", hasher, _decode_digest(name, got[name], hasher)))
+    return out
+
+
 def _expected_digests(request: web.Request) -> list[tuple[str, object, bytes]]:
     """(error code, running hash, expected digest) for every body checksum the client sent."""
     h = request.headers
     out = []
-    for header, factory in (("Content-MD5", hashlib.md5), ("x-amz-checksum-crc32", _Crc32),
-                            ("x-amz-checksum-sha1", hashlib.sha1), ("x-amz-checksum-sha256", hashlib.sha256)):
+    for header, factory in _DIGESTS:
         if header in h:
-            try:
-                want = base64.b64decode(h[header], validate=True)
-            except (binascii.Error, ValueError):
-                raise S3Error(400, "InvalidDigest", f"{header} is not valid base64") from None
             hasher = factory()
-            if len(want) != len(hasher.digest()):
-                raise S3Error(400, "InvalidDigest", f"{header} has the wrong length")
-            out.append(("BadDigest", hasher, want))
+            out.append(("BadDigest", hasher, _decode_digest(header, h[header], hasher)))
     declared = h.get("X-Amz-Content-SHA256", "")
     if len(declared) == 64 and not is_aws_chunked(request):
         try:
@@ -551,6 +576,7 @@ async def _put_object(request: web.Request) -> web.Response:
     if declared is not None and declared > MAX_PUT_BYTES:
         raise S3Error(400, "EntityTooLarge", f"a single PUT is limited to {MAX_PUT_BYTES} bytes")
     digests = _expected_digests(request)
+    trailing = _trailing_digests(request) if chunked else []
     writer = store.writer(bucket_name, key)
     try:
         if not chunked and length is not None and length <= native.PUT_INLINE_MAX:
@@ -563,9 +589,10 @@ async def _put_object(request: web.Request) -> web.Response:
                 size += len(piece)
                 if size > MAX_PUT_BYTES:
                     raise S3Error(400, "EntityTooLarge", f"a single PUT is limited to {MAX_PUT_BYTES} bytes")
-                await asyncio.to_thread(_write, writer, digests, piece)
+                await asyncio.to_thread(_write, writer, digests + trailing, piece)
             if chunked and declared is not None and size != declared:
                 raise S3Error(400, "IncompleteBody", f"decoded {size} bytes, x-amz-decoded-content-length says {declared}")
+            digests += _check_trailers(request, trailing)
             meta = await asyncio.to_thread(_check_and_commit, writer, digests, precondition)
     except BaseException:
         await asyncio.shield(asyncio.to_thread(writer.abort))

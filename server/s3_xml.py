@@ -188,6 +188,9 @@ def parse_delete_doc(body: bytes, max_keys: int) -> tuple[bool, list[tuple[str, 
             fields = {_local(c.tag): c.text or "" for c in child}
             if "Key" not in fields:
                 raise malformed("an Object without a Key")
+            for name in fields.keys() - {"Key", "ETag", "VersionId"}:  # LastModifiedTime, Size: conditions
+                raise S3Error(501, "NotImplemented", f"the {name} condition of DeleteObjects is not "
+                              "implemented; nothing was deleted")
             objects.append((fields["Key"], fields.get("ETag"), fields.get("VersionId")))
         else:
             raise malformed(f"unexpected element {tag!r}")

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 import uuid
+import zlib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
@@ -497,11 +498,19 @@ def test_aws_chunked_uploads(server, keyed, bucket):
     assert r.status_code == 403 and ET.fromstring(r.content).find("Code").text == "SignatureDoesNotMatch"
     assert error_of(good.head_object, Bucket="sig", Key="chunked2") == (404, "404")
     # unsigned chunks with a checksum trailer, as newer SDKs send over https (no keys here)
-    body = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (data[:70000], data[70000:])) + \
-        b"0\r\nx-amz-checksum-crc32:AAAAAA==\r\n\r\n"
-    r = httpx.put(f"{server.url}/{bucket}/trailer", content=body, headers={
-        "x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER", "Content-Encoding": "aws-chunked",
-        "x-amz-decoded-content-length": str(len(data)), "x-amz-trailer": "x-amz-checksum-crc32"})
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big"))
+    frames = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (data[:70000], data[70000:]))
+    headers = {"x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER", "Content-Encoding": "aws-chunked",
+               "x-amz-decoded-content-length": str(len(data)), "x-amz-trailer": "x-amz-checksum-crc32"}
+    # the trailing checksum is verified: a wrong one stores nothing
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=frames + b"0\r\nx-amz-checksum-crc32:AAAAAA==\r\n\r\n",
+                  headers=headers)
+    assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "BadDigest", r.text
+    assert httpx.head(f"{server.url}/{bucket}/trailer").status_code == 404
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=frames + b"0\r\n\r\n", headers=headers)
+    assert r.status_code == 400 and httpx.head(f"{server.url}/{bucket}/trailer").status_code == 404
+    body = frames + b"0\r\nx-amz-checksum-crc32:" + crc + b"\r\n\r\n"
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=body, headers=headers)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/{bucket}/trailer").content == data
     r = httpx.put(f"{server.url}/{bucket}/short", content=body[:-40], headers={
