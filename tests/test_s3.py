@@ -631,3 +631,32 @@ def test_conditional_reads(server, s3, bucket):
     assert error_of(s3.get_object, Bucket=bucket, Key="c", IfNoneMatch=etag) == (304, "304")
     assert s3.get_object(Bucket=bucket, Key="c", IfNoneMatch='"other"')["Body"].read() == b"conditional"
     assert httpx.get(f"{server.url}/{bucket}/c", params={"versionId": "3"}).status_code == 501
+
+
+@pytest.mark.parametrize("tool", ["s3fs", "rclone"])
+def test_tools_write_small_files(tool, server, tmp_path):
+    """What s3fs (through its mount) and rclone (copyto, as users upload) send on a write —
+    x-amz-meta-*, Content-Type, Content-MD5, a zero-byte create then the content — is all
+    accepted by the refusal rules, and the bytes land exactly."""
+    _require(tool, "fusermount3")
+    client = s3_client(server.url)
+    bucket_name = f"w{tool}"
+    with contextlib.suppress(ClientError):
+        client.create_bucket(Bucket=bucket_name)
+    data = random.Random(tool).randbytes(150_000)
+    if tool == "rclone":
+        src = tmp_path / "src.bin"
+        src.write_bytes(data)
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+        subprocess.run(["rclone", "copyto", str(src), f":s3:{bucket_name}/dir/new.bin", "--s3-provider", "Other",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
+                       env=env, check=True, capture_output=True, timeout=60)
+    else:
+        mnt = tmp_path / "mnt"
+        cmd, env = _mount_cmd(tool, server.url, bucket_name, mnt, tmp_path, "x", "x")
+        with ExternalMount(cmd, mnt, tmp_path / f"{tool}.log", env) as m:
+            (mnt / "dir").mkdir()
+            (mnt / "dir" / "new.bin").write_bytes(data)
+            assert (mnt / "dir" / "new.bin").read_bytes() == data, m.log()
+    assert client.get_object(Bucket=bucket_name, Key="dir/new.bin")["Body"].read() == data
