@@ -6,10 +6,20 @@ as the native API (see docs/s3.md for what is supported and how tools mount it).
     HEAD   /B[/]                     HeadBucket
     PUT    /B[/]                     CreateBucket
     DELETE /B[/]                     DeleteBucket (only when empty)
-    GET    /B/KEY                    GetObject (Range: 206, 416)
-    HEAD   /B/KEY                    HeadObject
-    PUT    /B/KEY                    PutObject (streamed; Content-MD5 and x-amz-checksum-* checked)
-    DELETE /B/KEY                    DeleteObject (204, also when absent)
+    POST   /B?delete                 DeleteObjects (each key as DeleteObject; <ETag> is its If-Match)
+    GET    /B/KEY                    GetObject (Range: 206, 416; conditionals; response-* overrides)
+    HEAD   /B/KEY                    HeadObject (conditionals)
+    PUT    /B/KEY                    PutObject (streamed; Content-MD5 and x-amz-checksum-* checked,
+                                     also as aws-chunked trailers; If-None-Match: *, If-Match)
+    PUT    /B/KEY + x-amz-copy-source  CopyObject (source and destination conditionals)
+    DELETE /B/KEY                    DeleteObject (204, also when absent; If-Match)
+
+Anything else a client asks for — a query parameter or x-amz-* header outside
+``ALLOWED_PARAMS`` / ``ALLOWED_HEADERS`` (multipart, versions, SSE, tagging, ACLs, object
+lock, …) — is refused with 501 before anything is read or changed, never ignored
+(``_refuse_unsupported``). User metadata (x-amz-meta-*) and Content-Type are accepted and not
+kept (s3fs and rclone send them with every upload). Conditional writes are atomic: the
+precondition runs inside the store's commit transaction (``PutWriter.commit(precondition)``).
 
 The same routes exist under ``/s3``. Root routes are registered last and aiohttp tries the
 most specific path prefix first, so they never shadow ``/v1/…``, ``/metrics`` or ``/s3/…``;
@@ -28,6 +38,7 @@ import asyncio
 import base64
 import binascii
 import email.utils
+import urllib.parse
 import hashlib
 import zlib
 from collections.abc import Callable
@@ -38,7 +49,7 @@ from server import native
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
-from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, default_code, delete_result_doc, error_response,
+from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, copy_result_doc, default_code, delete_result_doc, error_response,
                            list_buckets_doc, list_objects_doc, location_doc, parse_delete_doc, xml_response)
 from server.sigv4 import TRAILERS_KEY, aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
@@ -79,9 +90,12 @@ HARMLESS_HEADERS = frozenset({"x-amz-date", "x-amz-content-sha256", "x-amz-secur
                               "x-amz-request-payer", "x-amz-sdk-checksum-algorithm", "x-amz-expected-bucket-owner",
                               "x-amz-checksum-mode"})
 BODY_CHECKSUMS = ("x-amz-checksum-crc32", "x-amz-checksum-sha1", "x-amz-checksum-sha256")
+COPY_HEADERS = ("x-amz-copy-source", "x-amz-metadata-directive", "x-amz-tagging-directive",
+                "x-amz-copy-source-if-match", "x-amz-copy-source-if-none-match",
+                "x-amz-copy-source-if-modified-since", "x-amz-copy-source-if-unmodified-since")
 ALLOWED_HEADERS = {  # beyond HARMLESS_HEADERS; x-amz-meta-* is handled apart
     ("obj", "PUT"): frozenset({"x-amz-decoded-content-length", "x-amz-trailer", "x-amz-checksum-type",
-                               "x-amz-storage-class", "x-amz-acl", *BODY_CHECKSUMS}),
+                               "x-amz-storage-class", "x-amz-acl", *BODY_CHECKSUMS, *COPY_HEADERS}),
     ("bucket", "POST"): frozenset(BODY_CHECKSUMS),
     ("bucket", "PUT"): frozenset({"x-amz-acl"}),
 }
@@ -153,7 +167,6 @@ _WHY = {  # a clearer reason for what clients send most
     "uploadId": "multipart uploads are not implemented: upload objects (up to 5 GiB) with one PutObject",
     "partNumber": "multipart objects and part numbers are not implemented",
     "versionId": "versioning is not implemented: only the current version of an object exists",
-    "x-amz-copy-source": "CopyObject is not implemented: GET the source and PUT the copy",
 }
 
 
@@ -195,6 +208,10 @@ def _refuse_unsupported(request: web.Request, handler: str) -> None:
         encodings = [e.strip().lower() for e in h.get("Content-Encoding", "").split(",") if e.strip()]
         if any(e != "aws-chunked" for e in encodings):
             raise _not_implemented("Content-Encoding (stored object metadata)", "header")
+        if "x-amz-copy-source" not in h:
+            for name in COPY_HEADERS[1:]:
+                if name in h:
+                    raise S3Error(400, "InvalidArgument", f"{name} is only valid with x-amz-copy-source")
         for name in h.get("x-amz-trailer", "").split(","):
             if name.strip() and name.strip().lower() not in BODY_CHECKSUMS:
                 raise _not_implemented(f"trailing {name.strip()}", "checksum")
@@ -412,25 +429,37 @@ def _http_seconds(text: str | None) -> int | None:
         return None
 
 
-def _preconditions(request: web.Request, meta: ObjectMeta) -> web.Response | None:
-    """GET/HEAD conditionals in RFC 9110's order, as S3 evaluates them: If-Match (412), else
-    If-Unmodified-Since (412); If-None-Match (304), else If-Modified-Since (304). A true
-    If-Match outranks a false If-Unmodified-Since, and a false If-None-Match a true
-    If-Modified-Since. s3transfer pins multi-range downloads to one version with If-Match."""
-    h = request.headers
+def _read_conditions(h, meta: ObjectMeta, prefix: str = "") -> str | None:
+    """Conditionals on a version in RFC 9110's order, as S3 evaluates them: If-Match, else
+    If-Unmodified-Since (a failure: 'precondition: …'); If-None-Match, else If-Modified-Since
+    (a failure: 'not modified: …'); None when the request may proceed. A true If-Match
+    outranks a false If-Unmodified-Since, and a false If-None-Match a true If-Modified-Since.
+    ``prefix`` is '' for GET/HEAD, 'x-amz-copy-source-' for CopyObject's source."""
     modified = meta.atime_ns // 1_000_000_000  # Last-Modified has whole seconds
-    if "If-Match" in h:
-        if not _etag_matches(h["If-Match"], meta):
-            raise _precondition_failed(f"If-Match {h['If-Match']}")
-    elif (since := _http_seconds(h.get("If-Unmodified-Since"))) is not None and modified > since:
-        raise _precondition_failed(f"If-Unmodified-Since {h['If-Unmodified-Since']}")
-    not_modified = web.Response(status=304, headers={"ETag": f'"{meta.etag}"', "Last-Modified": meta.last_modified})
-    if "If-None-Match" in h:
-        if _etag_matches(h["If-None-Match"], meta):
-            return not_modified
-    elif (since := _http_seconds(h.get("If-Modified-Since"))) is not None and modified <= since:
-        return not_modified
+    im, iu = prefix + "If-Match", prefix + "If-Unmodified-Since"
+    inm, ims = prefix + "If-None-Match", prefix + "If-Modified-Since"
+    if im in h:
+        if not _etag_matches(h[im], meta):
+            return f"precondition: {im} {h[im]}"
+    elif (since := _http_seconds(h.get(iu))) is not None and modified > since:
+        return f"precondition: {iu} {h[iu]}"
+    if inm in h:
+        if _etag_matches(h[inm], meta):
+            return f"not modified: {inm} {h[inm]}"
+    elif (since := _http_seconds(h.get(ims))) is not None and modified <= since:
+        return f"not modified: {ims} {h[ims]}"
     return None
+
+
+def _preconditions(request: web.Request, meta: ObjectMeta) -> web.Response | None:
+    """GET/HEAD conditionals: 412, or a 304 reply, or None to proceed. s3transfer pins
+    multi-range downloads to one version with If-Match."""
+    failed = _read_conditions(request.headers, meta)
+    if failed is None:
+        return None
+    if failed.startswith("precondition"):
+        raise _precondition_failed(failed.partition(": ")[2])
+    return web.Response(status=304, headers={"ETag": f'"{meta.etag}"', "Last-Modified": meta.last_modified})
 
 
 def _response_overrides(request: web.Request) -> dict[str, str]:
@@ -556,16 +585,88 @@ def _write_and_commit(writer, digests, data: bytes, precondition=None) -> Object
     return _check_and_commit(writer, digests, precondition)
 
 
-async def _put_object(request: web.Request) -> web.Response:
-    bucket_name, key = _require_bucket(request), _key(request)
-    store = request.app[STORE]
-    precondition = _put_precondition(request)
-    if precondition is not None:  # fail fast, before the body; checked again at the commit
+def _early_check(store, bucket_name: str, key: str, precondition) -> None:
+    """Fail fast, before a body is read or a copy made; the commit checks again."""
+    if precondition is not None:
         try:
             current = store.lookup(bucket_name, key)
         except NotFound:
             current = None
         precondition(current)
+
+
+def _copy_source(text: str) -> tuple[str, str]:
+    """x-amz-copy-source: '[/]bucket/key', URL-encoded; a ?versionId is refused."""
+    path, _, query = text.partition("?")
+    if query:
+        raise S3Error(501, "NotImplemented", "versions are not implemented: x-amz-copy-source with ?versionId")
+    bucket_name, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
+    if not bucket_name or not key:
+        raise S3Error(400, "InvalidArgument", "x-amz-copy-source must be /BUCKET/KEY")
+    return bucket_name, key
+
+
+def _copy_into(store, src, bucket_name: str, key: str, precondition) -> ObjectMeta:
+    """Write a new version of bucket/key from an open source version, chunk by chunk (each
+    chunk read whole, so its checksum is verified; memory is one chunk)."""
+    writer = store.writer(bucket_name, key)
+    try:
+        base = 0
+        for chunk in src.meta.chunks:
+            if chunk.size:
+                writer.write(src.pread(base, base + chunk.size))
+            base += chunk.size
+        return writer.commit(precondition)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+async def _copy_object(request: web.Request, bucket_name: str, key: str) -> web.Response:
+    """CopyObject: a new version of the destination with the source's bytes. The source's
+    conditions (x-amz-copy-source-if-*) give 412; the destination's If-None-Match: * and
+    If-Match are checked at the commit, as for a PUT. Copying a key onto itself needs
+    x-amz-metadata-directive: REPLACE, as on S3 (s3fs does that for chmod and touch)."""
+    request[OP_KEY] = "s3_copy"
+    h = request.headers
+    src_bucket, src_key = _copy_source(h["x-amz-copy-source"])
+    directive = h.get("x-amz-metadata-directive", "COPY")
+    if directive not in ("COPY", "REPLACE"):
+        raise S3Error(400, "InvalidArgument", f"unknown x-amz-metadata-directive {directive!r}")
+    if h.get("x-amz-tagging-directive", "COPY") != "COPY":
+        raise S3Error(501, "NotImplemented", "tagging is not implemented: x-amz-tagging-directive REPLACE")
+    if (src_bucket, src_key) == (bucket_name, key) and directive != "REPLACE":
+        raise S3Error(400, "InvalidRequest", "This copy request is illegal because it is trying to copy an object "
+                      "to itself without changing the object's metadata")
+    if request.content_length:
+        raise S3Error(400, "InvalidRequest", "a CopyObject request has no body")
+    store = request.app[STORE]
+    if src_bucket not in store.buckets:
+        raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
+    try:
+        src = store.open(src_bucket, check_objname(src_key))
+    except (NotFound, BadRequest):
+        raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
+    try:
+        failed = _read_conditions(h, src.meta, "x-amz-copy-source-")
+        if failed is not None:
+            raise _precondition_failed(failed.partition(": ")[2])
+        precondition = _put_precondition(request)
+        _early_check(store, bucket_name, key, precondition)
+        meta = await asyncio.to_thread(_copy_into, store, src, bucket_name, key, precondition)
+    finally:
+        src.close()
+    request.app[METRICS].bytes_in.inc(meta.size)
+    return xml_response(copy_result_doc(meta.etag, meta.atime_ns))
+
+
+async def _put_object(request: web.Request) -> web.Response:
+    bucket_name, key = _require_bucket(request), _key(request)
+    if "x-amz-copy-source" in request.headers:
+        return await _copy_object(request, bucket_name, key)
+    store = request.app[STORE]
+    precondition = _put_precondition(request)
+    _early_check(store, bucket_name, key, precondition)
     chunked = is_aws_chunked(request)
     length = request.content_length
     declared = request.headers.get("x-amz-decoded-content-length") if chunked else length

@@ -212,3 +212,10 @@ def delete_result_doc(deleted: list[str], errors: list[tuple[str, str, str]]) ->
         leaf(e, "Code", code)
         leaf(e, "Message", message)
     return root
+
+
+def copy_result_doc(etag: str, modified_ns: int) -> ET.Element:
+    root = element("CopyObjectResult")
+    leaf(root, "ETag", f'"{etag}"')
+    leaf(root, "LastModified", iso8601(modified_ns))
+    return root

@@ -384,7 +384,8 @@ def test_errors_are_s3_xml(server, bucket):
     assert code(httpx.get(f"{u}/{bucket}", params={"prefix": "p" * 1025})) == (400, "InvalidArgument")
     assert code(httpx.get(f"{u}/{bucket}?acl")) == (501, "NotImplemented")
     assert code(httpx.put(f"{u}/{bucket}/k?tagging", content=b"")) == (501, "NotImplemented")
-    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source": f"/{bucket}/x"})) == (501, "NotImplemented")
+    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source": f"/{bucket}/x"})) == (404, "NoSuchKey")
+    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source-range": "bytes=0-1"})) == (501, "NotImplemented")
     assert code(httpx.put(f"{u}/{bucket}/" + "k" * 1025, content=b"")) == (400, "KeyTooLongError")
     for path in (f"/{bucket}/missing", f"/{bucket}x", f"/{bucket}x/k"):  # HEAD errors: status only
         r = httpx.head(u + path)
@@ -659,4 +660,10 @@ def test_tools_write_small_files(tool, server, tmp_path):
             (mnt / "dir").mkdir()
             (mnt / "dir" / "new.bin").write_bytes(data)
             assert (mnt / "dir" / "new.bin").read_bytes() == data, m.log()
+            # rename and chmod are CopyObject (onto itself with REPLACE for chmod) + DeleteObject
+            (mnt / "dir" / "tmp.bin").write_bytes(data[:1000])
+            os.rename(mnt / "dir" / "tmp.bin", mnt / "dir" / "renamed.bin")
+            os.chmod(mnt / "dir" / "renamed.bin", 0o600)
+        assert client.get_object(Bucket=bucket_name, Key="dir/renamed.bin")["Body"].read() == data[:1000]
+        assert error_of(client.head_object, Bucket=bucket_name, Key="dir/tmp.bin") == (404, "404")
     assert client.get_object(Bucket=bucket_name, Key="dir/new.bin")["Body"].read() == data
