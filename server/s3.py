@@ -45,12 +45,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from server import native
+from server import native, s3_multipart
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
 from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, copy_result_doc, default_code, delete_result_doc, error_response,
-                           list_buckets_doc, list_objects_doc, location_doc, parse_delete_doc, xml_response)
+                           list_buckets_doc, list_objects_doc, location_doc, parse_complete_doc, parse_delete_doc,
+                           upload_doc, xml_response)
 from server.sigv4 import TRAILERS_KEY, aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
@@ -82,7 +83,8 @@ ALLOWED_PARAMS = {
     ("bucket", "GET"): LIST_PARAMS, ("bucket", "HEAD"): frozenset(), ("bucket", "PUT"): frozenset(),
     ("bucket", "DELETE"): frozenset(), ("bucket", "POST"): frozenset({"delete"}),
     ("obj", "GET"): frozenset(RESPONSE_OVERRIDES), ("obj", "HEAD"): frozenset(RESPONSE_OVERRIDES),
-    ("obj", "PUT"): frozenset(), ("obj", "DELETE"): frozenset(), ("obj", "POST"): frozenset(),
+    ("obj", "PUT"): frozenset({"partNumber", "uploadId"}), ("obj", "DELETE"): frozenset({"uploadId"}),
+    ("obj", "POST"): frozenset({"uploads", "uploadId"}),
 }
 # x-amz-* headers that only authenticate, describe the body, or ask for nothing we would do
 # differently (x-amz-checksum-mode asks for checksums S3 returns only when it stored one).
@@ -93,7 +95,8 @@ BODY_CHECKSUMS = ("x-amz-checksum-crc32", "x-amz-checksum-sha1", "x-amz-checksum
 COPY_HEADERS = ("x-amz-copy-source", "x-amz-metadata-directive", "x-amz-tagging-directive",
                 "x-amz-copy-source-if-match", "x-amz-copy-source-if-none-match",
                 "x-amz-copy-source-if-modified-since", "x-amz-copy-source-if-unmodified-since")
-ALLOWED_HEADERS = {  # beyond HARMLESS_HEADERS; x-amz-meta-* is handled apart
+ALLOWED_HEADERS = {
+    ("obj", "POST"): frozenset({"x-amz-checksum-type", "x-amz-storage-class", "x-amz-acl", "x-amz-checksum-algorithm"}),  # beyond HARMLESS_HEADERS; x-amz-meta-* is handled apart
     ("obj", "PUT"): frozenset({"x-amz-decoded-content-length", "x-amz-trailer", "x-amz-checksum-type",
                                "x-amz-storage-class", "x-amz-acl", *BODY_CHECKSUMS, *COPY_HEADERS}),
     ("bucket", "POST"): frozenset(BODY_CHECKSUMS),
@@ -163,9 +166,9 @@ def _require_bucket(request: web.Request) -> str:
 
 
 _WHY = {  # a clearer reason for what clients send most
-    "uploads": "multipart uploads are not implemented: upload objects (up to 5 GiB) with one PutObject",
-    "uploadId": "multipart uploads are not implemented: upload objects (up to 5 GiB) with one PutObject",
-    "partNumber": "multipart objects and part numbers are not implemented",
+    "uploads": "ListMultipartUploads is not implemented",
+    "uploadId": "ListParts is not implemented",
+    "partNumber": "reading one part of an object (partNumber) is not implemented",
     "versionId": "versioning is not implemented: only the current version of an object exists",
 }
 
@@ -189,7 +192,7 @@ def _refuse_unsupported(request: web.Request, handler: str) -> None:
         low = name.lower()
         if not low.startswith("x-amz-") or low in HARMLESS_HEADERS or low in extra:
             continue
-        if low.startswith("x-amz-meta-") and op == ("obj", "PUT"):
+        if low.startswith("x-amz-meta-") and op in (("obj", "PUT"), ("obj", "POST")):
             continue  # user metadata: accepted and not stored (docs/s3.md), as s3fs and rclone send it
         raise _not_implemented(low, "header")
     owner = h.get("x-amz-expected-bucket-owner")
@@ -197,7 +200,7 @@ def _refuse_unsupported(request: web.Request, handler: str) -> None:
         raise S3Error(403, "AccessDenied", f"the bucket owner is {OWNER_ID!r}, not {owner!r}")
     if h.get("x-amz-acl", "private") != "private":
         raise S3Error(501, "NotImplemented", "only the 'private' canned ACL is implemented; nothing was changed")
-    if op == ("obj", "PUT"):
+    if op in (("obj", "PUT"), ("obj", "POST")):
         if h.get("x-amz-storage-class", "STANDARD") != "STANDARD":
             raise S3Error(501, "NotImplemented", "only the STANDARD storage class is implemented")
         if h.get("x-amz-checksum-type", "FULL_OBJECT") != "FULL_OBJECT":
@@ -215,7 +218,7 @@ def _refuse_unsupported(request: web.Request, handler: str) -> None:
         for name in h.get("x-amz-trailer", "").split(","):
             if name.strip() and name.strip().lower() not in BODY_CHECKSUMS:
                 raise _not_implemented(f"trailing {name.strip()}", "checksum")
-    if op in (("obj", "PUT"), ("obj", "DELETE")):
+    if op in (("obj", "PUT"), ("obj", "DELETE"), ("obj", "POST")):
         for name in ("If-Modified-Since", "If-Unmodified-Since"):
             if name in h:
                 raise _not_implemented(f"{name} on {request.method}", "header")
@@ -359,8 +362,21 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
 # -- objects --------------------------------------------------------------------------------
 async def obj(request: web.Request) -> web.StreamResponse:
     method = request.method
-    if method == "POST":  # multipart upload calls were refused before this, by their parameters
-        raise S3Error(501, "NotImplemented", "POST on an object is not implemented")
+    if method == "POST":
+        bucket_name, key = _require_bucket(request), _key(request)
+        if "uploads" in request.query and "uploadId" not in request.query:
+            return await _create_upload(request, bucket_name, key)
+        if "uploadId" in request.query and "uploads" not in request.query:
+            return await _complete_upload(request, bucket_name, key)
+        raise S3Error(501, "NotImplemented", "POST on an object is CreateMultipartUpload (?uploads) or "
+                      "CompleteMultipartUpload (?uploadId); nothing else is implemented")
+    if method in ("PUT", "DELETE") and ("uploadId" in request.query or "partNumber" in request.query):
+        bucket_name, key = _require_bucket(request), _key(request)
+        if "uploadId" not in request.query:
+            raise S3Error(400, "InvalidArgument", "partNumber without uploadId")
+        if method == "DELETE":
+            return await _abort_upload(request, bucket_name, key)
+        return await _upload_part(request, bucket_name, key)
     if method == "GET":
         return await _get_object(request)
     if method == "HEAD":
@@ -667,6 +683,14 @@ async def _put_object(request: web.Request) -> web.Response:
     store = request.app[STORE]
     precondition = _put_precondition(request)
     _early_check(store, bucket_name, key, precondition)
+    meta = await _receive(request, store.writer(bucket_name, key), precondition)
+    request.app[METRICS].bytes_in.inc(meta.size)
+    return web.Response(headers={"ETag": f'"{meta.etag}"'})
+
+
+async def _receive(request: web.Request, writer, precondition=None):
+    """Stream the body into ``writer`` (a ``PutWriter`` or a ``PartWriter``), checking every
+    digest sent with it, and commit; the writer is aborted on any failure."""
     chunked = is_aws_chunked(request)
     length = request.content_length
     declared = request.headers.get("x-amz-decoded-content-length") if chunked else length
@@ -678,7 +702,6 @@ async def _put_object(request: web.Request) -> web.Response:
         raise S3Error(400, "EntityTooLarge", f"a single PUT is limited to {MAX_PUT_BYTES} bytes")
     digests = _expected_digests(request)
     trailing = _trailing_digests(request) if chunked else []
-    writer = store.writer(bucket_name, key)
     try:
         if not chunked and length is not None and length <= native.PUT_INLINE_MAX:
             data = await request.content.readexactly(length) if length else b""
@@ -698,11 +721,73 @@ async def _put_object(request: web.Request) -> web.Response:
     except BaseException:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise
-    request.app[METRICS].bytes_in.inc(meta.size)
-    return web.Response(headers={"ETag": f'"{meta.etag}"'})
+    return meta
+
+
+# -- multipart uploads (server.s3_multipart) ------------------------------------------------
+MPU = web.AppKey("s3_multipart", s3_multipart.Uploads)
+
+
+def _part_number(request: web.Request) -> int:
+    text = request.query.get("partNumber", "")
+    if not text.isdigit() or not 1 <= int(text) <= s3_multipart.MAX_PART_NUMBER:
+        raise S3Error(400, "InvalidArgument", f"partNumber must be 1..{s3_multipart.MAX_PART_NUMBER}, got {text!r}")
+    return int(text)
+
+
+async def _create_upload(request: web.Request, bucket_name: str, key: str) -> web.Response:
+    request[OP_KEY] = "s3_mpu_create"
+    up = request.app[MPU].create(bucket_name, key)
+    return xml_response(upload_doc("InitiateMultipartUploadResult", bucket_name, key, UploadId=up.id))
+
+
+async def _upload_part(request: web.Request, bucket_name: str, key: str) -> web.Response:
+    request[OP_KEY] = "s3_mpu_part"
+    if "x-amz-copy-source" in request.headers:
+        raise S3Error(501, "NotImplemented", "UploadPartCopy is not implemented; nothing was read or changed")
+    number = _part_number(request)
+    up = request.app[MPU].get(request.query["uploadId"], bucket_name, key)
+    try:
+        writer = await asyncio.to_thread(s3_multipart.PartWriter, up, number)
+        size, md5 = await _receive(request, writer)
+    except FileNotFoundError:  # aborted while this part was arriving
+        raise S3Error(404, "NoSuchUpload", f"the upload {up.id!r} was aborted") from None
+    up.parts[number] = (size, md5)
+    request.app[METRICS].bytes_in.inc(size)
+    return web.Response(headers={"ETag": f'"{md5}"'})
+
+
+async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> web.Response:
+    request[OP_KEY] = "s3_mpu_complete"
+    uploads = request.app[MPU]
+    up = uploads.get(request.query["uploadId"], bucket_name, key)
+    if (request.content_length or 0) > DELETE_BODY_MAX * 4:
+        raise S3Error(400, "MalformedXML", "the CompleteMultipartUpload document is too large")
+    body = await request.content.read(DELETE_BODY_MAX * 4 + 1)
+    numbers = s3_multipart.check_parts(up, parse_complete_doc(body, s3_multipart.MAX_PART_NUMBER))
+    store = request.app[STORE]
+    precondition = _put_precondition(request)
+    _early_check(store, bucket_name, key, precondition)
+    uploads.forget(up)  # from here the upload is this request's: a second Complete gets 404
+    try:
+        meta = await asyncio.to_thread(s3_multipart.assemble, store, up, numbers, precondition)
+    finally:
+        await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
+    return xml_response(upload_doc("CompleteMultipartUploadResult", bucket_name, key,
+                                   Location=f"/{bucket_name}/{key}", ETag=f'"{meta.etag}"'))
+
+
+async def _abort_upload(request: web.Request, bucket_name: str, key: str) -> web.Response:
+    request[OP_KEY] = "s3_mpu_abort"
+    uploads = request.app[MPU]
+    up = uploads.get(request.query["uploadId"], bucket_name, key)
+    uploads.forget(up)
+    await asyncio.to_thread(s3_multipart.remove_files, up)
+    return web.Response(status=204)
 
 
 def add_routes(app: web.Application) -> None:
+    app[MPU] = s3_multipart.Uploads(app[STORE])
     r = app.router
     for base, root in (("/s3", False), ("", True)):
         r.add_get(base or "/", _s3(list_buckets, root), allow_head=False)

@@ -219,3 +219,39 @@ def copy_result_doc(etag: str, modified_ns: int) -> ET.Element:
     leaf(root, "ETag", f'"{etag}"')
     leaf(root, "LastModified", iso8601(modified_ns))
     return root
+
+
+def upload_doc(tag: str, bucket: str, key: str, **fields: str) -> ET.Element:
+    """InitiateMultipartUploadResult / CompleteMultipartUploadResult."""
+    root = element(tag)
+    if "Location" in fields:
+        leaf(root, "Location", fields.pop("Location"))
+    leaf(root, "Bucket", bucket)
+    leaf(root, "Key", key)
+    for name, value in fields.items():
+        leaf(root, name, value)
+    return root
+
+
+def parse_complete_doc(body: bytes, max_parts: int) -> list[tuple[int, str]]:
+    """A CompleteMultipartUpload document: [(PartNumber, ETag)] in the order given."""
+    def malformed(why: str) -> S3Error:
+        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
+
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as e:
+        raise malformed(str(e)) from None
+    if _local(root.tag) != "CompleteMultipartUpload":
+        raise malformed("the root element is not CompleteMultipartUpload")
+    parts = []
+    for child in root:
+        if _local(child.tag) != "Part":
+            raise malformed(f"unexpected element {_local(child.tag)!r}")
+        fields = {_local(c.tag): (c.text or "").strip() for c in child}
+        if not fields.get("PartNumber", "").isdigit() or "ETag" not in fields:
+            raise malformed("a Part needs a PartNumber and an ETag")
+        parts.append((int(fields["PartNumber"]), fields["ETag"]))
+        if len(parts) > max_parts:
+            raise malformed(f"more than {max_parts} parts")
+    return parts

@@ -653,6 +653,13 @@ def test_tools_write_small_files(tool, server, tmp_path):
                         "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
                         "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
                        env=env, check=True, capture_output=True, timeout=60)
+        # rcat streams stdin of unknown size: a multipart upload of 5 MiB parts
+        big = random.Random(5).randbytes(11 * 1024 * 1024 + 7)
+        subprocess.run(["rclone", "rcat", f":s3:{bucket_name}/dir/streamed.bin", "--s3-provider", "Other",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
+                       input=big, env=env, check=True, capture_output=True, timeout=120)
+        assert client.get_object(Bucket=bucket_name, Key="dir/streamed.bin")["Body"].read() == big
     else:
         mnt = tmp_path / "mnt"
         cmd, env = _mount_cmd(tool, server.url, bucket_name, mnt, tmp_path, "x", "x")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
+import random
 import threading
 import uuid
 
 import boto3
 import httpx
 import pytest
-from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
@@ -265,30 +265,74 @@ def test_copy_object(s3, bkt):
                           CopySourceIfMatch=s3.head_object(Bucket=bkt, Key="dst")["ETag"])
 
 
-def test_multipart_is_refused_and_small_uploads_work(s3, bkt, tmp_path):
-    small, big = tmp_path / "small", tmp_path / "big"
-    small.write_bytes(b"s" * (100 * KiB))
-    big.write_bytes(b"b" * (6 * MiB))
-    config = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
-    s3.upload_file(str(small), bkt, "small", Config=config)
-    assert s3.get_object(Bucket=bkt, Key="small")["Body"].read() == small.read_bytes()
+def test_upload_file_multipart(s3, bkt, tmp_path):
+    """upload_file / upload_fileobj above the multipart threshold (8 MiB by default) go up as
+    a multipart upload; the object appears only at completion, byte-exact."""
+    rnd = random.Random(7)
+    big = tmp_path / "big"
+    big.write_bytes(rnd.randbytes(17 * MiB + 123))
+    config = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4)
+    s3.upload_file(str(big), bkt, "big", Config=config)
+    assert hashlib.sha256(s3.get_object(Bucket=bkt, Key="big")["Body"].read()).digest() == \
+        hashlib.sha256(big.read_bytes()).digest()
+    with open(big, "rb") as f:
+        s3.upload_fileobj(f, bkt, "big2")  # default config: 8 MiB threshold
+    assert s3.get_object(Bucket=bkt, Key="big2")["ContentLength"] == big.stat().st_size
+    s3.download_file(bkt, "big2", str(tmp_path / "back"), Config=config)  # ranged, If-Match pinned
+    assert (tmp_path / "back").read_bytes() == big.read_bytes()
+
+
+def test_multipart_calls(server, s3, bkt):
+    part = b"p" * (5 * MiB)
+    s3.put_object(Bucket=bkt, Key="existing", Body=b"old")
     before = snapshot(s3, bkt)
-    with pytest.raises(S3UploadFailedError, match="NotImplemented"):
-        s3.upload_file(str(big), bkt, "big", Config=config)
-    with open(big, "rb") as f, pytest.raises((S3UploadFailedError, ClientError), match="NotImplemented"):
-        s3.upload_fileobj(f, bkt, "big", Config=config)
-    assert snapshot(s3, bkt) == before
-    # a file above the threshold goes up whole when the threshold allows it (PUT ≤ 5 GiB)
-    s3.upload_file(str(big), bkt, "big", Config=TransferConfig(multipart_threshold=64 * MiB))
-    assert s3.get_object(Bucket=bkt, Key="big")["Body"].read() == big.read_bytes()
+    up = s3.create_multipart_upload(Bucket=bkt, Key="m")["UploadId"]
+    e1 = s3.upload_part(Bucket=bkt, Key="m", UploadId=up, PartNumber=1, Body=part)["ETag"]
+    assert e1 == f'"{hashlib.md5(part).hexdigest()}"'
+    e2 = s3.upload_part(Bucket=bkt, Key="m", UploadId=up, PartNumber=2, Body=b"tail")["ETag"]
+    assert snapshot(s3, bkt) == before  # nothing is visible before completion
+    done = [{"PartNumber": 1, "ETag": e1}, {"PartNumber": 2, "ETag": e2}]
+    for parts, status, code in [
+        ([{"PartNumber": 2, "ETag": e2}, {"PartNumber": 1, "ETag": e1}], 400, "InvalidPartOrder"),
+        ([{"PartNumber": 1, "ETag": '"0"'}], 400, "InvalidPart"),
+        ([{"PartNumber": 2, "ETag": e2}, {"PartNumber": 3, "ETag": e2}], 400, "InvalidPart"),
+    ]:
+        refused(s3, bkt, s3.complete_multipart_upload, status, code, Bucket=bkt, Key="m", UploadId=up,
+                MultipartUpload={"Parts": parts})
+    # every part but the last must be at least 5 MiB
+    up2 = s3.create_multipart_upload(Bucket=bkt, Key="small")["UploadId"]
+    s1 = s3.upload_part(Bucket=bkt, Key="small", UploadId=up2, PartNumber=1, Body=b"x")["ETag"]
+    s2 = s3.upload_part(Bucket=bkt, Key="small", UploadId=up2, PartNumber=2, Body=b"y")["ETag"]
+    refused(s3, bkt, s3.complete_multipart_upload, 400, "EntityTooSmall", Bucket=bkt, Key="small", UploadId=up2,
+            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": s1}, {"PartNumber": 2, "ETag": s2}]})
+    s3.abort_multipart_upload(Bucket=bkt, Key="small", UploadId=up2)
+    refused(s3, bkt, s3.upload_part, 404, "NoSuchUpload", Bucket=bkt, Key="small", UploadId=up2, PartNumber=1, Body=b"x")
+    # the destination's conditions at completion
+    refused(s3, bkt, s3.complete_multipart_upload, 404, "NoSuchUpload", Bucket=bkt, Key="other", UploadId=up,
+            MultipartUpload={"Parts": done})
+    r = s3.complete_multipart_upload(Bucket=bkt, Key="m", UploadId=up, MultipartUpload={"Parts": done}, IfNoneMatch="*")
+    assert r["ETag"] == s3.head_object(Bucket=bkt, Key="m")["ETag"]
+    assert s3.get_object(Bucket=bkt, Key="m")["Body"].read() == part + b"tail"
+    refused(s3, bkt, s3.complete_multipart_upload, 404, "NoSuchUpload", Bucket=bkt, Key="m", UploadId=up,
+            MultipartUpload={"Parts": done})
+    up3 = s3.create_multipart_upload(Bucket=bkt, Key="existing")["UploadId"]
+    e = s3.upload_part(Bucket=bkt, Key="existing", UploadId=up3, PartNumber=1, Body=b"new")["ETag"]
+    refused(s3, bkt, s3.complete_multipart_upload, 412, "PreconditionFailed", Bucket=bkt, Key="existing",
+            UploadId=up3, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": e}]}, IfNoneMatch="*")
+    assert s3.get_object(Bucket=bkt, Key="existing")["Body"].read() == b"old"
+    # what is still not implemented
     before = snapshot(s3, bkt)
-    assert error_of(s3.create_multipart_upload, Bucket=bkt, Key="big") == (501, "NotImplemented")
-    assert error_of(s3.upload_part, Bucket=bkt, Key="big", UploadId="u", PartNumber=1, Body=b"x") == (501, "NotImplemented")
-    assert error_of(s3.abort_multipart_upload, Bucket=bkt, Key="big", UploadId="u") == (501, "NotImplemented")
-    assert error_of(s3.complete_multipart_upload, Bucket=bkt, Key="big", UploadId="u",
-                    MultipartUpload={"Parts": [{"ETag": '"x"', "PartNumber": 1}]}) == (501, "NotImplemented")
+    up4 = s3.create_multipart_upload(Bucket=bkt, Key="q")["UploadId"]
+    assert error_of(s3.list_parts, Bucket=bkt, Key="q", UploadId=up4) == (501, "NotImplemented")
     assert error_of(s3.list_multipart_uploads, Bucket=bkt) == (501, "NotImplemented")
+    assert error_of(s3.upload_part_copy, Bucket=bkt, Key="q", UploadId=up4, PartNumber=1,
+                    CopySource=f"{bkt}/existing") == (501, "NotImplemented")
+    assert error_of(s3.upload_part, Bucket=bkt, Key="q", UploadId=up4, PartNumber=10001, Body=b"x")[0] == 400
+    s3.abort_multipart_upload(Bucket=bkt, Key="q", UploadId=up4)
     assert snapshot(s3, bkt) == before
+    # completed, refused-at-commit and aborted uploads leave no part files behind
+    staged = server.data_dirs[0] / ".batchfs" / "mpu"
+    assert staged.is_dir() and not {up, up2, up3, up4} & {p.name for p in staged.iterdir()}
 
 
 @pytest.fixture(scope="module")
