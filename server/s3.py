@@ -90,7 +90,7 @@ ALLOWED_PARAMS = {
 # differently (x-amz-checksum-mode asks for checksums S3 returns only when it stored one).
 HARMLESS_HEADERS = frozenset({"x-amz-date", "x-amz-content-sha256", "x-amz-security-token", "x-amz-user-agent",
                               "x-amz-request-payer", "x-amz-sdk-checksum-algorithm", "x-amz-expected-bucket-owner",
-                              "x-amz-checksum-mode"})
+                              "x-amz-checksum-mode", "x-amz-checksum-algorithm"})
 BODY_CHECKSUMS = ("x-amz-checksum-crc32", "x-amz-checksum-sha1", "x-amz-checksum-sha256")
 COPY_HEADERS = ("x-amz-copy-source", "x-amz-metadata-directive", "x-amz-tagging-directive",
                 "x-amz-copy-source-if-match", "x-amz-copy-source-if-none-match",
