@@ -12,7 +12,9 @@ Invariants and limits:
 - Upload state lives in this process (``Uploads``), and the part directory is emptied when
   the server starts: an upload does not survive a restart (its parts are removed, Complete
   then answers 404 NoSuchUpload and the client starts again). S3 keeps them until aborted.
-- At most ``MAX_UPLOADS`` uploads in progress (503 SlowDown past it), part numbers 1..10000,
+- At most ``MAX_UPLOADS`` uploads in progress; when full, uploads without a part or a
+  completion for ``IDLE_RECLAIM_SECONDS`` are aborted to make room, else 503 SlowDown
+  (abandoned uploads cannot lock out new ones for longer than that). Part numbers 1..10000,
   each part ≤ 5 GiB, every part but the last ≥ 5 MiB (400 EntityTooSmall at completion), and
   the assembled object ≤ ``MAX_OBJECT_BYTES``.
 - ListParts and ListMultipartUploads are not implemented (501): s3transfer, rclone and s3fs
@@ -34,7 +36,8 @@ from server.store import ObjectMeta, Store
 
 MIN_PART_BYTES = 5 * 1024**2  # S3's minimum for every part but the last
 MAX_PART_NUMBER = 10_000
-MAX_UPLOADS = 1000
+MAX_UPLOADS = 10_000
+IDLE_RECLAIM_SECONDS = 24 * 3600  # when the table is full, uploads idle this long are aborted
 MAX_OBJECT_BYTES = 5 * 1024**4  # S3's limit for a multipart object
 COPY_PIECE = 1024 * 1024
 
@@ -46,7 +49,7 @@ class Upload:
     key: str
     dir: Path
     parts: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)  # number: (size, md5 hex)
-    created: float = dataclasses.field(default_factory=time.time)
+    touched: float = dataclasses.field(default_factory=time.monotonic)  # last create, part or complete
 
 
 class Uploads:
@@ -60,6 +63,8 @@ class Uploads:
 
     def create(self, bucket: str, key: str) -> Upload:
         if len(self._uploads) >= MAX_UPLOADS:
+            self._reclaim_idle()
+        if len(self._uploads) >= MAX_UPLOADS:
             raise S3Error(503, "SlowDown", f"{MAX_UPLOADS} multipart uploads are in progress; complete or abort some")
         up = Upload(secrets.token_hex(16), bucket, key, Path())
         up.dir = self.root / up.id
@@ -67,11 +72,18 @@ class Uploads:
         self._uploads[up.id] = up
         return up
 
+    def _reclaim_idle(self) -> None:
+        cutoff = time.monotonic() - IDLE_RECLAIM_SECONDS
+        for up in [u for u in self._uploads.values() if u.touched < cutoff]:
+            self.forget(up)
+            remove_files(up)  # blocking, but rare: only when the table is full
+
     def get(self, upload_id: str, bucket: str, key: str) -> Upload:
         up = self._uploads.get(upload_id)
         if up is None or (up.bucket, up.key) != (bucket, key):
             raise S3Error(404, "NoSuchUpload", f"no multipart upload {upload_id!r} for {bucket}/{key} "
                           "(aborted, completed, or lost in a server restart)")
+        up.touched = time.monotonic()
         return up
 
     def forget(self, up: Upload) -> None:

@@ -476,3 +476,22 @@ def test_a_refused_conditional_commit_leaves_no_files(tmp_path):
     with pytest.raises(BadRequest):
         store.delete("b", "k", refuse)
     assert store.lookup("b", "k").tag == kept.tag
+
+
+def test_upload_table_is_bounded_and_reclaims_idle_uploads(tmp_path, monkeypatch):
+    from server import s3_multipart
+    from server.s3_xml import S3Error
+    from server.store import Store
+
+    monkeypatch.setattr(s3_multipart, "MAX_UPLOADS", 3)
+    uploads = s3_multipart.Uploads(Store([tmp_path / "d"], chunk_size=MiB))
+    ups = [uploads.create("b", f"k{i}") for i in range(3)]
+    with pytest.raises(S3Error) as info:
+        uploads.create("b", "k3")
+    assert info.value.status == 503 and info.value.code == "SlowDown"
+    ups[1].touched -= s3_multipart.IDLE_RECLAIM_SECONDS + 1  # one has been idle past the limit
+    fresh = uploads.create("b", "k3")
+    assert not ups[1].dir.exists() and fresh.dir.is_dir()
+    with pytest.raises(S3Error):
+        uploads.get(ups[1].id, "b", "k1")
+    assert uploads.get(ups[0].id, "b", "k0") is ups[0]
