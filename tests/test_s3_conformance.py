@@ -457,6 +457,8 @@ def test_a_refused_conditional_commit_leaves_no_files(tmp_path):
     from server.errors import BadRequest
     from server.store import Store
 
+    for d in ("d1", "d2"):  # existing data dirs (a missing one may be refused)
+        (tmp_path / d).mkdir()
     store = Store([tmp_path / "d1", tmp_path / "d2"], chunk_size=64 * KiB)
     store.create_bucket("b")
     kept = store.put_bytes("b", "k", b"a" * (200 * KiB))
@@ -484,6 +486,7 @@ def test_upload_table_is_bounded_and_reclaims_idle_uploads(tmp_path, monkeypatch
     from server.store import Store
 
     monkeypatch.setattr(s3_multipart, "MAX_UPLOADS", 3)
+    (tmp_path / "d").mkdir()
     uploads = s3_multipart.Uploads(Store([tmp_path / "d"], chunk_size=MiB))
     ups = [uploads.create("b", f"k{i}") for i in range(3)]
     with pytest.raises(S3Error) as info:
