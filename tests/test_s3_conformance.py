@@ -498,3 +498,23 @@ def test_upload_table_is_bounded_and_reclaims_idle_uploads(tmp_path, monkeypatch
     with pytest.raises(S3Error):
         uploads.get(ups[1].id, "b", "k1")
     assert uploads.get(ups[0].id, "b", "k0") is ups[0]
+
+
+def test_a_conditional_delete_never_removes_a_version_it_did_not_check(tmp_path):
+    """DELETE with If-Match removes exactly the version it checked: a PUT that lands between
+    the check and the removal (simulated by committing inside the check) survives."""
+    from server.store import Store
+
+    (tmp_path / "d").mkdir()
+    store = Store([tmp_path / "d"], chunk_size=64 * KiB)
+    store.create_bucket("b")
+    old = store.put_bytes("b", "k", b"old")
+    landed = []
+
+    def check(current):
+        assert current.tag == old.tag
+        landed.append(store.put_bytes("b", "k", b"new version"))
+
+    store.delete("b", "k", check)
+    assert store.lookup("b", "k").tag == landed[0].tag
+    assert store.open("b", "k").pread() == b"new version"
