@@ -13,6 +13,8 @@ as the native API (see docs/s3.md for what is supported and how tools mount it).
                                      also as aws-chunked trailers; If-None-Match: *, If-Match)
     PUT    /B/KEY + x-amz-copy-source  CopyObject (source and destination conditionals)
     DELETE /B/KEY                    DeleteObject (204, also when absent; If-Match)
+    POST   /B/KEY?uploads, PUT ?partNumber&uploadId, POST/DELETE ?uploadId
+                                     multipart uploads (``server.s3_multipart``)
 
 Anything else a client asks for — a query parameter or x-amz-* header outside
 ``ALLOWED_PARAMS`` / ``ALLOWED_HEADERS`` (multipart, versions, SSE, tagging, ACLs, object
@@ -38,21 +40,23 @@ import asyncio
 import base64
 import binascii
 import email.utils
-import urllib.parse
 import hashlib
+import urllib.parse
 import zlib
 from collections.abc import Callable
 
 from aiohttp import web
 
 from server import native, s3_multipart
+from server.s3_xml import (OWNER_ID, copy_result_doc, delete_result_doc, parse_complete_doc, parse_delete_doc,
+                           upload_doc)
+from server.sigv4 import TRAILERS_KEY
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
-from server.s3_xml import (CODE_KEY, OWNER_ID, REGION, S3Error, copy_result_doc, default_code, delete_result_doc, error_response,
-                           list_buckets_doc, list_objects_doc, location_doc, parse_complete_doc, parse_delete_doc,
-                           upload_doc, xml_response)
-from server.sigv4 import TRAILERS_KEY, aws_chunks, is_aws_chunked, verify
+from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
+                           list_objects_doc, location_doc, xml_response)
+from server.sigv4 import aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
 
@@ -146,7 +150,6 @@ def _s3(handler, root: bool):
             config = request.app[CONFIG]
             if config.s3_access_key and config.s3_secret_key:
                 request[SIGNED_KEY] = verify(request, config.s3_access_key, config.s3_secret_key)
-            _refuse_unsupported(request, handler.__name__)
             return await handler(request)
         except StoreError as e:
             request[CODE_KEY] = _code_for(request, e)
@@ -241,10 +244,12 @@ def _key(request: web.Request) -> str:
 
 # -- service and buckets --------------------------------------------------------------------
 async def list_buckets(request: web.Request) -> web.Response:
+    _refuse_unsupported(request, "list_buckets")
     return xml_response(list_buckets_doc(dict(request.app[STORE].buckets)))
 
 
 async def bucket(request: web.Request) -> web.StreamResponse:
+    _refuse_unsupported(request, "bucket")
     store = request.app[STORE]
     method = request.method
     if method == "POST":
@@ -361,6 +366,7 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
 
 # -- objects --------------------------------------------------------------------------------
 async def obj(request: web.Request) -> web.StreamResponse:
+    _refuse_unsupported(request, "obj")
     method = request.method
     if method == "POST":
         bucket_name, key = _require_bucket(request), _key(request)
