@@ -21,7 +21,7 @@ Anything else a client asks for — a query parameter or x-amz-* header outside
 lock, …) — is refused with 501 before anything is read or changed, never ignored
 (``_refuse_unsupported``). User metadata (x-amz-meta-*) and Content-Type are accepted and not
 kept (s3fs and rclone send them with every upload). Conditional writes are atomic: the
-precondition runs inside the store's commit transaction (``PutWriter.commit(precondition)``).
+precondition runs inside the store's commit transaction (``PutWriter.commit_if``).
 
 The same routes exist under ``/s3``. Root routes are registered last and aiohttp tries the
 most specific path prefix first, so they never shadow ``/v1/…``, ``/metrics`` or ``/s3/…``;
@@ -599,7 +599,7 @@ def _check_and_commit(writer, digests, precondition=None) -> ObjectMeta:
     for code, hasher, want in digests:
         if hasher.digest() != want:
             raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was stored")
-    return writer.commit(precondition)
+    return writer.commit_if(precondition)
 
 
 def _write_and_commit(writer, digests, data: bytes, precondition=None) -> ObjectMeta:
@@ -638,7 +638,7 @@ def _copy_into(store, src, bucket_name: str, key: str, precondition) -> ObjectMe
             if chunk.size:
                 writer.write(src.pread(base, base + chunk.size))
             base += chunk.size
-        return writer.commit(precondition)
+        return writer.commit_if(precondition)
     except BaseException:
         writer.abort()
         raise

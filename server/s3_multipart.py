@@ -96,7 +96,7 @@ def remove_files(up: Upload) -> None:
 
 
 class PartWriter:
-    """One part's body to a file; the same write/commit/abort interface as ``PutWriter`` so
+    """One part's body to a file; the same write/commit_if/abort interface as ``PutWriter`` so
     the PUT body code (digests, aws-chunked, trailers) serves both. Blocking: run in threads."""
 
     def __init__(self, up: Upload, number: int):
@@ -113,7 +113,7 @@ class PartWriter:
         while len(view):
             view = view[os.write(self._fd, view):]
 
-    def commit(self, precondition=None) -> tuple[int, str]:
+    def commit_if(self, precondition=None) -> tuple[int, str]:  # a part has no precondition
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
@@ -158,7 +158,7 @@ def assemble(store: Store, up: Upload, numbers: list[int], precondition) -> Obje
             with open(up.dir / str(n), "rb") as f:
                 while piece := f.read(COPY_PIECE):
                     writer.write(piece)
-        return writer.commit(precondition)
+        return writer.commit_if(precondition)
     except BaseException:
         writer.abort()
         raise

@@ -272,6 +272,12 @@ class MetaCache:
         return len(self._items)
 
 
+# Preconditions of commits in flight, by version tag (unique per writer): ``_commit`` runs the
+# one for its tag inside its catalog transaction. A table rather than a parameter keeps
+# ``_commit``'s signature as other callers know it.
+_PRECONDITIONS: dict[str, Callable[["ObjectMeta | None"], None]] = {}
+
+
 class PutWriter:
     """Writes one object version as chunk files; blocking, run it in a thread.
 
@@ -323,11 +329,7 @@ class PutWriter:
             self._cur_len += n
             view = view[n:]
 
-    def commit(self, precondition: Callable[[ObjectMeta | None], None] | None = None) -> ObjectMeta:
-        """Make the version durable and current. ``precondition(current version or None)`` is
-        called inside the catalog transaction that replaces it, so no other commit of this name
-        runs between the check and the write (S3's conditional PUT); if it raises, nothing
-        is committed and the caller aborts."""
+    def commit(self) -> ObjectMeta:
         if not self._files:
             self._open_next()  # an empty object is one empty file
         self._close_current()
@@ -342,26 +344,8 @@ class PutWriter:
         for d in dirs:
             _fsync_dir(d)
         chunk_size = self.store.chunk_size if len(chunks) > 1 else 0
-        if precondition is None:
-            return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
-                                      chunk_size, self.tag, tuple(chunks))
-        refused = False
-
-        def check(current: ObjectMeta | None) -> None:
-            nonlocal refused
-            refused = True
-            precondition(current)
-            refused = False
-
-        try:
-            return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
-                                      chunk_size, self.tag, tuple(chunks), check)
-        except BaseException:
-            if refused:  # nothing was committed: the renamed files belong to no version
-                for i, (mp, _, _, _) in enumerate(self._files):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(mp.data_path(self.bucket, self.name, self.tag, i))
-            raise
+        return self.store._commit(self.bucket, self.name, self.size, self._hash.hexdigest(),
+                                  chunk_size, self.tag, tuple(chunks))
 
     def abort(self) -> None:
         if self._fd is not None:
@@ -370,6 +354,33 @@ class PutWriter:
         for _, tmp, _, _ in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def commit_if(self, precondition: Callable[[ObjectMeta | None], None] | None) -> ObjectMeta:
+        """``commit``, with ``precondition(current version or None)`` called inside the catalog
+        transaction that replaces the version, so no other commit of this name runs between
+        the check and the write (S3's conditional PUT). If it raises, nothing is committed,
+        the version's files are removed, and the caller aborts as after any failure."""
+        if precondition is None:
+            return self.commit()
+        refused = False
+
+        def check(current: ObjectMeta | None) -> None:
+            nonlocal refused
+            refused = True
+            precondition(current)
+            refused = False
+
+        _PRECONDITIONS[self.tag] = check
+        try:
+            return self.commit()
+        except BaseException:
+            if refused:  # the files were renamed into place, and belong to no version
+                for i, (mp, _, _, _) in enumerate(self._files):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(mp.data_path(self.bucket, self.name, self.tag, i))
+            raise
+        finally:
+            _PRECONDITIONS.pop(self.tag, None)
 
 
 class Store:
@@ -498,12 +509,13 @@ class Store:
             w.abort()
             raise
 
-    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks, precondition=None) -> ObjectMeta:
+    def _commit(self, bucket, name, size, cksum, chunk_size, tag, chunks) -> ObjectMeta:
         home = self.home(bucket, name)
         with home.writer() as db:
             row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
             old = (home, _row_to_meta(row)) if row else self._find(bucket, name)
-            if precondition is not None:
+            precondition = _PRECONDITIONS.get(tag)
+            if precondition is not None:  # a conditional commit (PutWriter.commit_if)
                 precondition(old[1] if old else None)
             version = (old[1].version if old else 0) + 1
             meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)

@@ -470,7 +470,7 @@ def test_a_refused_conditional_commit_leaves_no_files(tmp_path):
     w = store.writer("b", "k")
     w.write(b"b" * (300 * KiB))
     with pytest.raises(BadRequest):
-        w.commit(refuse)
+        w.commit_if(refuse)
     w.abort()
     files = sorted(p.name for d in ("d1", "d2") for p in (tmp_path / d / "objs").rglob("*") if p.is_file())
     assert files == sorted(p.name for p, _ in store.chunk_files(kept))
