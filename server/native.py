@@ -13,11 +13,12 @@ import os
 import msgpack
 from aiohttp import web
 
-from server import archget
 from server.errors import BadRequest
 from server.names import check_bucket, check_objname, parse_range
 from server.state import CONFIG, METRICS, OP_KEY, STORE, read_json
 from server.store import CKSUM_TYPE, ObjectMeta, OpenObject
+
+from server import archget  # GET ?archpath=: one member of a shard
 
 INLINE_READ_MAX = 256 * 1024  # below this a read is one pread on the event loop (page cache)
 PUT_INLINE_MAX = 256 * 1024  # bodies up to this are read whole and written in one thread hop
@@ -171,9 +172,9 @@ async def head_object(request: web.Request) -> web.Response:
 async def get_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "get"
     bucket, name = _names(request)
+    header = request.headers.get("Range")
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
-    header = request.headers.get("Range")
     # Only the chunks the range covers are opened (a bad range fails before any is).
     obj = request.app[STORE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
     try:

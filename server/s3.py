@@ -47,10 +47,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from server import native, s3_multipart
-from server.s3_xml import (OWNER_ID, copy_result_doc, delete_result_doc, parse_complete_doc, parse_delete_doc,
-                           upload_doc)
-from server.sigv4 import TRAILERS_KEY
+from server import native
 from server.errors import BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable, StoreError
 from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.s3_listing import MAX_KEYS, list_objects
@@ -59,6 +56,11 @@ from server.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_respon
 from server.sigv4 import aws_chunks, is_aws_chunked, verify
 from server.state import API_KEY, CONFIG, METRICS, OP_KEY, STORE
 from server.store import ObjectMeta
+
+from server import s3_multipart  # multipart uploads, copy and multi-delete documents, trailing checksums
+from server.s3_xml import (OWNER_ID, copy_result_doc, delete_result_doc, parse_complete_doc, parse_delete_doc,
+                           upload_doc)
+from server.sigv4 import TRAILERS_KEY
 
 __all__ = ["add_routes", "error_response"]
 
@@ -689,12 +691,12 @@ async def _put_object(request: web.Request) -> web.Response:
     store = request.app[STORE]
     precondition = _put_precondition(request)
     _early_check(store, bucket_name, key, precondition)
-    meta = await _receive(request, store.writer(bucket_name, key), precondition)
+    meta = await _receive(request, store.writer(bucket_name, key), key, precondition)
     request.app[METRICS].bytes_in.inc(meta.size)
     return web.Response(headers={"ETag": f'"{meta.etag}"'})
 
 
-async def _receive(request: web.Request, writer, precondition=None):
+async def _receive(request: web.Request, writer, key: str, precondition=None):
     """Stream the body into ``writer`` (a ``PutWriter`` or a ``PartWriter``), checking every
     digest sent with it, and commit; the writer is aborted on any failure."""
     chunked = is_aws_chunked(request)
@@ -755,7 +757,7 @@ async def _upload_part(request: web.Request, bucket_name: str, key: str) -> web.
     up = request.app[MPU].get(request.query["uploadId"], bucket_name, key)
     try:
         writer = await asyncio.to_thread(s3_multipart.PartWriter, up, number)
-        size, md5 = await _receive(request, writer)
+        size, md5 = await _receive(request, writer, key)
     except FileNotFoundError:  # aborted while this part was arriving
         raise S3Error(404, "NoSuchUpload", f"the upload {up.id!r} was aborted") from None
     up.parts[number] = (size, md5)
