@@ -597,16 +597,42 @@ def _write(writer, digests, data: bytes) -> None:
     writer.write(data)
 
 
-def _check_and_commit(writer, digests, precondition=None) -> ObjectMeta:
+def _check_and_commit(writer, digests) -> ObjectMeta:
     for code, hasher, want in digests:
         if hasher.digest() != want:
             raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was stored")
-    return writer.commit_if(precondition)
+    return writer.commit()
 
 
-def _write_and_commit(writer, digests, data: bytes, precondition=None) -> ObjectMeta:
+def _write_and_commit(writer, digests, data: bytes) -> ObjectMeta:
     _write(writer, digests, data)
-    return _check_and_commit(writer, digests, precondition)
+    return _check_and_commit(writer, digests)
+
+
+class _Conditional:
+    """A ``PutWriter`` whose ``commit`` is ``commit_if(precondition)``: the conditional PUT,
+    CopyObject and CompleteMultipartUpload check the destination in the commit transaction."""
+
+    def __init__(self, writer, precondition):
+        self._writer, self._precondition = writer, precondition
+
+    @property
+    def size(self) -> int:
+        return self._writer.size
+
+    def write(self, data) -> None:
+        self._writer.write(data)
+
+    def commit(self) -> ObjectMeta:
+        return self._writer.commit_if(self._precondition)
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def _writer(store, bucket_name: str, key: str, precondition):
+    writer = store.writer(bucket_name, key)
+    return writer if precondition is None else _Conditional(writer, precondition)
 
 
 def _early_check(store, bucket_name: str, key: str, precondition) -> None:
@@ -691,12 +717,12 @@ async def _put_object(request: web.Request) -> web.Response:
     store = request.app[STORE]
     precondition = _put_precondition(request)
     _early_check(store, bucket_name, key, precondition)
-    meta = await _receive(request, store.writer(bucket_name, key), key, precondition)
+    meta = await _receive(request, _writer(store, bucket_name, key, precondition), key)
     request.app[METRICS].bytes_in.inc(meta.size)
     return web.Response(headers={"ETag": f'"{meta.etag}"'})
 
 
-async def _receive(request: web.Request, writer, key: str, precondition=None):
+async def _receive(request: web.Request, writer, key: str):
     """Stream the body into ``writer`` (a ``PutWriter`` or a ``PartWriter``), checking every
     digest sent with it, and commit; the writer is aborted on any failure."""
     chunked = is_aws_chunked(request)
@@ -713,7 +739,7 @@ async def _receive(request: web.Request, writer, key: str, precondition=None):
     try:
         if not chunked and length is not None and length <= native.PUT_INLINE_MAX:
             data = await request.content.readexactly(length) if length else b""
-            meta = await asyncio.to_thread(_write_and_commit, writer, digests, data, precondition)
+            meta = await asyncio.to_thread(_write_and_commit, writer, digests, data)
         else:
             body = aws_chunks(request, request.get(SIGNED_KEY)) if chunked else request.content.iter_chunked(native.PUT_PIECE)
             size = 0
@@ -725,7 +751,7 @@ async def _receive(request: web.Request, writer, key: str, precondition=None):
             if chunked and declared is not None and size != declared:
                 raise S3Error(400, "IncompleteBody", f"decoded {size} bytes, x-amz-decoded-content-length says {declared}")
             digests += _check_trailers(request, trailing)
-            meta = await asyncio.to_thread(_check_and_commit, writer, digests, precondition)
+            meta = await asyncio.to_thread(_check_and_commit, writer, digests)
     except BaseException:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise

@@ -96,7 +96,7 @@ def remove_files(up: Upload) -> None:
 
 
 class PartWriter:
-    """One part's body to a file; the same write/commit_if/abort interface as ``PutWriter`` so
+    """One part's body to a file; the same write/commit/abort interface as ``PutWriter`` so
     the PUT body code (digests, aws-chunked, trailers) serves both. Blocking: run in threads."""
 
     def __init__(self, up: Upload, number: int):
@@ -113,7 +113,7 @@ class PartWriter:
         while len(view):
             view = view[os.write(self._fd, view):]
 
-    def commit_if(self, precondition=None) -> tuple[int, str]:  # a part has no precondition
+    def commit(self) -> tuple[int, str]:
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
