@@ -32,6 +32,8 @@ from server.store import CKSUM_TYPE, ObjectMeta, OpenObject, discard, verify_in_
 
 log = logging.getLogger(__name__)
 
+from server import archget  # GET ?archpath=: one member of a shard
+
 INLINE_READ_MAX = 256 * 1024  # below this a read is one pread on the event loop (page cache)
 PUT_INLINE_MAX = 256 * 1024  # bodies up to this are read whole and written in one thread hop
 PUT_PIECE = 1024 * 1024  # larger bodies are written in pieces of this size
@@ -188,6 +190,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "get"
     bucket, name = _names(request)
     header = request.headers.get("Range")
+    if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
+        return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
     obj = request.app[STORE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
     try:
@@ -199,8 +203,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
 async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict | None = None) -> web.StreamResponse:
     """Reply with an open object (honouring ``Range``); shared by the native and S3 GETs."""
     meta = obj.meta
-    headers = object_headers(meta) | (extra_headers or {})
-    headers["Content-Type"] = "application/octet-stream"
+    headers = {"Content-Type": "application/octet-stream"} | object_headers(meta) | (extra_headers or {})
     start, end, status = 0, meta.size, 200
     if "Range" in request.headers:
         start, end = parse_range(request.headers["Range"], meta.size)

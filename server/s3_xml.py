@@ -128,11 +128,13 @@ def contents_entry(meta, encode, owner: bool) -> ET.Element:
 
 
 def list_objects_doc(*, v2: bool, bucket: str, prefix: str, delimiter: str, marker: str, max_keys: int,
-                     url_encoded: bool, page, next_token: str = "", continuation_token: str | None = None) -> ET.Element:
+                     url_encoded: bool, page, next_token: str = "", continuation_token: str | None = None,
+                     fetch_owner: bool = False) -> ET.Element:
     """ListObjects (V1) or ListObjectsV2 result for one ``server.s3_listing.ListPage``.
 
     V1 gives NextMarker only with a delimiter (without one, clients resume after the last
-    key, as S3 specifies); V2 gives KeyCount and an opaque NextContinuationToken."""
+    key, as S3 specifies); V2 gives KeyCount and an opaque NextContinuationToken, and an
+    Owner per key only with fetch-owner=true (V1 always has it)."""
     enc = url_encode if url_encoded else (lambda s: s)
     root = element("ListBucketResult")
     leaf(root, "Name", bucket)
@@ -155,8 +157,101 @@ def list_objects_doc(*, v2: bool, bucket: str, prefix: str, delimiter: str, mark
         leaf(root, "NextContinuationToken", next_token)
     elif page.truncated and delimiter:
         leaf(root, "NextMarker", enc(page.last))
-    root.extend(contents_entry(m, enc, owner=not v2) for m in page.contents)
+    root.extend(contents_entry(m, enc, owner=fetch_owner or not v2) for m in page.contents)
     for p in page.prefixes:
         cp = ET.SubElement(root, "CommonPrefixes")
         leaf(cp, "Prefix", enc(p))
     return root
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]  # with or without the S3 namespace
+
+
+def parse_delete_doc(body: bytes, max_keys: int) -> tuple[bool, list[tuple[str, str | None, str | None]]]:
+    """A DeleteObjects ``<Delete>`` document: (quiet, [(key, ETag or None, VersionId or None)])."""
+    def malformed(why: str) -> S3Error:
+        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
+
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as e:
+        raise malformed(str(e)) from None
+    if _local(root.tag) != "Delete":
+        raise malformed("the root element is not Delete")
+    quiet, objects = False, []
+    for child in root:
+        tag = _local(child.tag)
+        if tag == "Quiet":
+            quiet = (child.text or "").strip().lower() == "true"
+        elif tag == "Object":
+            fields = {_local(c.tag): c.text or "" for c in child}
+            if "Key" not in fields:
+                raise malformed("an Object without a Key")
+            for name in fields.keys() - {"Key", "ETag", "VersionId"}:  # LastModifiedTime, Size: conditions
+                raise S3Error(501, "NotImplemented", f"the {name} condition of DeleteObjects is not "
+                              "implemented; nothing was deleted")
+            objects.append((fields["Key"], fields.get("ETag"), fields.get("VersionId")))
+        else:
+            raise malformed(f"unexpected element {tag!r}")
+    if not objects:
+        raise malformed("no Object to delete")
+    if len(objects) > max_keys:
+        raise malformed(f"more than {max_keys} objects in one request")
+    return quiet, objects
+
+
+def delete_result_doc(deleted: list[str], errors: list[tuple[str, str, str]]) -> ET.Element:
+    root = element("DeleteResult")
+    for key in deleted:
+        d = ET.SubElement(root, "Deleted")
+        leaf(d, "Key", key)
+    for key, code, message in errors:
+        e = ET.SubElement(root, "Error")
+        leaf(e, "Key", key)
+        leaf(e, "Code", code)
+        leaf(e, "Message", message)
+    return root
+
+
+def copy_result_doc(etag: str, modified_ns: int) -> ET.Element:
+    root = element("CopyObjectResult")
+    leaf(root, "ETag", f'"{etag}"')
+    leaf(root, "LastModified", iso8601(modified_ns))
+    return root
+
+
+def upload_doc(tag: str, bucket: str, key: str, **fields: str) -> ET.Element:
+    """InitiateMultipartUploadResult / CompleteMultipartUploadResult."""
+    root = element(tag)
+    if "Location" in fields:
+        leaf(root, "Location", fields.pop("Location"))
+    leaf(root, "Bucket", bucket)
+    leaf(root, "Key", key)
+    for name, value in fields.items():
+        leaf(root, name, value)
+    return root
+
+
+def parse_complete_doc(body: bytes, max_parts: int) -> list[tuple[int, str]]:
+    """A CompleteMultipartUpload document: [(PartNumber, ETag)] in the order given."""
+    def malformed(why: str) -> S3Error:
+        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
+
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as e:
+        raise malformed(str(e)) from None
+    if _local(root.tag) != "CompleteMultipartUpload":
+        raise malformed("the root element is not CompleteMultipartUpload")
+    parts = []
+    for child in root:
+        if _local(child.tag) != "Part":
+            raise malformed(f"unexpected element {_local(child.tag)!r}")
+        fields = {_local(c.tag): (c.text or "").strip() for c in child}
+        if not fields.get("PartNumber", "").isdigit() or "ETag" not in fields:
+            raise malformed("a Part needs a PartNumber and an ETag")
+        parts.append((int(fields["PartNumber"]), fields["ETag"]))
+        if len(parts) > max_parts:
+            raise malformed(f"more than {max_parts} parts")
+    return parts

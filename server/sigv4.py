@@ -59,6 +59,7 @@ STREAMING_SIGNED = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 MAX_CHUNK_LINE_BYTES = 4096
 MAX_TRAILER_LINES = 64
+TRAILERS_KEY = "batchfs.s3.trailers"  # request key: {lowercased name: value} of an aws-chunked body's trailer
 
 
 def _denied(code: str, message: str, status: int = 403) -> S3Error:
@@ -254,10 +255,13 @@ async def _aws_chunks(request: web.Request, signed: SignedRequest | None) -> Asy
         if await content.readexactly(2) != b"\r\n":
             raise malformed("chunk data not followed by CRLF")
         yield data
-    for _ in range(MAX_TRAILER_LINES):  # trailers (checksums; not verified) up to a blank line
+    trailers = request[TRAILERS_KEY] = {}  # the caller checks the checksums they carry
+    for _ in range(MAX_TRAILER_LINES):  # trailer lines up to a blank line
         if content.at_eof():
             return
         line = await content.readuntil(b"\n")
         if not line.strip():
             return
+        name, _, value = line.decode("ascii", "replace").partition(":")
+        trailers[name.strip().lower()] = value.strip()
     raise malformed("too many trailer lines")

@@ -307,6 +307,12 @@ class MetaCache:
         return len(self._items)
 
 
+# Preconditions of commits in flight, by version tag (unique per writer): ``_commit`` runs the
+# one for its tag inside its catalog transaction. A table rather than a parameter keeps
+# ``_commit``'s signature as other callers know it.
+_PRECONDITIONS: dict[str, Callable[["ObjectMeta | None"], None]] = {}
+
+
 class PutWriter:
     """Writes one object version as chunk files; blocking, run it in a thread.
 
@@ -422,6 +428,33 @@ class PutWriter:
         for p in finals:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+    def commit_if(self, precondition: Callable[[ObjectMeta | None], None] | None) -> ObjectMeta:
+        """``commit``, with ``precondition(current version or None)`` called inside the catalog
+        transaction that replaces the version, so no other commit of this name runs between
+        the check and the write (S3's conditional PUT). If it raises, nothing is committed,
+        the version's files are removed, and the caller aborts as after any failure."""
+        if precondition is None:
+            return self.commit()
+        refused = False
+
+        def check(current: ObjectMeta | None) -> None:
+            nonlocal refused
+            refused = True
+            precondition(current)
+            refused = False
+
+        _PRECONDITIONS[self.tag] = check
+        try:
+            return self.commit()
+        except BaseException:
+            if refused:  # the files were renamed into place, and belong to no version
+                for i, (mp, _, _, _) in enumerate(self._files):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(mp.data_path(self.bucket, self.name, self.tag, i))
+            raise
+        finally:
+            _PRECONDITIONS.pop(self.tag, None)
 
 
 class Store:
@@ -589,6 +622,9 @@ class Store:
         with home.writer() as db:
             row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
             old = (home, _row_to_meta(row)) if row else self._find(bucket, name)
+            precondition = _PRECONDITIONS.get(tag)
+            if precondition is not None:  # a conditional commit (PutWriter.commit_if)
+                precondition(old[1] if old else None)
             version = (old[1].version if old else 0) + 1
             meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
@@ -617,11 +653,16 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def delete(self, bucket: str, name: str) -> None:
+    def delete(self, bucket: str, name: str,
+               precondition: Callable[[ObjectMeta], None] | None = None) -> None:
+        """Delete the current version. ``precondition(version)`` may refuse (S3's If-Match);
+        a PUT committed after the check survives, since only that version's row goes."""
         self.require_bucket(bucket)
         found = self._find(bucket, name)
         if found is None:
             raise NotFound(f"ais://{bucket}/{name} does not exist")
+        if precondition is not None:
+            precondition(found[1])
         self._forget(*found)
 
     def chunk_files(self, meta: ObjectMeta) -> list[tuple[Path, int]]:

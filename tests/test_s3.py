@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 import uuid
+import zlib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
@@ -383,7 +384,8 @@ def test_errors_are_s3_xml(server, bucket):
     assert code(httpx.get(f"{u}/{bucket}", params={"prefix": "p" * 1025})) == (400, "InvalidArgument")
     assert code(httpx.get(f"{u}/{bucket}?acl")) == (501, "NotImplemented")
     assert code(httpx.put(f"{u}/{bucket}/k?tagging", content=b"")) == (501, "NotImplemented")
-    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source": f"/{bucket}/x"})) == (501, "NotImplemented")
+    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source": f"/{bucket}/x"})) == (404, "NoSuchKey")
+    assert code(httpx.put(f"{u}/{bucket}/k", headers={"x-amz-copy-source-range": "bytes=0-1"})) == (501, "NotImplemented")
     assert code(httpx.put(f"{u}/{bucket}/" + "k" * 1025, content=b"")) == (400, "KeyTooLongError")
     for path in (f"/{bucket}/missing", f"/{bucket}x", f"/{bucket}x/k"):  # HEAD errors: status only
         r = httpx.head(u + path)
@@ -497,11 +499,19 @@ def test_aws_chunked_uploads(server, keyed, bucket):
     assert r.status_code == 403 and ET.fromstring(r.content).find("Code").text == "SignatureDoesNotMatch"
     assert error_of(good.head_object, Bucket="sig", Key="chunked2") == (404, "404")
     # unsigned chunks with a checksum trailer, as newer SDKs send over https (no keys here)
-    body = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (data[:70000], data[70000:])) + \
-        b"0\r\nx-amz-checksum-crc32:AAAAAA==\r\n\r\n"
-    r = httpx.put(f"{server.url}/{bucket}/trailer", content=body, headers={
-        "x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER", "Content-Encoding": "aws-chunked",
-        "x-amz-decoded-content-length": str(len(data)), "x-amz-trailer": "x-amz-checksum-crc32"})
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big"))
+    frames = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (data[:70000], data[70000:]))
+    headers = {"x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER", "Content-Encoding": "aws-chunked",
+               "x-amz-decoded-content-length": str(len(data)), "x-amz-trailer": "x-amz-checksum-crc32"}
+    # the trailing checksum is verified: a wrong one stores nothing
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=frames + b"0\r\nx-amz-checksum-crc32:AAAAAA==\r\n\r\n",
+                  headers=headers)
+    assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "BadDigest", r.text
+    assert httpx.head(f"{server.url}/{bucket}/trailer").status_code == 404
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=frames + b"0\r\n\r\n", headers=headers)
+    assert r.status_code == 400 and httpx.head(f"{server.url}/{bucket}/trailer").status_code == 404
+    body = frames + b"0\r\nx-amz-checksum-crc32:" + crc + b"\r\n\r\n"
+    r = httpx.put(f"{server.url}/{bucket}/trailer", content=body, headers=headers)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/{bucket}/trailer").content == data
     r = httpx.put(f"{server.url}/{bucket}/short", content=body[:-40], headers={
@@ -622,3 +632,45 @@ def test_conditional_reads(server, s3, bucket):
     assert error_of(s3.get_object, Bucket=bucket, Key="c", IfNoneMatch=etag) == (304, "304")
     assert s3.get_object(Bucket=bucket, Key="c", IfNoneMatch='"other"')["Body"].read() == b"conditional"
     assert httpx.get(f"{server.url}/{bucket}/c", params={"versionId": "3"}).status_code == 501
+
+
+@pytest.mark.parametrize("tool", ["s3fs", "rclone"])
+def test_tools_write_small_files(tool, server, tmp_path):
+    """What s3fs (through its mount) and rclone (copyto, as users upload) send on a write —
+    x-amz-meta-*, Content-Type, Content-MD5, a zero-byte create then the content — is all
+    accepted by the refusal rules, and the bytes land exactly."""
+    _require(tool, "fusermount3")
+    client = s3_client(server.url)
+    bucket_name = f"w{tool}"
+    with contextlib.suppress(ClientError):
+        client.create_bucket(Bucket=bucket_name)
+    data = random.Random(tool).randbytes(150_000)
+    if tool == "rclone":
+        src = tmp_path / "src.bin"
+        src.write_bytes(data)
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+        subprocess.run(["rclone", "copyto", str(src), f":s3:{bucket_name}/dir/new.bin", "--s3-provider", "Other",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
+                       env=env, check=True, capture_output=True, timeout=60)
+        # rcat streams stdin of unknown size: a multipart upload of 5 MiB parts
+        big = random.Random(5).randbytes(11 * 1024 * 1024 + 7)
+        subprocess.run(["rclone", "rcat", f":s3:{bucket_name}/dir/streamed.bin", "--s3-provider", "Other",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
+                       input=big, env=env, check=True, capture_output=True, timeout=120)
+        assert client.get_object(Bucket=bucket_name, Key="dir/streamed.bin")["Body"].read() == big
+    else:
+        mnt = tmp_path / "mnt"
+        cmd, env = _mount_cmd(tool, server.url, bucket_name, mnt, tmp_path, "x", "x")
+        with ExternalMount(cmd, mnt, tmp_path / f"{tool}.log", env) as m:
+            (mnt / "dir").mkdir()
+            (mnt / "dir" / "new.bin").write_bytes(data)
+            assert (mnt / "dir" / "new.bin").read_bytes() == data, m.log()
+            # rename and chmod are CopyObject (onto itself with REPLACE for chmod) + DeleteObject
+            (mnt / "dir" / "tmp.bin").write_bytes(data[:1000])
+            os.rename(mnt / "dir" / "tmp.bin", mnt / "dir" / "renamed.bin")
+            os.chmod(mnt / "dir" / "renamed.bin", 0o600)
+        assert client.get_object(Bucket=bucket_name, Key="dir/renamed.bin")["Body"].read() == data[:1000]
+        assert error_of(client.head_object, Bucket=bucket_name, Key="dir/tmp.bin") == (404, "404")
+    assert client.get_object(Bucket=bucket_name, Key="dir/new.bin")["Body"].read() == data
