@@ -23,6 +23,12 @@ Refused with 400, changing nothing (AIStore's query parameters, ``api/apc/query.
 - ``archmime`` (the shard's format, when its name does not say): not implemented; the format
   comes from the name's extension, else the first bytes.
 
+Bounds, as for GetBatch (docs/getbatch.md): a request's decompression is charged to a
+``Work`` with the GetBatch floor and ratio (``--getbatch-decompress-floor``/``-ratio``), and
+the work stops (``Cancelled``) when the client goes away, checked every half second. Every byte
+sent is verified against the shard's stored checksums first (a TAR member sent with
+``sendfile`` is checked piece by piece, as a plain GET is).
+
 Invariant: every file opened here is closed when the reply ends or fails, and nothing here
 writes to the store.
 """
@@ -36,8 +42,10 @@ import os
 from aiohttp import web
 
 from server.errors import BadRequest, StoreError
+from server.getbatch_budget import Cancelled, Work
 from server.shards import MemberSource, RangeSource, ShardIndexCache, open_member
-from server.state import METRICS, OP_KEY, STORE
+from server.state import CONFIG, METRICS, OP_KEY, STORE
+from server.store import verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +98,15 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
     archpath = _archpath(request)
     request[OP_KEY] = "get_archpath"
     store = request.app[STORE]
+    config = request.app[CONFIG]
+    work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, request.app[METRICS])
+    watchdog = asyncio.create_task(_stop_when_gone(request, work))
     obj = store.open(bucket, name)
     src: MemberSource | None = None
     try:
-        index = await asyncio.to_thread(_index_cache(request.app).get, store, obj.meta, obj)
+        index = await asyncio.to_thread(_index_cache(request.app).get, store, obj.meta, obj, work)
         _, size = index.find(obj.meta, archpath)
-        src = await asyncio.to_thread(open_member, obj, index, archpath, 0, size, False)
+        src = await asyncio.to_thread(open_member, obj, index, archpath, 0, size, False, work)
         headers = {"Content-Type": "application/octet-stream"}
         request.app[METRICS].bytes_out.labels(request[OP_KEY]).inc(size)
         if size <= INLINE_MAX:
@@ -105,28 +116,48 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
         await resp.prepare(request)
         try:
             await _stream(request, resp, src, size)
-        except StoreError as e:  # after the 200: all we can do is cut the reply short
-            log.error("GET ais://%s/%s?archpath=%s: %s", bucket, name, archpath, e.message)
+        except (StoreError, Cancelled) as e:  # after the 200: all we can do is cut the reply short
+            message = e.message if isinstance(e, StoreError) else str(e)
+            log.error("GET ais://%s/%s?archpath=%s: %s", bucket, name, archpath, message)
             if request.transport is not None:
                 request.transport.close()
-            raise ConnectionResetError(e.message) from None
+            raise ConnectionResetError(message) from None
         await resp.write_eof()
         return resp
+    except Cancelled as e:  # before the 200: the client is gone, nobody to answer
+        raise ConnectionResetError(str(e)) from None
     finally:
+        watchdog.cancel()
         if src is not None:
             src.close()
         obj.close()
+
+
+async def _stop_when_gone(request: web.Request, work: Work) -> None:
+    """Stop the request's reader-thread work (an index build, a decompression) once its client
+    has gone: the thread checks ``work`` between steps."""
+    while True:
+        await asyncio.sleep(0.5)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            work.stop("client disconnected")
+            return
 
 
 async def _stream(request: web.Request, resp: web.StreamResponse, src: MemberSource, size: int) -> None:
     transport = request.transport
     if isinstance(src, RangeSource):  # a TAR member: its bytes lie in the shard's chunk files
         loop = asyncio.get_running_loop()
-        for fd, off, count in src.segments():
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("client disconnected")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                await loop.sendfile(transport, f, off, count)
+        obj, (start, end) = src.span()
+        for lo, hi in verify_pieces(obj, start, end):
+            err = await verify_in_thread(obj, lo, hi)  # checked before sendfile sends it
+            if err is not None:
+                raise err
+            for _, fd, off, count in obj.segments(lo, hi):
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError("client disconnected")
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    await loop.sendfile(transport, f, off, count)
         return
     left = size
     while left > 0:  # one thread hop per piece: a client that leaves stops the decompression
