@@ -81,7 +81,7 @@ JOBS = web.AppKey("jobs", JobRegistry)
 def _status(job: Job) -> dict:
     # JobStatus in the SDK (api/xact.go Status on the Go side)
     return {"uuid": job.id, "kind": job.kind, "err": job.error, "end_time": job.end_ns,
-            "aborted": bool(job.error)}
+            "aborted": False}  # AIStore: an xaction with errors finishes, it is not aborted
 
 
 def _rfc3339(ns: int) -> str:
@@ -99,7 +99,7 @@ def _snap(job: Job) -> dict:
             "end-time": _rfc3339(job.end_ns) if job.end_ns else "", "bck": _bck(job.bucket),
             "stats": {"loc-objs": str(job.objects), "loc-bytes": str(job.bytes),
                       "out-objs": "0", "out-bytes": "0", "in-objs": "0", "in-bytes": "0"},
-            "aborted": bool(job.error), "is_idle": bool(job.end_ns), "abort-err": job.error,
+            "aborted": False, "is_idle": bool(job.end_ns), "abort-err": job.error,
             "glob.id": 0}
     if job.dst_bucket:
         snap["src-bck"], snap["dst-bck"] = _bck(job.bucket), _bck(job.dst_bucket)
@@ -111,7 +111,7 @@ _QUERY_KEYS = {"ID", "Kind", "DaemonID", "Bck", "Buckets", "kind", "node", "show
 
 
 async def cluster_get(request: web.Request, node_id: str, body: dict | None) -> web.Response:
-    """``GET /v1/cluster?what=status|status_all|running_status|qryxstats``."""
+    """``GET /v1/cluster?what=status|status_all|running_all|qryxstats``."""
     what = request.query.get("what", "")
     body = body or {}
     if not isinstance(body, dict) or set(body) - _QUERY_KEYS:
@@ -132,7 +132,7 @@ async def cluster_get(request: web.Request, node_id: str, body: dict | None) -> 
         if body.get("show_active"):
             jobs = []  # every job here has finished within its own request
         return web.json_response([_status(j) for j in jobs])
-    if what == "running_status":
+    if what == "running_all":
         registry.select(job_id, kind)  # an unknown id is still a 404
         return web.json_response([])
     if what == "qryxstats":
@@ -141,4 +141,4 @@ async def cluster_get(request: web.Request, node_id: str, body: dict | None) -> 
             raise NotFound(f"job {job_id!r} is not of kind {kind!r}")
         return web.json_response({node_id: [_snap(j) for j in jobs]})
     raise BadRequest(f"GET /v1/cluster?what={what!r} is not supported "
-                     "(supported: status, status_all, running_status, qryxstats)")
+                     "(supported: status, status_all, running_all, qryxstats)")

@@ -601,6 +601,30 @@ async def delete_object(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+_REFUSED_ROUTES = [
+    # (method, path, what): calls the SDK makes that this node cannot honour; a clear 400
+    # instead of the catch-all's 404 or a 405
+    ("PUT", "/v1/cluster", "cluster actions (starting or stopping jobs, maintenance)"),
+    ("PUT", "/v1/buckets/{bucket}", "bucket PUT actions (archive, multi-object ETL)"),
+    ("POST", "/v1/objects/{bucket}", "object POST actions (promote, blob-download)"),
+    ("POST", r"/v1/objects/{bucket}/{obj:[\s\S]+}", "object POST actions (promote, blob-download, multipart upload)"),
+    ("PATCH", r"/v1/objects/{bucket}/{obj:[\s\S]+}", "custom object properties"),
+]
+
+
+def _refuse(what: str):
+    async def refuse(request: web.Request) -> web.Response:
+        request[OP_KEY] = "refused"
+        action = ""
+        if request.content_type == "application/json":
+            msg = await read_json(request, required=False)
+            if isinstance(msg, dict) and isinstance(msg.get("action"), str):
+                action = f" (action {msg['action']!r})"
+        raise BadRequest(f"{request.method} {request.path}{action}: {what} not supported by this node")
+
+    return refuse
+
+
 def add_routes(app: web.Application) -> None:
     app[jobs.JOBS] = jobs.JobRegistry()
     app[APPENDS] = Appends()
@@ -622,3 +646,5 @@ def add_routes(app: web.Application) -> None:
     r.add_get(obj, get_object, allow_head=False)
     r.add_head(obj, head_object)
     r.add_delete(obj, delete_object)
+    for method, path, what in _REFUSED_ROUTES:
+        r.add_route(method, path, _refuse(what))
