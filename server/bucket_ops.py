@@ -100,7 +100,7 @@ def parse_selection(value: dict, extra_keys: set[str]) -> tuple[list[str] | None
     return None, template, expand_template(template)
 
 
-def _under(store: Store, bucket: str, prefix: str, non_recursive: bool = False) -> Iterator[str]:
+def names_under(store: Store, bucket: str, prefix: str, non_recursive: bool = False) -> Iterator[str]:
     after = ""
     while True:
         page, token = store.list_page(bucket, prefix, after, _LIST_PAGE)
@@ -120,7 +120,7 @@ def selected(store: Store, bucket: str, value: dict, extra_keys: set[str]) -> tu
         return iter(names), True
     if isinstance(expansion, str):  # prefix (or everything): only what exists
         # materialise first: deleting while paging would skip names
-        return iter(list(_under(store, bucket, expansion, bool(value.get("non-recurs"))))), False
+        return iter(list(names_under(store, bucket, expansion, bool(value.get("non-recurs"))))), False
     return expansion, False
 
 

@@ -28,7 +28,7 @@ MAX_JOBS = 1024  # finished job records kept for status queries
 @dataclass
 class Job:
     id: str
-    kind: str  # AIStore's xaction kind, e.g. "delete-listrange", "copy-bck", "summary"
+    kind: str  # AIStore's xaction kind, e.g. "delete-listrange", "copy-bck", "summary-bck"
     bucket: str
     start_ns: int
     end_ns: int = 0

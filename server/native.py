@@ -175,7 +175,7 @@ async def bucket_post(request: web.Request) -> web.Response:
             raise BadRequest(f"copy-bck: unsupported value {value!r}")
         bucket_ops.check_copy_msg(value)
         prefix = value.get("prefix") or ""
-        names = list(await asyncio.to_thread(lambda: list(bucket_ops._under(store, bucket, prefix))))
+        names = list(await asyncio.to_thread(lambda: list(bucket_ops.names_under(store, bucket, prefix))))
         missing_is_error = False
     else:  # copy-listrange: the destination is in the value
         if "bck_to" in request.query:
@@ -224,7 +224,7 @@ async def bucket_head(request: web.Request) -> web.Response:
     registry = request.app[jobs.JOBS]
     if q.get("uuid"):  # a poll: the job finished when it was started
         job = registry.get(q["uuid"])
-        if job.kind != "summary" or job.bucket != bucket:
+        if job.kind != "summary-bck" or job.bucket != bucket:
             raise BadRequest(f"job {job.id!r} is not a summary of ais://{bucket}")
         if job.error:
             raise BadRequest(job.error)
@@ -232,7 +232,7 @@ async def bucket_head(request: web.Request) -> web.Response:
         return web.Response(headers=headers)
     if presence in ("1", "3"):  # FLT_*_NO_PROPS: existence only, no summary
         return web.Response(headers=headers)
-    job = registry.start("summary", bucket)
+    job = registry.start("summary-bck", bucket)  # AIStore's kind for both summary protocols
     job.result = await asyncio.to_thread(bucket_ops.summary, store, bucket, prefix)
     registry.finish(job)
     headers["Ais-Xaction-Id"] = job.id
@@ -603,12 +603,10 @@ async def delete_object(request: web.Request) -> web.Response:
 
 _REFUSED_ROUTES = [
     # (method, path, what): calls the SDK makes that this node cannot honour; a clear 400
-    # instead of the catch-all's 404 or a 405
+    # instead of the S3 catch-all's 404. (Object POST and PATCH, for promote, blob download,
+    # multipart upload and custom props, are already 405 in the same error shape.)
     ("PUT", "/v1/cluster", "cluster actions (starting or stopping jobs, maintenance)"),
     ("PUT", "/v1/buckets/{bucket}", "bucket PUT actions (archive, multi-object ETL)"),
-    ("POST", "/v1/objects/{bucket}", "object POST actions (promote, blob-download)"),
-    ("POST", r"/v1/objects/{bucket}/{obj:[\s\S]+}", "object POST actions (promote, blob-download, multipart upload)"),
-    ("PATCH", r"/v1/objects/{bucket}/{obj:[\s\S]+}", "custom object properties"),
 ]
 
 

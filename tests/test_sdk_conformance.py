@@ -81,10 +81,10 @@ EXPECTED = {
     "Bucket.summary": WORKS, "Bucket.transform": refused(400), "Bucket.verify_cloud_bucket": SDK_REFUSES,
     "Bucket.write_dataset": WORKS,
     # Object
-    "Object.blob_download": refused(400), "Object.bucket_name": LOCAL, "Object.bucket_provider": LOCAL,
+    "Object.blob_download": refused(405), "Object.bucket_name": LOCAL, "Object.bucket_provider": LOCAL,
     "Object.copy": WORKS, "Object.delete": WORKS, "Object.get_reader": WORKS, "Object.get_semantic_url": LOCAL,
     "Object.get_url": LOCAL, "Object.get_writer": LOCAL, "Object.head": WORKS,
-    "Object.multipart_upload": refused(400), "Object.name": LOCAL, "Object.promote": refused(400),
+    "Object.multipart_upload": refused(405), "Object.name": LOCAL, "Object.promote": refused(405),
     "Object.props": WORKS, "Object.props_cached": LOCAL, "Object.query_params": LOCAL, "Object.uname": LOCAL,
     # ObjectReader (get_reader()) and the file reader (as_file())
     "ObjectReader.as_file": WORKS, "ObjectReader.attributes": WORKS, "ObjectReader.head": WORKS,
@@ -92,7 +92,7 @@ EXPECTED = {
     "ObjectFileReader.close": WORKS, "ObjectFileReader.read": WORKS, "ObjectFileReader.readable": LOCAL,
     # ObjectWriter (get_writer()) and the file writer (as_file())
     "ObjectWriter.append_content": WORKS, "ObjectWriter.as_file": WORKS, "ObjectWriter.put_content": WORKS,
-    "ObjectWriter.put_file": WORKS, "ObjectWriter.set_custom_props": refused(400),
+    "ObjectWriter.put_file": WORKS, "ObjectWriter.set_custom_props": refused(405),
     "ObjectFileWriter.close": WORKS, "ObjectFileWriter.flush": WORKS, "ObjectFileWriter.write": WORKS,
     # ObjectGroup (bucket.objects(...))
     "ObjectGroup.archive": refused(400), "ObjectGroup.client": LOCAL, "ObjectGroup.copy": WORKS,
