@@ -208,7 +208,7 @@ async def bucket_head(request: web.Request) -> web.Response:
     job id in ``Ais-Xaction-Id``, then 200 with ``Ais-Bucket-Summ`` when polled with it)."""
     request[OP_KEY] = "head_bucket"
     bucket = check_bucket(request.match_info["bucket"])
-    prefix = request.match_info.get("prefix", "")
+    prefix = request.match_info.get("obj", "")  # HEAD /v1/buckets/B/PREFIX (bucket.info(prefix=...))
     store = request.app[STORE]
     store.require_bucket(bucket)
     props = {"provider": "ais", "name": bucket, "namespace": {"uuid": "", "name": ""},
@@ -638,7 +638,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/buckets/{bucket}", bucket_post)
     r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
     r.add_head("/v1/buckets/{bucket}", bucket_head)
-    r.add_head(r"/v1/buckets/{bucket}/{prefix:[\s\S]+}", bucket_head)  # bucket.info(prefix=...)
+    r.add_head(r"/v1/buckets/{bucket}/{obj:[\s\S]+}", bucket_head)  # bucket.info(prefix=...): {obj} is the prefix
     r.add_delete("/v1/buckets/{bucket}", bucket_delete)
     # [\s\S], not '.': a name with a newline must reach check_objname (400), not miss the route
     obj = r"/v1/objects/{bucket}/{obj:[\s\S]+}"

@@ -360,6 +360,8 @@ def _info(e: Env):
     assert summ["ObjCount"]["obj_count_present"] == str(len(e.data))
     assert summ["TotalSize"]["size_all_present_objs"] == str(sum(map(len, e.data.values())))
     assert summ["ObjSize"]["obj_max_size"] == len(e.data["big"]) and summ["ObjSize"]["obj_min_size"] == 0
+    _, summ = e.bucket.info(prefix="a/")  # HEAD /v1/buckets/B/a/
+    assert summ["ObjCount"]["obj_count_present"] == "5"
 
 
 @scenario("Bucket.summary")
