@@ -206,3 +206,122 @@ def test_names_needing_quoting(sdk, server, bucket):
         assert obj.get_reader().read_all() == name.encode(), name
     listed = {e.name for e in sdk.bucket(bucket).list_all_objects()}
     assert listed == {"sp ace.txt", "ü/ñ.bin", "q?uery#frag", "pct%41", "trailing/"}
+
+
+# -- issue 9: nothing the SDK (or anyone) sends is ignored ----------------------------------
+def _get(server, bucket, name) -> httpx.Response:
+    return httpx.get(f"{server.url}/v1/objects/{bucket}/{name}")
+
+
+def test_every_native_route_declares_what_it_accepts(tmp_path):
+    """The guard covers every native route: each handler was built by ``@accepts``."""
+    from server import native
+    from server.app import build_app
+    from server.config import ServerConfig
+
+    app = build_app(ServerConfig(data_dirs=(tmp_path,)))  # its own store: never the live server's
+    native_routes = [r for r in app.router.routes() if r.handler.__module__ == native.__name__]
+    assert len(native_routes) > 15
+    unguarded = [f"{r.method} {r.resource.canonical}" for r in native_routes
+                 if not hasattr(r.handler, "accepted_params") and r.handler.__name__ != "refuse"]
+    assert unguarded == []
+
+
+@pytest.mark.parametrize("params", [
+    {"uploadId": "X", "partNumber": "1"},  # multipart part upload: once replaced the object
+    {"uploadId": "X"},                     # multipart complete/abort: once deleted it
+    {"append_type": "bogus"},
+    {"no-such-param": "1"},
+    {"provider": "gcp"},
+    {"namespace": "@uuid#ns"},
+    {"latest-ver": "true"},
+])
+def test_object_put_params_refused_and_nothing_changes(server, bucket, params):
+    put(server, bucket, "keep", b"original")
+    r = httpx.put(f"{server.url}/v1/objects/{bucket}/keep", params=params, content=b"NEW")
+    assert r.status_code == 400 and r.json()["status"] == 400 and r.json()["message"]
+    assert _get(server, bucket, "keep").content == b"original"
+    r = httpx.delete(f"{server.url}/v1/objects/{bucket}/keep", params=params)
+    assert r.status_code == 400
+    assert _get(server, bucket, "keep").content == b"original"
+
+
+def test_bucket_delete_needs_an_action_and_refuses_unknown_ones(server, bucket):
+    put(server, bucket, "keep", b"x")
+    url = f"{server.url}/v1/buckets/{bucket}"
+    for body in (None, {"action": "destroy-inventory"}, {"action": "evict-listrange", "value": {}},
+                 {"action": "delete-listrange", "value": {"objnames": ["keep"], "bogus": 1}},
+                 {"action": "delete-listrange", "value": {"template": "k@1"}}):
+        r = httpx.request("DELETE", url, json=body) if body else httpx.delete(url)
+        assert r.status_code == 400, body
+    assert _get(server, bucket, "keep").content == b"x"
+
+
+def test_delete_listrange_wire(server, bucket):
+    for n in ("k1", "k2", "k3"):
+        put(server, bucket, n, n.encode())
+    r = httpx.request("DELETE", f"{server.url}/v1/buckets/{bucket}",
+                      json={"action": "delete-listrange", "value": {"objnames": ["k1", "k3"]}})
+    assert r.status_code == 200 and r.text
+    status = httpx.request("GET", f"{server.url}/v1/cluster", params={"what": "status"},
+                           json={"ID": r.text, "Kind": ""}).json()
+    assert status["uuid"] == r.text and status["end_time"] > 0 and status["err"] == ""
+    assert [_get(server, bucket, n).status_code for n in ("k1", "k2", "k3")] == [404, 200, 404]
+    assert httpx.head(f"{server.url}/v1/buckets/{bucket}").status_code == 200  # the bucket stays
+
+
+def test_object_copy_wire_keeps_the_source(server, bucket):
+    data = os.urandom(3 * CHUNK + 7)
+    put(server, bucket, "src", data)
+    r = httpx.put(f"{server.url}/v1/objects/{bucket}/src",
+                  params={"provider": "ais", "object_to": f"ais/@#/{bucket}/dst"})
+    assert r.status_code == 200
+    assert _get(server, bucket, "src").content == data and _get(server, bucket, "dst").content == data
+    r = httpx.put(f"{server.url}/v1/objects/{bucket}/src", params={"object_to": "gcp://x/y"})
+    assert r.status_code == 400 and _get(server, bucket, "src").content == data
+
+
+def test_append_handles_wire(server, bucket):
+    put(server, bucket, "log", b"head-")
+    url = f"{server.url}/v1/objects/{bucket}/log"
+    h = httpx.put(url, params={"append_type": "append", "append_handle": ""}, content=b"one-").headers["Ais-Append-Handle"]
+    assert h and _get(server, bucket, "log").content == b"head-"  # invisible until the flush
+    h2 = httpx.put(url, params={"append_type": "append", "append_handle": h}, content=b"two").headers["Ais-Append-Handle"]
+    assert h2 == h
+    # a handle is bound to its object, and a flush needs one
+    assert httpx.put(f"{server.url}/v1/objects/{bucket}/other", params={"append_type": "flush", "append_handle": h}).status_code == 400
+    assert httpx.put(url, params={"append_type": "flush", "append_handle": ""}).status_code == 400
+    assert httpx.put(url, params={"append_type": "flush", "append_handle": h}).status_code == 200
+    assert _get(server, bucket, "log").content == b"head-one-two"
+    assert httpx.put(url, params={"append_type": "flush", "append_handle": h}).status_code == 400  # used up
+    # appending to a new object creates it at the flush
+    url = f"{server.url}/v1/objects/{bucket}/fresh"
+    h = httpx.put(url, params={"append_type": "append", "append_handle": ""}, content=b"abc").headers["Ais-Append-Handle"]
+    assert _get(server, bucket, "fresh").status_code == 404
+    httpx.put(url, params={"append_type": "flush", "append_handle": h}).raise_for_status()
+    assert _get(server, bucket, "fresh").content == b"abc"
+
+
+def test_list_reply_has_an_id_and_refuses_unknown_fields(server, bucket):
+    url = f"{server.url}/v1/buckets/{bucket}"
+    reply = httpx.request("GET", url, headers={"Accept": "application/json"}, json={"action": "list"}).json()
+    assert reply["UUID"] and reply["ContinuationToken"] == ""
+    again = httpx.request("GET", url, headers={"Accept": "application/json"},
+                          json={"action": "list", "value": {"uuid": reply["UUID"]}}).json()
+    assert again["UUID"] == reply["UUID"]
+    for value in ({"bogus": 1}, {"flags": "8"}, {"flags": str(1 << 20)}, {"target": "other-node"}):
+        r = httpx.request("GET", url, json={"action": "list", "value": value})
+        assert r.status_code in (400, 404), value
+    assert httpx.request("GET", url, json={"action": "show-inventory"}).status_code == 400
+
+
+def test_smap_and_cluster_queries(server):
+    smap = httpx.get(f"{server.url}/v1/daemon", params={"what": "smap"}).json()
+    (tid,) = smap["tmap"]
+    assert list(smap["pmap"]) == [tid] and smap["proxy_si"]["daemon_id"] == tid
+    assert smap["tmap"][tid]["daemon_type"] == "target" and smap["proxy_si"]["daemon_type"] == "proxy"
+    assert httpx.get(f"{server.url}/v1/daemon", params={"what": "stats"}).status_code == 400
+    assert httpx.get(f"{server.url}/v1/health", params={"prr": "true"}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/health", params={"bogus": "1"}).status_code == 400
+    r = httpx.request("GET", f"{server.url}/v1/cluster", params={"what": "status"}, json={"ID": "nope"})
+    assert r.status_code == 404
