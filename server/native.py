@@ -416,11 +416,9 @@ async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Respo
 
 
 # -- objects --------------------------------------------------------------------------------
-# archpath/archregx/archmode/archmime (archive member reads) are declared for the t9-s3arch
-# branch (server/archget.py on main), whose hook at the top of get_object serves or refuses
-# them. MERGE NOTE: this branch alone has no such hook; the parameters reach get_object only
-# together with it (tests/test_sdk_conformance.py::test_get_reader_archpath, xfail until then).
-GET_OBJECT_PARAMS = ["latest-ver", "archpath", "archregx", "archmode", "archmime"]
+# The archive parameters go to server/archget.py (the hook at the top of get_object), which
+# serves one member or refuses the rest with a 400.
+GET_OBJECT_PARAMS = ["latest-ver", *archget.ARCH_PARAMS]
 
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle"])

@@ -697,7 +697,7 @@ def test_sdk_method(scenario_fn, expected, env):
 # -- call variants and the data-loss reports of issue 9 -------------------------------------
 def test_get_reader_archpath(env):
     """``get_reader(archive_config=ArchiveConfig(archpath=...))`` returns the member's bytes,
-    and a missing member is 404 (point 3 of issue 9: another engineer's fix)."""
+    and a missing member is 404 (point 3 of issue 9)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         for name, data in (("m1.txt", b"member one"), ("m2.bin", b"\x00\x01" * 50)):
