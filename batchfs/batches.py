@@ -30,7 +30,6 @@ handle, no activity for ``idle_seconds``) are cancelled and removed.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ import trio
 
 from batchfs import manifest as mf
 from batchfs.batchclient import BatchClientConfig, BatchSource
-from batchfs.errors import BatchfsError, InvalidArgument, NotFound
+from batchfs.errors import InvalidArgument, NotFound, TooManyBatches
 from batchfs.plans import Plan, PlanConfig, PlanRegistry
 from batchfs.tarview import BatchIOError, Rewound, TarView, ViewConfig
 
@@ -49,10 +48,6 @@ log = logging.getLogger(__name__)
 
 STATUS_SUFFIX = ".status"
 MAX_NAME_BYTES = 255
-
-
-class TooManyBatches(BatchfsError):
-    errno = errno.ENOSPC
 
 
 @dataclasses.dataclass(frozen=True)

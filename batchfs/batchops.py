@@ -34,14 +34,13 @@ the kernel's help, and two that the kernel cannot express are added:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import itertools
 import os
 import stat
 import time
 
 from batchfs.batches import BatchFile, BatchManager, StatusFile
-from batchfs.errors import BatchfsError, NotADirectory, NotFound, ReadOnly
+from batchfs.errors import AccessDenied, Exists, NotADirectory, NotFound, NotPermitted, ReadOnly
 from batchfs.manifest import CONTROL_DIR
 
 BASE = 1 << 60
@@ -49,22 +48,6 @@ DIR_INO = BASE
 ROOT_INODE = 1
 MODE_CAP = 0o600  # control files are private: at most rw for their owner
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
-
-
-class AccessDenied(BatchfsError):
-    """Another user's control file (EACCES)."""
-
-    errno = errno.EACCES
-
-
-class NotPermitted(BatchfsError):
-    """An operation nobody may do on a control file, such as giving it away (EPERM)."""
-
-    errno = errno.EPERM
-
-
-class Exists(BatchfsError):
-    errno = errno.EEXIST
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,10 @@
     ├── IsADirectory                (EISDIR)
     ├── ReadOnly                    (EROFS) any write, create, rename or delete outside ``.batch/``
     ├── InvalidArgument             (EINVAL) bad offsets, names or sizes
+    ├── AccessDenied                (EACCES) another user's ``.batch/`` control file
+    ├── NotPermitted                (EPERM) what nobody may do to a control file (give it away)
+    ├── Exists                      (EEXIST) a control file of that name exists
+    ├── TooManyBatches              (ENOSPC) the ``.batch/`` limits (per mount, per user)
     ├── BackendError                (EIO) the server answered with an error we do not retry, or
     │   │                           kept failing (429/5xx/resets) after every retry;
     │   │                           (EACCES) when that answer was 401 or 403: credentials refused
@@ -57,6 +61,22 @@ class ReadOnly(BatchfsError):
 
 class InvalidArgument(BatchfsError):
     errno = errno.EINVAL
+
+
+class AccessDenied(BatchfsError):
+    errno = errno.EACCES
+
+
+class NotPermitted(BatchfsError):
+    errno = errno.EPERM
+
+
+class Exists(BatchfsError):
+    errno = errno.EEXIST
+
+
+class TooManyBatches(BatchfsError):
+    errno = errno.ENOSPC
 
 
 ACCESS_DENIED_STATUS = frozenset({401, 403})  # no token, a wrong one, or an API turned off

@@ -38,7 +38,7 @@ from server import bucket_ops, daemon_api, jobs
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
 from server.names import check_bucket, check_objname, parse_range
-from server.state import CONFIG, METRICS, OP_KEY, STORE, read_json
+from server.state import METRICS, OP_KEY, STORE, read_json
 from server.store import CKSUM_TYPE, ObjectMeta, OpenObject, discard, verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
