@@ -26,39 +26,25 @@ import os
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tests.test_attacks_getbatch import write_bomb  # noqa: E402
 from tests.util import BIN, ServerProcess  # noqa: E402
 
 MiB = 1024 * 1024
-SMALL = b"hello world\n" * 10
 
 
 def make_bomb(path: Path, mib: int) -> None:
-    """TAR of ``mib`` MiB of zeros ('zeros.bin') then 'small.txt', gzip level 9, streamed."""
-    if path.exists():
-        return
-    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    with open(path, "wb") as f:
-        def tar_header(name: str, size: int) -> bytes:
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = size, 0o644, 0
-            return ti.tobuf(tarfile.USTAR_FORMAT)
-        f.write(z.compress(tar_header("zeros.bin", mib * MiB)))
-        block = bytes(MiB)
-        for _ in range(mib):
-            f.write(z.compress(block))
-        f.write(z.compress(tar_header("small.txt", len(SMALL)) + SMALL + bytes(-len(SMALL) % 512) + bytes(1024)))
-        f.write(z.flush())
+    """The tests' bomb (TAR of ``mib`` MiB of zeros then 'small.txt', gzip -9), made once."""
+    if not path.exists():
+        write_bomb(path, mib)
 
 
 def cpu_seconds(pid: int) -> float:

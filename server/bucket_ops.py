@@ -140,6 +140,11 @@ def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_e
             continue
         job.objects += 1
         job.bytes += size
+    _note_missing(job, bucket, missing)
+
+
+def _note_missing(job: Job, bucket: str, missing: list[str]) -> None:
+    """Names of a list that did not exist are the job's error, as AIStore reports them."""
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         job.error = f"{len(missing)} object(s) not found in ais://{bucket}: {shown}"
@@ -213,8 +218,7 @@ def copy_objects(store: Store, src: str, names: Iterator[str], missing_is_error:
             continue
         job.objects += 1
         job.bytes += size
-    if missing:
-        job.error = f"{len(missing)} object(s) not found in ais://{src}: {', '.join(missing[:5])}"
+    _note_missing(job, src, missing)
 
 
 # -- summary --------------------------------------------------------------------------------

@@ -168,17 +168,25 @@ def _local(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]  # with or without the S3 namespace
 
 
-def parse_delete_doc(body: bytes, max_keys: int) -> tuple[bool, list[tuple[str, str | None, str | None]]]:
-    """A DeleteObjects ``<Delete>`` document: (quiet, [(key, ETag or None, VersionId or None)])."""
-    def malformed(why: str) -> S3Error:
-        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
+def _malformed(why: str) -> S3Error:
+    return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
 
+
+def _parse_root(body: bytes, name: str) -> ET.Element:
+    """A request document whose root element must be ``name`` (namespaced or not)."""
     try:
         root = ET.fromstring(body)
     except ET.ParseError as e:
-        raise malformed(str(e)) from None
-    if _local(root.tag) != "Delete":
-        raise malformed("the root element is not Delete")
+        raise _malformed(str(e)) from None
+    if _local(root.tag) != name:
+        raise _malformed(f"the root element is not {name}")
+    return root
+
+
+def parse_delete_doc(body: bytes, max_keys: int) -> tuple[bool, list[tuple[str, str | None, str | None]]]:
+    """A DeleteObjects ``<Delete>`` document: (quiet, [(key, ETag or None, VersionId or None)])."""
+    malformed = _malformed
+    root = _parse_root(body, "Delete")
     quiet, objects = False, []
     for child in root:
         tag = _local(child.tag)
@@ -235,15 +243,8 @@ def upload_doc(tag: str, bucket: str, key: str, **fields: str) -> ET.Element:
 
 def parse_complete_doc(body: bytes, max_parts: int) -> list[tuple[int, str]]:
     """A CompleteMultipartUpload document: [(PartNumber, ETag)] in the order given."""
-    def malformed(why: str) -> S3Error:
-        return S3Error(400, "MalformedXML", f"The XML you provided was not well-formed: {why}")
-
-    try:
-        root = ET.fromstring(body)
-    except ET.ParseError as e:
-        raise malformed(str(e)) from None
-    if _local(root.tag) != "CompleteMultipartUpload":
-        raise malformed("the root element is not CompleteMultipartUpload")
+    malformed = _malformed
+    root = _parse_root(body, "CompleteMultipartUpload")
     parts = []
     for child in root:
         if _local(child.tag) != "Part":
