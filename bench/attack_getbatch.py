@@ -21,9 +21,7 @@ tree. Options a tree does not know (``--getbatch-stall-timeout`` ...) are left o
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.test_attacks_getbatch import write_bomb  # noqa: E402
+from tests.test_attacks_getbatch import cpu_seconds, raw_moss, write_bomb  # noqa: E402
 from tests.util import BIN, ServerProcess  # noqa: E402
 
 MiB = 1024 * 1024
@@ -45,11 +43,6 @@ def make_bomb(path: Path, mib: int) -> None:
     """The tests' bomb (TAR of ``mib`` MiB of zeros then 'small.txt', gzip -9), made once."""
     if not path.exists():
         write_bomb(path, mib)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -79,17 +72,6 @@ def put(url: str, bucket: str, name: str, body) -> None:
 def moss(url: str, bucket: str, entries: list[dict], strm: bool = False, timeout: float = 180) -> httpx.Response:
     return httpx.request("GET", f"{url}/v1/ml/moss/{bucket}", json={"in": entries, "strm": strm},
                          timeout=timeout)
-
-
-def raw_moss(url: str, bucket: str, entries: list[dict]) -> socket.socket:
-    """Send a streamed GetBatch on a raw socket and return it unread."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"in": entries, "strm": True}).encode()
-    s = socket.create_connection((host, int(port)))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.sendall(f"GET /v1/ml/moss/{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    return s
 
 
 def new_bucket(url: str, name: str) -> None:
@@ -140,7 +122,7 @@ def scenario_starve(tree: Path, bomb: Path, tmp: Path) -> None:
             print(f"starve: normal GetBatch of 32 x 10 KiB during 16 bomb requests: status {r.status_code} "
                   f"in {time.monotonic() - t0:.2f} s", flush=True)
         except httpx.TimeoutException:
-            print(f"starve: normal GetBatch of 32 x 10 KiB during 16 bomb requests: no reply in 60 s", flush=True)
+            print("starve: normal GetBatch of 32 x 10 KiB during 16 bomb requests: no reply in 60 s", flush=True)
         for t in threads:
             t.join(max(0.1, 120 - (time.monotonic() - t0)))
         print(f"starve: {len(bombs)}/16 bomb requests done, slowest {max(bombs, default=float('nan')):.1f} s, "

@@ -129,11 +129,21 @@ EVD_KEYS = {"num-workers", "coer", "non-recurs"}
 
 
 def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job) -> None:
+    def delete(name: str) -> int:
+        size = store.lookup(bucket, name).size
+        store.delete(bucket, name)
+        return size
+
+    _each(names, delete, missing_is_error, job, bucket)
+
+
+def _each(names: Iterator[str], act, missing_is_error: bool, job: Job, bucket: str) -> None:
+    """Run ``act(name) -> bytes`` over the names, counting into ``job``; names that do not
+    exist are skipped, and with ``missing_is_error`` they are the job's error (as AIStore)."""
     missing = []
     for name in names:
         try:
-            size = store.lookup(bucket, name).size
-            store.delete(bucket, name)
+            size = act(name)
         except NotFound:
             if missing_is_error:
                 missing.append(name)
@@ -202,23 +212,14 @@ def copy_objects(store: Store, src: str, names: Iterator[str], missing_is_error:
                  prepend: str, dry_run: bool, job: Job) -> None:
     if src == dst and not prepend:
         raise BadRequest("copying a bucket onto itself without 'prepend' would change nothing")
-    missing = []
     if not dry_run and dst not in store.buckets:
         store.create_bucket(dst)  # AIStore creates an ais:// destination on the fly
-    for name in names:
+
+    def copy(name: str) -> int:
         new = check_objname(prepend + name)
-        try:
-            if dry_run:
-                size = store.lookup(src, name).size
-            else:
-                size = copy_object(store, src, name, dst, new)
-        except NotFound:
-            if missing_is_error:
-                missing.append(name)
-            continue
-        job.objects += 1
-        job.bytes += size
-    _note_missing(job, src, missing)
+        return store.lookup(src, name).size if dry_run else copy_object(store, src, name, dst, new)
+
+    _each(names, copy, missing_is_error, job, src)
 
 
 # -- summary --------------------------------------------------------------------------------
