@@ -1,6 +1,6 @@
 """The ``batchfs`` command: ``put`` (load a directory into a bucket), ``status`` (why a
 ``.batch/`` file failed: ``batchfs.statuscli``) and, when the mount module is available,
-``mount`` and ``umount`` (registered by ``batchfs.mountcli``).
+``mount`` and ``umount`` (registered by ``batchfs.mount.cli``).
 
 Each subcommand sets ``func(args) -> int`` (the exit status) with ``set_defaults``. The mount
 module is imported only here, and only if it can be: ``batchfs put`` works on a machine
@@ -68,7 +68,7 @@ def _add_put(subparsers) -> None:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    from batchfs.config import auth_token
+    from batchfs.engine.config import auth_token
     from batchfs.put import PutConfig, PutError, put_tree
 
     if args.retries < 0:
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     statuscli.register(sub)
     try:
-        from batchfs import mountcli
+        from batchfs.mount import cli as mountcli
     except ImportError as e:  # no mount support here (e.g. pyfuse3 missing): put still works
         p.epilog = f"mount and umount are unavailable: {e}"
     else:

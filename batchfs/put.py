@@ -42,7 +42,7 @@ class PutConfig:
     backoff_max_seconds: float = 30 * SECONDS
     timeout_seconds: float = 120 * SECONDS  # per request, connect and each read/write
     progress: bool = True
-    # Sent as ``Authorization: Bearer`` with every request (batchfs.config.auth_token finds it).
+    # Sent as ``Authorization: Bearer`` with every request (batchfs.engine.config.auth_token finds it).
     token: str | None = dataclasses.field(default=None, repr=False)
 
 

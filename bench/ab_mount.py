@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from server.store import Store  # noqa: E402
-from tests.mountutil import MountProcess  # noqa: E402
-from tests.util import ServerProcess  # noqa: E402
+from server.store.store import Store  # noqa: E402
+from tests.support.mounts import MountProcess  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SEQ_BYTES = 1 << 30

@@ -33,8 +33,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.test_attacks_getbatch import cpu_seconds, raw_moss, write_bomb  # noqa: E402
-from tests.util import BIN, ServerProcess  # noqa: E402
+from tests.server.test_attacks_getbatch import cpu_seconds, raw_moss, write_bomb  # noqa: E402
+from tests.support.processes import BIN, ServerProcess  # noqa: E402
 
 MiB = 1024 * 1024
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from batchfs.sampler import EpochSampler, PlanSampler  # noqa: E402
 from bench.bench_mount import mount_side, request_counts  # noqa: E402
-from server.store import Store  # noqa: E402
-from tests.util import ServerProcess  # noqa: E402
+from server.store.store import Store  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 KiB, MiB = 1024, 1 << 20
 BUCKET = "bb"

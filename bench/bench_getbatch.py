@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.util import ServerProcess  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 

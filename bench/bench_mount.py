@@ -8,7 +8,7 @@ loopback limit. One run, medians of ``--runs`` rounds, ratios; prints a markdown
     (c) find + stat over 100,000 objects (find -type f -printf '%s'), fresh mount per round
     RSS: peak VmRSS of each daemon while dd reads a 4 GiB object
 
-Data is written straight into the server's data directory with ``server.store.Store`` before
+Data is written straight into the server's data directory with ``server.store.store.Store`` before
 the server starts (minutes faster than PUTs), on /dev/shm when it has room so disk speed is out
 of the picture for every side alike; ``--keep`` keeps it for later runs with the same sizes.
 Rounds rotate the order of the sides. ``--profile DIR`` records the batchfs daemon with
@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from batchfs.daemon import is_mounted  # noqa: E402
-from server.store import Store  # noqa: E402
-from tests.util import ServerProcess  # noqa: E402
+from batchfs.mount.daemon import is_mounted  # noqa: E402
+from server.store.store import Store  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from server.store import Store  # noqa: E402
-from tests.util import ServerProcess  # noqa: E402
+from server.store.store import Store  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 _FS = r'''
 import errno, http.client, os, queue, stat, sys, threading

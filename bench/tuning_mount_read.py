@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.mountutil import MountProcess  # noqa: E402
-from tests.util import ServerProcess  # noqa: E402
+from tests.support.mounts import MountProcess  # noqa: E402
+from tests.support.processes import ServerProcess  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

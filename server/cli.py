@@ -22,11 +22,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from server import connlimits
-from server.app import build_app
+from server.api import connlimits
+from server.api.app import build_app
 from server.config import ServerConfig, load_toml, parse_size
-from server.state import INFLIGHT, METRICS, STORE
-from server.store import Store
+from server.api.state import INFLIGHT, METRICS, STORE
+from server.store.store import Store
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0

@@ -121,7 +121,7 @@ class ServerConfig:
         if self.metrics_auth not in ("token", "none"):
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
-            from server.auth import load_token_file  # here: server.auth imports this module
+            from server.api.auth import load_token_file  # here: server.api.auth imports this module
 
             object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
 

@@ -10,7 +10,7 @@
     ├── CorruptData            (500) stored bytes fail their checksum, or a shard is unreadable
     └── InsufficientStorage    (507) a data directory is full (ENOSPC, EDQUOT, SQLITE_FULL)
 
-Handlers raise these; exactly one middleware (``server.app``) formats them as AIStore-style
+Handlers raise these; exactly one middleware (``server.api.app``) formats them as AIStore-style
 JSON (or an S3 XML error under the S3 API). Anything else is a bug and becomes a logged 500.
 """
 

@@ -7,7 +7,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.util import ServerProcess
+from tests.support.processes import ServerProcess
 
 CHUNK = 1 << 20  # the session server stores objects above 1 MiB as 1 MiB chunks
 

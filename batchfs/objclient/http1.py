@@ -1,0 +1,467 @@
+"""Keep-alive HTTP/1.1 connections for object HEADs and GETs: httptools over plain sockets.
+
+Why not httpcore for these (measured on this machine, 10 KiB GETs against our server, CPU per
+request): httpx 1.0-1.2 ms, httpcore's pool 0.55-0.6 ms, this module ~0.1 ms. A map-style
+loader makes one GET per file, so the client's per-request cost is most of the daemon's time
+per file. Responses are parsed and validated by ``httptools`` (llhttp, Node.js's parser, as
+uvicorn uses it): ~8 us per response here against ~110 us for h11, httpcore's pure-Python
+parser, which was a fifth of the daemon's CPU per loader file. What is left out is
+httpcore's general machinery (pool scheduling, tracing, cancellation shields, HTTP/2 and
+proxy support) that these requests do not need. Request heads are formatted here (fields
+with CR, LF or NUL are refused). Bodies of a known length go straight into the caller's
+buffer: what arrived with the head is copied in by the parser, the rest is received into
+place, which matters for 8 MiB range reads.
+
+Large range reads run on worker threads. The trio thread also answers every FUSE request, and
+streaming one big object is bound by that thread's time (docs/mount.md): a range GET of at
+least ``thread_body_min_bytes`` is sent, parsed and received on a worker thread with
+blocking calls, the body in one ``recv_into(MSG_WAITALL)`` with the GIL released. The
+protocol code is written once, without I/O (``_exchange_steps``), and driven either on the
+trio loop or on a thread.
+
+Invariants:
+- Plain ``http://`` only (``https://`` endpoints use httpcore, see ``http.lean_request``).
+- At most ``max_connections`` requests in flight; idle connections are reused LIFO and
+  dropped after ``keepalive_seconds`` idle (servers close idle connections on their own
+  timers).
+- A connection goes back to the pool only after a complete response whose framing we know
+  (Content-Length, no ``Connection: close``); on any error or cancellation it is closed, so a
+  half-read response can never be mistaken for the next one. Bytes received after the end of
+  a response (a second response, junk) fail the request: the framing is lost.
+- A reused connection that fails before any byte of the response (the server closed it while
+  idle) is retried once at once on a new connection, as httpcore does (a read timeout there is
+  a slow server, not a stale connection: not retried); every other failure, malformed replies
+  and upgrades included, is a ``ConnectionFailed`` for the caller's retry policy
+  (``http.with_retries``).
+- Time bounds: connecting is bounded by ``connect_timeout_seconds``; the whole request is
+  bounded by the caller (``with_retries`` runs it under ``trio.fail_after``). A request on a
+  worker thread is abandoned when cancelled and its connection shut down, which ends the
+  thread's blocking call at once; ``read_timeout_seconds`` bounds each blocking call as well.
+- At most ``max_connections`` worker threads (one per request in flight), from trio's cache.
+  An abandoned thread keeps its slot until it ends, which the shutdown makes prompt.
+- The blocking duplicate of a socket is closed exactly once: by its worker thread, or by the
+  request if it was cancelled before the thread took it.
+- Memory per request is bounded: a ranged body goes into its buffer; any other 2xx body (a
+  server that ignored Range) is held up to ``BODY_MAX_BYTES`` or the buffer's size, more is a
+  ``BackendError`` (not retried); an error page is kept up to ``ERROR_BODY_KEEP_BYTES``, the
+  rest left unread and the connection closed.
+- No body buffer outlives the request in a reference cycle, whatever the outcome: the parser
+  and its callbacks are unlinked, and a worker thread returns its exception (frames cleared)
+  in a list the request empties, rather than raising it (see ``_drive_blocking``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import time
+import traceback
+
+import httptools
+import trio
+
+from batchfs.engine.errors import BackendError
+
+# Reads until the response head is parsed: a small object's whole reply fits, and a large
+# body goes mostly through recv_into rather than through the parser (three copies).
+HEAD_READ_BYTES = 64 * 1024
+# Ranged bodies at least this large are read on a worker thread (``_drive_blocking``); below
+# it the thread hop (~60 us, and the GIL handoffs) costs more than it saves.
+THREAD_BODY_MIN_BYTES = 512 * 1024
+# Bodies that do not go into the caller's buffer are held in memory, so they are bounded:
+# error pages are kept up to this much (enough for any message), the rest of them unread.
+ERROR_BODY_KEEP_BYTES = 64 * 1024
+# ... and a 2xx body that does not fit the buffer (a server that ignores Range sends the whole
+# object) may be this large, or as large as the buffer; a larger one is refused, not retried.
+BODY_MAX_BYTES = 16 * 1024 * 1024
+
+
+class ConnectionFailed(Exception):
+    """The connection broke or the server's reply was malformed: retryable."""
+
+
+class Reply1:
+    """Status, headers (lower-case names) and body of one response."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: dict[str, str], body):
+        self.status, self.headers, self.body = status, headers, body
+
+
+class _Conn:
+    __slots__ = ("sock", "idle_since")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.idle_since = 0.0
+
+
+class Http1Pool:
+    def __init__(self, host: str, port: int, *, host_header: str, max_connections: int,
+                 connect_timeout_seconds: float, keepalive_seconds: float = 30.0, read_bytes: int = 1024 * 1024,
+                 read_timeout_seconds: float = 30.0, thread_body_min_bytes: int = THREAD_BODY_MIN_BYTES):
+        self.host, self.port = host, port
+        self.read_timeout_seconds = read_timeout_seconds
+        self.thread_body_min_bytes = thread_body_min_bytes
+        self.host_header = host_header  # as in the URL: S3 signatures cover it
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.keepalive_seconds = keepalive_seconds
+        self.read_bytes = read_bytes
+        self._idle: list[_Conn] = []
+        self._limit = trio.CapacityLimiter(max_connections)
+        self._threads = trio.CapacityLimiter(max_connections)
+        self.closed = False
+
+    async def _connect(self) -> _Conn:
+        with trio.move_on_after(self.connect_timeout_seconds) as scope:
+            try:
+                stream = await trio.open_tcp_stream(self.host, self.port)
+            except OSError as e:
+                raise ConnectionFailed(f"connect to {self.host_header}: {e}") from None
+        if scope.cancelled_caught:
+            raise ConnectionFailed(f"connect to {self.host_header}: no answer within "
+                                   f"{self.connect_timeout_seconds:g}s")
+        return _Conn(stream.socket)  # open_tcp_stream sets TCP_NODELAY
+
+    def _take_idle(self) -> _Conn | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < self.keepalive_seconds:
+                return conn
+            conn.sock.close()
+        return None
+
+    async def request(self, method: str, target: str, headers: list[tuple[str, str]],
+                      into: bytearray | None = None) -> Reply1:
+        """One request. With ``into``, a 206 body of exactly ``len(into)`` bytes is read into
+        it (``body`` is then ``into``); other bodies are returned as bytes."""
+        if self.closed:
+            raise ConnectionFailed("the connection pool is closed")
+        head = request_bytes(method, target, [("Host", self.host_header), *headers])
+        async with self._limit:
+            conn = self._take_idle()
+            if conn is not None:
+                try:
+                    return await self._exchange(conn, method, head, into)
+                except _StaleConnection:
+                    pass  # closed by the server while idle: once more on a new connection
+            conn = await self._connect()
+            try:
+                return await self._exchange(conn, method, head, into)
+            except _StaleConnection as e:
+                raise ConnectionFailed(str(e)) from None
+
+    async def _exchange(self, conn: _Conn, method: str, head: bytes, into: bytearray | None) -> Reply1:
+        reusable = False
+        steps = _exchange_steps(method, head, into, self.host_header)
+        try:
+            if into is not None and len(into) >= self.thread_body_min_bytes:
+                reply, reusable = await self._drive_in_thread(conn.sock, steps)
+            else:
+                reply, reusable = await _drive_on_loop(conn.sock, steps, self.read_bytes)
+            return reply
+        except (OSError, httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            # HttpParserUpgrade (a 101 with Upgrade) is not an HttpParserError; a callback's
+            # own exception is only the context of the HttpParserCallbackError that wraps it
+            cause = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else None
+            detail = f"{e}: {cause}" if cause is not None else str(e)
+            raise ConnectionFailed(f"{self.host_header}: {type(e).__name__}: {detail}") from None
+        finally:
+            if reusable and not self.closed:
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+            else:
+                conn.sock.close()
+
+    async def _drive_in_thread(self, sock, steps) -> tuple[Reply1, bool]:
+        """Run the exchange on a worker thread over a blocking duplicate of the socket. On
+        cancellation the thread is abandoned and the connection shut down, which wakes it at
+        once; the caller then closes the connection and drops the buffer (still the thread's
+        to write into until it notices, so it must not be reused)."""
+        # Duplicated here, not on the thread: once this task closes ``sock`` its number may
+        # name another file. The thread takes the duplicate out of the list (atomically); if
+        # it never started, the list still holds it and it is closed here.
+        raw = [socket.socket(fileno=os.dup(sock.fileno()))]
+        try:
+            outcome = await trio.to_thread.run_sync(
+                _drive_blocking, raw, steps, self.read_timeout_seconds, abandon_on_cancel=True, limiter=self._threads)
+        except BaseException:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                raw.pop().close()
+            except IndexError:
+                pass  # the thread has it
+            raise
+        result, error = outcome
+        outcome.clear()  # see _drive_blocking: trio's frames still reference this list
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # else: error -> traceback -> this frame -> error, a cycle again
+        return result
+
+    async def aclose(self) -> None:
+        self.closed = True
+        while self._idle:
+            self._idle.pop().sock.close()
+
+
+class _StaleConnection(Exception):
+    pass
+
+
+class _Overflow(Exception):
+    """Raised from a parser callback to stop parsing a body past its limit."""
+
+
+# -- one exchange, without I/O -------------------------------------------------------------
+# ``_exchange_steps`` is a generator that yields the socket operations it needs and returns
+# ``(Reply1, reusable)``; a driver performs each operation and sends back its result (or
+# throws the OSError it raised). The same protocol code thus runs on the trio loop
+# (``_drive_on_loop``) and on a worker thread (``_drive_blocking``). Operations:
+#   ("send", data)  -> None       send all of ``data``
+#   ("recv", n)     -> bytes      one read of up to ``n`` bytes (b"" at EOF)
+#   ("fill", view)  -> int        fill ``view``; fewer bytes only at EOF
+
+
+def request_bytes(method: str, target: str, headers: list[tuple[str, str]]) -> bytes:
+    """The request head. Every field comes from our own code (quoted object names, ranges,
+    signatures), but a CR, LF or NUL would let one request smuggle another: refused."""
+    lines = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers)]
+    for line in lines:
+        if _UNSAFE.search(line) or " " in target:
+            raise ValueError(f"refusing to send a malformed request line or header: {line[:200]!r}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_UNSAFE = re.compile(r"[\0\r\n]")
+
+
+class _Response:
+    """``httptools`` callbacks for one response: the final head (1xx heads are skipped), then
+    the body either into the caller's buffer (``view``) or as a list of pieces."""
+
+    __slots__ = ("parser", "into", "status", "headers", "head_done", "done", "view", "pos", "parts",
+                 "limit", "overflow")
+
+    def __init__(self, into: bytearray | None):
+        self.parser = httptools.HttpResponseParser(self)
+        self.into = into
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = self.done = False
+        self.view: memoryview | None = None
+        self.pos = 0
+        self.parts: list[bytes] = []
+        self.limit = 0  # bytes of a body kept in ``parts`` (set with the status)
+        self.overflow = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # informational: the real head follows
+            self.headers = {}
+            return
+        self.status, self.head_done = status, True
+        length = self.headers.get("content-length")
+        if self.into is not None and status == 206 and length is not None and int(length) == len(self.into):
+            self.view = memoryview(self.into)
+        elif status >= 300:
+            self.limit = ERROR_BODY_KEEP_BYTES
+        else:  # e.g. a server that ignored Range and sends the whole object: small ones only
+            self.limit = max(len(self.into) if self.into is not None else 0, BODY_MAX_BYTES)
+
+    def on_body(self, body: bytes) -> None:
+        if self.view is None:
+            room = self.limit - self.pos
+            if len(body) > room:  # keep what fits, stop the parser: memory stays bounded
+                self.parts.append(body[:room])
+                self.pos, self.overflow = self.limit, True
+                raise _Overflow()
+            self.parts.append(body)
+            self.pos += len(body)
+            return
+        end = self.pos + len(body)
+        self.view[self.pos:end] = body  # the parser never passes Content-Length
+        self.pos = end
+
+    def on_message_begin(self) -> None:
+        if self.done:  # we never pipeline: bytes after the response's end mean the framing is lost
+            raise ConnectionFailed("more bytes after the end of the response")
+
+    def on_message_complete(self) -> None:
+        self.done = self.head_done
+
+
+def _exchange_steps(method: str, head: bytes, into: bytearray | None, host_header: str):
+    r = _Response(into)
+    try:
+        return (yield from _exchange_with(r, method, head, into, host_header))
+    finally:
+        # The parser holds its callbacks object and the object its parser: a reference cycle
+        # that would keep the 8 MiB body buffer alive until a full garbage collection (the
+        # daemon's RSS reached 900 MiB streaming 4 GiB). Broken here, whatever the outcome.
+        r.parser = None
+
+
+def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | None, host_header: str):
+    try:  # a reused connection the server closed while idle fails here, before any reply byte
+        yield ("send", head)
+        data = yield ("recv", HEAD_READ_BYTES)
+    except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO/SO_SNDTIMEO (worker threads): slow, not gone
+        raise ConnectionFailed(f"{host_header}: no reply within the read timeout") from None
+    except OSError as e:
+        raise _StaleConnection(f"{host_header}: {e}") from None
+    if not data:
+        raise _StaleConnection(f"{host_header} closed the connection")
+    while True:
+        try:
+            r.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            if not r.overflow:
+                raise
+            break
+        if r.done or (r.head_done and (method == "HEAD" or r.view is not None)):
+            break
+        data = yield ("recv", HEAD_READ_BYTES if not r.head_done else None)
+        if not data:  # EOF: the end only of a body framed by the connection's close
+            if r.head_done and "content-length" not in r.headers and "transfer-encoding" not in r.headers:
+                break
+            raise ConnectionFailed(f"{host_header}: connection closed before the end of the response")
+    length = r.headers.get("content-length")
+    keep = r.parser.get_http_version() == "1.1" and "close" not in r.headers.get("connection", "").lower()
+    if method == "HEAD" or r.status in (204, 304):
+        return Reply1(r.status, r.headers, b""), keep
+    if r.view is not None:  # the bytes parsed so far are in place: the rest straight into the buffer
+        n = len(r.view)
+        if r.pos < n:
+            r.pos += yield ("fill", r.view[r.pos:])
+        if r.pos < n:
+            raise ConnectionFailed(f"{host_header}: connection closed {n - r.pos} bytes before the body's end")
+        return Reply1(r.status, r.headers, into), keep
+    # any other body (error pages, servers ignoring Range, chunked): through the parser
+    if r.overflow and r.status < 300:
+        asked = f"; {len(into)} bytes were asked" if into is not None else ""
+        raise BackendError(f"{host_header}: a reply body of more than {r.limit} bytes (status {r.status}, "
+                           f"Content-Length {length}{asked}): refused, did the server ignore Range?", r.status)
+    # an error page is kept up to ERROR_BODY_KEEP_BYTES; the connection then holds the rest
+    return Reply1(r.status, r.headers, b"".join(r.parts)), keep and length is not None and not r.overflow
+
+
+async def _drive(steps, perform):
+    """Run ``steps``, each operation done by ``await perform(op, arg)``; its OSError is thrown
+    back into the exchange (which decides what it means), anything else ends it."""
+    result, error = None, None
+    while True:
+        try:
+            op, arg = steps.throw(error) if error is not None else steps.send(result)
+        except StopIteration as done:
+            return done.value
+        result, error = None, None
+        try:
+            result = await perform(op, arg)
+        except OSError as e:
+            error = e
+
+
+async def _drive_on_loop(sock, steps, read_bytes: int):
+    """Run ``steps`` with trio's non-blocking socket operations."""
+    async def perform(op: str, arg):
+        if op == "send":
+            out = memoryview(arg)
+            while out:
+                out = out[await sock.send(out):]
+            return None
+        if op == "recv":
+            return await sock.recv(arg or read_bytes)
+        pos = 0  # "fill"
+        while pos < len(arg):
+            got = await sock.recv_into(arg[pos:])
+            if not got:
+                break
+            pos += got
+        return pos
+
+    return await _drive(steps, perform)
+
+
+def _drive_blocking(raw_box: list, steps, timeout_seconds: float):
+    """Run ``steps`` on a worker thread with blocking operations on a duplicate of the trio
+    socket's descriptor (taken from ``raw_box``). Why: ``fill`` becomes one
+    ``recv_into(MSG_WAITALL)`` that receives a whole 8 MiB range with the GIL released, where
+    the trio loop needs a wakeup and a ``recv_into`` for every ~64-256 KiB loopback delivers
+    at a time, and all of it on the thread that also answers FUSE requests (docs/mount.md has
+    the measurements). The blocking flag lives on the open file both descriptors share, so it
+    is restored before returning; ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound a stalled server even
+    if nobody cancels.
+
+    Returns a list ``[result, None]`` or ``[None, exception]``, which the caller empties. Why
+    not raise: a traceback's frames reach this thread's trio frames (``f_back``), which hold
+    the outcome, which holds the exception: a reference cycle, and the exchange's frames in
+    it hold the body buffer until a garbage collection. Emptying the list breaks the cycle;
+    when nobody empties it (the request was abandoned), the frames' locals are cleared."""
+    try:
+        raw = raw_box.pop()
+    except IndexError:  # cancelled before this thread started: the request closed the duplicate
+        return [None, None]
+    try:
+        return [_run_blocking(raw, steps, timeout_seconds), None]
+    except Exception as e:
+        _clear_frames(e)
+        return [None, e]
+    finally:
+        try:
+            raw.setblocking(False)
+        finally:
+            raw.close()
+
+
+def _run_blocking(raw: socket.socket, steps, timeout_seconds: float):
+    raw.settimeout(None)
+    whole, frac = divmod(max(timeout_seconds, 0.001), 1.0)
+    timeval = struct.pack("ll", int(whole), int(frac * 1e6))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+    async def perform(op: str, arg):  # never suspends: every call below blocks this thread
+        if op == "send":
+            return raw.sendall(arg)
+        if op == "recv":
+            return raw.recv(arg or HEAD_READ_BYTES)
+        pos = 0  # "fill": usually one call for the whole body
+        while pos < len(arg):
+            got = raw.recv_into(arg[pos:], len(arg) - pos, socket.MSG_WAITALL)
+            if not got:
+                break
+            pos += got
+        return pos
+
+    # The same driver as on the loop, stepped by hand: a coroutine that never awaits anything
+    # that suspends finishes in one send().
+    coro = _drive(steps, perform)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the blocking exchange suspended")  # a bug: perform() must not await
+
+
+def _clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of the finished frames in ``e``'s tracebacks (its own and those of the
+    exceptions it chains), keeping the file/line information."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__

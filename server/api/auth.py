@@ -1,0 +1,230 @@
+"""Who may use which route: the one access check of the server (an aiohttp middleware).
+
+Every request passes ``check_access`` before any handler runs, so a route added later is
+covered without doing anything: it is protected unless this module's route table says
+otherwise. The table classifies a request by its path:
+
+    /v1/health            open (liveness probes; answers an empty 200, reveals nothing)
+    /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
+                          one is configured; "none" leaves it open (labels are operations and
+                          status codes, never bucket or object names: tests/test_auth.py checks)
+    /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``
+    anything else         the S3 API (``/s3/...`` and the root): SigV4
+
+and decides with what the server was configured with:
+
+    native (/v1/...)      token configured: the bearer token is required (401 without it or
+                          with a wrong one, as AIStore answers both). No token but S3 keys:
+                          refused (403): the native API has no way to check S3 keys, and
+                          leaving it open would make the keys pointless. Neither: open.
+    S3                    keys configured: SigV4 verified here (header or presigned query).
+                          No keys but a token: refused (403 AccessDenied); S3 never becomes a
+                          way around the token. Neither: open (any signature passes).
+
+Invariants:
+- The check runs before the handler, so before a body is read, a file is opened or the store
+  is touched: a refused PUT leaves nothing, not even a temporary file. A refused request
+  that said ``Expect: 100-continue`` is not told to continue (``expect_handler``), so its
+  client does not even send the body.
+- Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every
+  configured token (no early exit), so neither the content nor the length of a token can be
+  learned from response times. The server keeps only the digests.
+- Refusals are ``StoreError``s: ``server.api.app``'s error boundary renders them (AIStore JSON on
+  the native API, S3 XML on S3 routes) and counts them in the metrics as operation "denied".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from pathlib import Path
+
+from aiohttp import web
+
+from server.errors import StoreError
+from server.api.s3_xml import CODE_KEY, S3Error
+from server.api.sigv4 import verify
+from server.api.state import API_KEY, CONFIG, OP_KEY
+
+OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
+METRICS_PATH = "/metrics"
+NATIVE_PREFIX = "/v1"
+METRICS_AUTH_CHOICES = ("token", "none")
+MIN_TOKEN_CHARS = 16  # a shorter secret can be guessed online
+SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified SigV4 request (chains aws-chunked bodies)
+BEARER_REALM = 'Bearer realm="batchfs"'
+_PASSED = "batchfs.auth.passed"  # request key: checked already (by the expect handler)
+
+
+class Unauthorized(StoreError):
+    """401: no credentials, or credentials that are not valid (AIStore's answer to both)."""
+
+    status = 401
+
+    def __init__(self, message: str, error: str | None = None):
+        super().__init__(message)
+        challenge = BEARER_REALM + (f', error="{error}"' if error else "")
+        self.headers = {"WWW-Authenticate": challenge}
+
+
+class Forbidden(StoreError):
+    """403: this API is not enabled for anyone (no credentials could make it work)."""
+
+    status = 403
+
+
+# -- token files ------------------------------------------------------------------------------
+def token_digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+def load_token_file(path: Path) -> tuple[bytes, ...]:
+    """The SHA-256 digests of the tokens in ``path``: one token per line, blank lines and
+    lines starting with ``#`` ignored. Refused (ValueError with the reason) when the file is
+    readable or writable by others, missing, empty, or holds a token that is too short or
+    has characters a header cannot carry."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"auth token file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)  # the file we read, not whatever the path points to a moment later
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"auth token file {path}: not a regular file")
+        if st.st_mode & 0o007:
+            raise ValueError(f"auth token file {path} is accessible by other users (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}); restrict it: chmod 600 {path}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(1024 * 1024 + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > 1024 * 1024:
+        raise ValueError(f"auth token file {path}: larger than 1 MiB")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"auth token file {path}: tokens must be ASCII") from None
+    digests = []
+    for n, line in enumerate(text.splitlines(), 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if any(not 0x21 <= ord(c) <= 0x7E for c in token):
+            raise ValueError(f"auth token file {path}, line {n}: a token has no spaces or control characters")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"auth token file {path}, line {n}: token shorter than {MIN_TOKEN_CHARS} "
+                             "characters (make one with: openssl rand -hex 32)")
+        digests.append(token_digest(token))
+    if not digests:
+        raise ValueError(f"auth token file {path}: no token in it (one per line)")
+    return tuple(dict.fromkeys(digests))
+
+
+def token_matches(presented: str, digests: tuple[bytes, ...]) -> bool:
+    """Constant time in the presented token and in which configured token (if any) matches."""
+    mine = token_digest(presented.encode("utf-8", "surrogateescape"))
+    ok = False
+    for d in digests:
+        ok |= hmac.compare_digest(mine, d)
+    return ok
+
+
+# -- the route table --------------------------------------------------------------------------
+def route_class(path: str) -> str:
+    """"open", "metrics", "native" or "s3" for a request path (the table in the docstring).
+
+    Give it ``request.rel_url.path_safe`` (decoded but for ``%2F`` and ``%25``), the string
+    aiohttp's router matches, so a path is judged as the route that will serve it: with the
+    fully decoded ``request.path``, ``/v1%2Fx/k`` (an S3 key, routed to S3) would be judged
+    a native path."""
+    if path in OPEN_PATHS:
+        return "open"
+    if path == METRICS_PATH:
+        return "metrics"
+    if path == NATIVE_PREFIX or path.startswith(NATIVE_PREFIX + "/"):
+        return "native"
+    return "s3"
+
+
+def _check_bearer(request: web.Request, digests: tuple[bytes, ...]) -> None:
+    header = request.headers.get("Authorization")
+    if header is None:
+        raise Unauthorized("token required: send 'Authorization: Bearer <token>' (the aistore SDK "
+                           "does with Client(..., token=...) or AIS_AUTHN_TOKEN)")
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("invalid token: no bearer", "invalid_request")
+    if not token_matches(token.strip(), digests):
+        raise Unauthorized("invalid token", "invalid_token")
+
+
+def _check_s3(request: web.Request) -> None:
+    config = request.app[CONFIG]
+    if config.s3_access_key and config.s3_secret_key:
+        request[SIGNED_KEY] = verify(request, config.s3_access_key, config.s3_secret_key)
+    elif config.auth_token_digests:
+        raise S3Error(403, "AccessDenied", "the S3 API is disabled on this server: it requires a bearer "
+                      "token for the native API and has no S3 keys configured (--s3-access-key, "
+                      "--s3-secret-key)")
+
+
+def authorize(request: web.Request) -> None:
+    """Raise ``Unauthorized``/``Forbidden``/``S3Error`` unless the request may proceed."""
+    if request.get(_PASSED):
+        return
+    _authorize(request)
+    request[_PASSED] = True
+
+
+def _authorize(request: web.Request) -> None:
+    config = request.app[CONFIG]
+    kind = route_class(request.rel_url.path_safe)
+    if kind == "open":
+        return
+    if kind == "metrics":
+        if config.metrics_auth == "token" and config.auth_token_digests:
+            _check_bearer(request, config.auth_token_digests)
+        return
+    if kind == "native":
+        if config.auth_token_digests:
+            _check_bearer(request, config.auth_token_digests)
+        elif config.s3_access_key:
+            raise Forbidden("the native API is disabled on this server: S3 keys are configured but no "
+                            "bearer token (--auth-token-file); S3 requests must be signed")
+        return
+    _check_s3(request)
+
+
+@web.middleware
+async def check_access(request: web.Request, handler):
+    """Must run inside ``server.api.app.error_boundary`` (which renders the refusals)."""
+    try:
+        authorize(request)
+    except StoreError as e:
+        request[OP_KEY] = "denied"
+        if route_class(request.rel_url.path_safe) == "s3":
+            request[API_KEY] = "s3"
+            request[CODE_KEY] = e.code if isinstance(e, S3Error) else "AccessDenied"
+        raise
+    return await handler(request)
+
+
+def guard_expect(app: web.Application) -> None:
+    """Answer ``Expect: 100-continue`` only for requests that pass the check.
+
+    aiohttp calls a route's expect handler before any middleware; left alone it tells a
+    refused client to send its body (which would then be discarded). With this, a refused
+    request gets no 100 and its final 401/403 at once. Call after all routes are added."""
+    for route in app.router.routes():
+        inner = route._expect_handler  # aiohttp keeps the handler here (3.x); no public setter
+
+        async def expect(request: web.Request, inner=inner):
+            try:
+                authorize(request)
+            except StoreError:
+                return None  # no "100 Continue": the middleware sends the refusal
+            return await inner(request)
+
+        route._expect_handler = expect

@@ -1,0 +1,333 @@
+"""GetBatch (AIStore "moss"): many objects or shard members in, one ordered archive out.
+
+``GET /v1/ml/moss[/BUCKET]?provider=ais[&coloc=0|1|2]`` with a ``MossReq`` JSON body (see
+reference/getbatch-wire.md and docs/getbatch.md). Member *i* of the archive is entry *i*,
+always. This module is the HTTP handler; the work is in:
+
+- ``getbatch_request``: the body and its entries, checked incrementally (400s);
+- ``getbatch_read``: the plan (lookups, shard indexes, 404/416) and entry reads, in threads;
+- ``getbatch_job``: the scheduler and the in-order assembler of one request;
+- ``getbatch_budget``: admission, the global byte budget, the fair reader pool, work bounds.
+
+One streamed request (``strm: true``)::
+
+    check the request and its first PRECHECK_ENTRIES entries   -- 400/404 on the event loop
+    admission: 429, or counted at once (then maybe throttled)   -- app-wide, no await between
+    plan those entries (lookups: 404, 416, soft-error limit)    -- before the 200
+    [plain TAR whose first entries are large: plan them all, send a Content-Length, and send
+     large members with sendfile]
+    200 + headers, then the job streams the archive; later entries are checked and planned
+    just ahead of reading
+
+So a batch of up to PRECHECK_ENTRIES entries fails cleanly (a 4xx before the 200) on any bad
+or missing entry, and the time to first byte of a larger batch does not grow with its size.
+A problem found after the 200 can only truncate the stream: the connection is closed before
+the archive's end (and before its announced length, in a sized reply), so readers compare the
+member count with the request. A buffered request (``strm: false``) is checked and planned
+whole before anything is sent.
+
+A watchdog task runs beside every admitted request: when the client's connection closes, when
+a reply has sent nothing for ``getbatch_stall_timeout_seconds`` while it has bytes to send
+(the client does not read), or when the request has run ``getbatch_max_time_seconds``, it
+stops the request's reader threads (``Work.stop``), aborts the connection (freeing what the
+transport buffers) and cancels the request, so every reserved byte is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+
+from aiohttp import MultipartWriter, web
+
+from server.archive.writers import MIME_TYPES
+from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
+from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
+from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
+from server.getbatch.request import Entry, parse_request
+from server.api.metrics import Metrics
+from server.names import check_bucket
+from server.archive.shards import ShardIndexCache
+from server.api.state import CONFIG, METRICS, OP_KEY, STORE, read_json
+
+log = logging.getLogger(__name__)
+
+# Entries checked and planned before a streamed reply's 200. Up to here every bad or missing
+# entry is a clean 4xx; past it, time to first byte stops growing with the batch
+# (docs/getbatch.md has the measurements behind the number).
+PRECHECK_ENTRIES = 256
+
+GB_STATE = web.AppKey("getbatch", GetBatchState)
+WATCH_INTERVAL_SECONDS = 0.5  # how often the watchdog looks at a request's connection
+SENDFILE_STEP = 8 * 1024 * 1024
+
+
+class _Progress:
+    """Whether a reply is blocked in a write, and whether bytes still leave: the watchdog's
+    view of a client that stopped reading."""
+
+    def __init__(self) -> None:
+        self.busy = 0  # writes in progress
+        self.done = 0  # writes completed
+
+    async def track(self, aw) -> None:
+        self.busy += 1
+        try:
+            await aw
+        finally:
+            self.busy -= 1
+            self.done += 1
+
+
+async def _watch(request: web.Request, job: BatchJob, progress: _Progress) -> str:
+    """Return why the request must stop: its client is gone, stalled, or it ran too long."""
+    c = job.config
+    loop = asyncio.get_running_loop()
+    started = last_move = loop.time()
+    last_done, last_buffered = progress.done, -1
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+        now = loop.time()
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            job.metrics.gb_cancelled_n.inc()
+            return "client disconnected"
+        buffered = transport.get_write_buffer_size()
+        if not progress.busy or progress.done != last_done or buffered < last_buffered:
+            last_move = now  # not waiting on the client, or bytes left since the last look
+        last_done, last_buffered = progress.done, buffered
+        if now - last_move > c.getbatch_stall_timeout_seconds:
+            job.metrics.gb_aborted_stalled_n.inc()
+            return (f"client read nothing for {c.getbatch_stall_timeout_seconds:g} s "
+                    "(getbatch_stall_timeout_seconds)")
+        if now - started > c.getbatch_max_time_seconds:
+            job.metrics.gb_timed_out_n.inc()
+            return f"request ran longer than {c.getbatch_max_time_seconds:g} s (getbatch_max_time_seconds)"
+
+
+class _StreamOut:
+    """The assembler's output for a streamed reply: response writes, and sendfile of file
+    ranges straight to the socket (sized replies only: no chunked framing around them)."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, progress: _Progress):
+        self.request, self.resp, self.progress = request, resp, progress
+        self.loop = asyncio.get_running_loop()
+        self.sent = 0
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self.sent += len(data)
+            await self.progress.track(self.resp.write(data))
+
+    async def sendfile(self, fd: int, offset: int, count: int) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client disconnected")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            # in steps, so the watchdog sees a slow reader's progress between them
+            end = offset + count
+            while offset < end:
+                n = min(SENDFILE_STEP, end - offset)
+                await self.progress.track(self.loop.sendfile(transport, f, offset, n))
+                offset += n
+                self.sent += n
+
+
+async def _sized_plan(job: BatchJob) -> bool:
+    """Plan the whole batch before the 200 when a Content-Length pays: a plain TAR whose first
+    entries are large (planning the rest then costs little next to sending it) and that holds
+    a member sendfile can send. True: ``job.tar_length()`` is the reply's length."""
+    if job.req.mime != ".tar":
+        return False
+    window = job.entries[:job.planned]
+    if job.planned < job.req.n:
+        if sum(e.size for e in window) < SENDFILE_MIN_BYTES * len(window):
+            return False
+        await job.plan_until(job.req.n)
+    return any(job.sends_file(e) for e in job.entries)
+
+
+class _Truncated(Exception):
+    """The stream failed after its 200: ``resp`` is prepared, ``cause`` says why."""
+
+    def __init__(self, resp: web.StreamResponse, cause: Exception):
+        super().__init__(str(cause))
+        self.resp, self.cause = resp, cause
+
+
+async def _stream(request: web.Request, job: BatchJob, metrics: Metrics, progress: _Progress) -> web.StreamResponse:
+    await job.plan_until(PRECHECK_ENTRIES, chunk=PRECHECK_ENTRIES)
+    resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime]})
+    if await _sized_plan(job):
+        job.sized = True
+        resp.content_length = job.tar_length()
+    out = _StreamOut(request, resp, progress)
+    await progress.track(resp.prepare(request))
+    try:
+        job.task = asyncio.create_task(job.schedule())
+        await job.assemble(out)
+        if job.sized and out.sent != resp.content_length:  # a bug, never a client's problem
+            raise StoreError(f"moss: sent {out.sent} bytes of the {resp.content_length} announced")
+        await resp.write_eof()
+    except Exception as e:
+        raise _Truncated(resp, e) from e
+    finally:
+        metrics.bytes_out.labels("getbatch").inc(out.sent)
+    return resp
+
+
+def _moss_out(e: Entry, size: int, err: str) -> dict:
+    out = {"objname": e.objname, "bucket": e.bucket, "provider": "ais", "size": size}
+    if e.archpath:
+        out["archpath"] = e.archpath
+    if e.opaque is not None:
+        out["opaque"] = e.opaque
+    if err:
+        out["err_msg"] = err
+    return out
+
+
+class _Pieces:
+    """The assembler's output for a buffered reply: pieces in memory (bounded by the plan)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self.pieces.append(data)
+
+    async def sendfile(self, fd: int, offset: int, count: int) -> None:
+        raise AssertionError("a buffered reply is never sized")
+
+
+async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) -> web.Response:
+    """strm false: assemble the whole archive in memory (bounded), reply multipart/mixed. The
+    reply is sent here, not by aiohttp after the handler returns, so its bytes stay reserved
+    (and watched for a stalled client) until they are out."""
+    await job.plan_until(job.req.n)
+    # the archive's own bytes: data, and at most a header block and padding per member
+    total = sum(e.size for e in job.entries) + 1024 * job.req.n
+    budget = job.state.budget
+    cap = budget.capacity
+    if total > cap:
+        raise PayloadTooLarge(f"moss: buffered (strm false) reply of {total} bytes exceeds the {cap}-byte cap "
+                              f"(getbatch_max_buffered_bytes); use strm true to stream it")
+    if not job.try_reserve(total):
+        job.metrics.gb_rejected_n.inc()
+        raise TooManyRequests(f"moss: too busy to buffer {total} more bytes ({budget.used} of {cap} "
+                              "in use); retry later")
+    out = _Pieces()
+    job.task = asyncio.create_task(job.schedule())
+    await job.assemble(out)
+    archive = b"".join(out.pieces)
+    out.pieces.clear()
+    meta = {"uuid": uuid.uuid4().hex,
+            "out": [_moss_out(e, size, err) for e, (size, err) in zip(job.entries, job.sizes)]}
+    mp = MultipartWriter("mixed")
+    part = mp.append(json.dumps(meta), {"Content-Type": "application/json"})
+    part.set_content_disposition("form-data", name="metadata")
+    part = mp.append(archive, {"Content-Type": MIME_TYPES[job.req.mime]})
+    part.set_content_disposition("form-data", name="archive")
+    job.metrics.bytes_out.labels("getbatch").inc(len(archive))
+    resp = web.Response(body=mp, status=200)
+    del archive, part
+    await progress.track(resp.prepare(request))
+    await progress.track(resp.write_eof())
+    return resp
+
+
+async def moss(request: web.Request) -> web.StreamResponse:
+    request[OP_KEY] = "getbatch"
+    if request.method != "GET":
+        raise web.HTTPMethodNotAllowed(request.method, ["GET"], text=f"moss: method {request.method} not allowed; use GET")
+    app = request.app
+    config, store, metrics, state = app[CONFIG], app[STORE], app[METRICS], app[GB_STATE]
+    try:
+        coloc = request.query.get("coloc", "0")
+        if not coloc.isdigit() or int(coloc) > 2:
+            raise BadRequest(f"moss: invalid coloc {coloc!r} (0, 1 or 2)")
+        if request.query.get("provider", "ais") not in ("ais", ""):
+            raise BadRequest(f"moss: provider {request.query['provider']!r} is not supported (only 'ais')")
+        default_bucket = request.match_info.get("bucket") or None
+        if default_bucket:
+            check_bucket(default_bucket)
+            store.require_bucket(default_bucket)
+        req = parse_request(await read_json(request), default_bucket, config)
+        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, store)
+        throttle = state.admission.admit()  # counted from here on: leave() in the finally below
+    except StoreError:
+        metrics.gb_err_n.inc()
+        raise
+    job = BatchJob(req, config, store, metrics, state)
+    progress = _Progress()
+    watch = asyncio.create_task(_watch(request, job, progress))
+    work: asyncio.Task | None = None
+    try:
+        if throttle:
+            await state.admission.throttle(config.getbatch_throttle_seconds)
+        work = asyncio.create_task(_stream(request, job, metrics, progress) if req.strm
+                                   else _buffered(request, job, progress))
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the watchdog fired: stop everything this request holds
+            reason = watch.result()
+            job.work.stop(reason)
+            # cancel before aborting: a loop.sendfile in progress must first take its writer
+            # off the socket, or the closed descriptor stays in the selector and breaks the
+            # next connection that gets its number
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if request.transport is not None:
+                request.transport.abort()  # drops what the transport still buffers
+            metrics.gb_err_n.inc()
+            log.info("moss: request stopped: %s", reason)
+            return web.Response(status=499)  # nobody reads it; aiohttp drops it quietly
+        resp = work.result()
+        metrics.gb_n.inc()
+        return resp
+    except _Truncated as t:
+        metrics.gb_err_n.inc()
+        if isinstance(t.cause, ConnectionError):
+            log.debug("moss: client went away mid-stream: %s", t.cause)
+        else:
+            # After the 200 the only signal left is truncation: close without the archive's end.
+            log.warning("moss: stream truncated after the 200: %s", getattr(t.cause, "message", repr(t.cause)))
+        if request.transport is not None:
+            request.transport.close()
+        return t.resp  # aiohttp's write_eof then fails quietly on the closed connection
+    except BaseException:  # before the 200 (the error boundary answers), or cancelled
+        metrics.gb_err_n.inc()
+        raise
+    finally:
+        watch.cancel()
+        if work is not None and not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        await job.shutdown()
+        metrics.gb_rxwait_ns.inc(job.rxwait_ns)
+        state.admission.leave()
+        trim_if_idle(state.budget)
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    app[GB_STATE].pool.shutdown()
+    app[GB_STATE].indexer.shutdown()
+
+
+def add_routes(app: web.Application) -> None:
+    config, metrics = app[CONFIG], app[METRICS]
+    budget = ByteBudget(config.getbatch_max_buffered_bytes, metrics)
+    indexes = ShardIndexCache(config.shard_index_cache_entries, config.shard_index_cache_bytes)
+    app[GB_STATE] = GetBatchState(
+        config,
+        FairPool(max(2, config.getbatch_workers), config.getbatch_request_threads),
+        indexes,
+        budget,
+        Admission(config.getbatch_max_pending, budget, metrics),
+        ShardIndexer(indexes, config.getbatch_index_threads))
+    app.on_cleanup.append(_on_cleanup)
+    for path in ("/v1/ml/moss", "/v1/ml/moss/", "/v1/ml/moss/{bucket}"):
+        app.router.add_route("*", path, moss)

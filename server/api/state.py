@@ -1,0 +1,80 @@
+"""Typed keys for what the application and each request carry, and small request helpers
+shared by the API modules (JSON bodies under a cap, operation labels)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from server.config import ServerConfig
+from server.errors import BadRequest, PayloadTooLarge
+from server.api.metrics import Metrics
+from server.names import check_json_text
+from server.store.store import Store
+
+class InFlight:
+    """Requests whose handler is running, so a shutdown can wait for them.
+
+    aiohttp's own graceful shutdown stops reading from every connection at once, which cuts a
+    PUT whose body is still arriving; the CLI instead stops accepting, waits here until the
+    count reaches zero (or its timeout), and only then lets aiohttp close connections. While
+    draining, responses carry ``Connection: close`` so keep-alive clients move on.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def drain(self, timeout_seconds: float) -> bool:
+        """Wait until no handler runs; False if the timeout passed first."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+CONFIG = web.AppKey("config", ServerConfig)
+STORE = web.AppKey("store", Store)
+METRICS = web.AppKey("metrics", Metrics)
+INFLIGHT = web.AppKey("inflight", InFlight)
+
+API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
+OP_KEY = "batchfs.op"  # request key: operation label for metrics
+
+
+async def read_json(request: web.Request, *, required: bool = True):
+    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else."""
+    cap = request.app[CONFIG].max_json_bytes
+    if request.content_length is not None and request.content_length > cap:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {cap}-byte cap")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds the {cap}-byte cap") from None
+    if not raw.strip():
+        if required:
+            raise BadRequest("missing JSON request body")
+        return None
+    try:
+        return check_json_text(raw, json.loads(raw))
+    except BadRequest:
+        raise
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON request body: {e}") from None
+    except RecursionError:  # e.g. 100,000 nested '[': refuse rather than crash the handler
+        raise BadRequest("malformed JSON request body: nested too deeply") from None

@@ -1,0 +1,176 @@
+"""GetBatch requests: the ``MossReq`` body, its entries, and their validation.
+
+``parse_request`` checks the request's own fields (``in``, ``mime``, flags) and keeps the raw
+entries; ``MossReq.check_upto(n)`` turns the next raw entries into ``Entry`` objects, in order,
+refusing a bad one with the 4xx that names it (``moss: entry i: ...``). Checking is
+incremental because it costs a few microseconds per entry: the handler checks the first
+window before the 200 (so a small request's bad input is always a clean 4xx) and the rest is
+checked just ahead of reading, where an error can only truncate the stream.
+
+Invariants: ``entries[i]`` is raw entry *i* checked, for every ``i < len(entries)``; an
+``Entry`` has a valid object name and bucket (the bucket exists), a valid archpath, a range
+of the documented shape and decodable opaque bytes. ``span`` checks a range against the size
+found by the plan (416).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+
+from server.archive.writers import MIME_TYPES, normalize_mime
+from server.config import ServerConfig
+from server.errors import BadRequest, RangeNotSatisfiable
+from server.names import check_bucket, check_member_path, check_objname
+from server.store.store import ObjectMeta, Store
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    index: int
+    bucket: str
+    objname: str
+    archpath: str  # '' for a whole object (or a range of it)
+    start: int
+    length: int  # 0: whole; > 0: exactly; -1: to the end
+    opaque: str | None
+    name: str  # member name in the archive
+    # filled in by the plan
+    kind: str = ""  # 'obj' | 'tar' | 'zip' | 'tgz' | 'missing'
+    meta: ObjectMeta | None = None
+    size: int = 0  # bytes this member will carry (planned)
+    err: str = ""
+
+
+@dataclasses.dataclass
+class MossReq:
+    items: list  # the raw JSON entries
+    default_bucket: str | None
+    mime: str
+    coer: bool
+    onob: bool
+    strm: bool
+    entries: list[Entry] = dataclasses.field(default_factory=list)  # items checked so far
+    named: set[str] = dataclasses.field(default_factory=set)  # bucket names checked
+    buckets: set[str] = dataclasses.field(default_factory=set)  # buckets known to exist
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+    def check_upto(self, upto: int, store: Store) -> None:
+        """Check raw entries up to ``upto`` (exclusive) into ``entries``; BadRequest (400) or
+        NotFound (404, unknown bucket) for the first bad one."""
+        upto = min(upto, len(self.items))
+        entries, items = self.entries, self.items
+        for i in range(len(entries), upto):
+            entries.append(check_entry(items[i], i, self.default_bucket, self.onob, self.named))
+        # existence after syntax, so that within one window every 400 comes before a 404
+        for b in self.named - self.buckets:
+            store.require_bucket(b)
+            self.buckets.add(b)
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"moss: {key!r} must be a boolean")
+    return v
+
+
+def parse_request(body: object, default_bucket: str | None, config: ServerConfig) -> MossReq:
+    """The request's own fields; entries are checked later (``MossReq.check_upto``)."""
+    if not isinstance(body, dict):
+        raise BadRequest("moss: the request body must be a JSON object")
+    items = body.get("in")
+    if items is None or items == []:
+        raise BadRequest("moss: empty input")
+    if not isinstance(items, list):
+        raise BadRequest("moss: 'in' must be a list of entries")
+    if len(items) > config.getbatch_max_entries:
+        raise BadRequest(f"moss: {len(items)} entries exceed the limit of {config.getbatch_max_entries}")
+    mime = normalize_mime(body.get("mime"))
+    if mime is None:
+        raise BadRequest(f"moss: unknown output format {body.get('mime')!r} "
+                         f"(expected one of {', '.join(MIME_TYPES)})")
+    coer, onob, strm = _flag(body, "coer"), _flag(body, "onob"), _flag(body, "strm")
+    return MossReq(items, default_bucket, mime, coer, onob, strm)
+
+
+def _range_int(v: object, key: str, i: int) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"moss: entry {i}: {key!r} must be an integer")
+    return v
+
+
+def check_entry(item: object, i: int, default_bucket: str | None, onob: bool, named: set[str]) -> Entry:
+    """Raw entry ``i`` as an ``Entry``. Bucket names not in ``named`` are checked and added
+    to it; whether the bucket exists is the caller's check."""
+    if not isinstance(item, dict):
+        raise BadRequest(f"moss: entry {i} must be a JSON object")
+    get = item.get
+    objname = get("objname")
+    if not isinstance(objname, str):
+        raise BadRequest(f"moss: entry {i}: 'objname' (a string) is required")
+    try:
+        check_objname(objname)
+    except BadRequest as e:
+        raise BadRequest(f"moss: entry {i}: {e.message}") from None
+    bucket = get("bucket") or default_bucket
+    if not isinstance(bucket, str) or not bucket:
+        raise BadRequest(f"moss: entry {i}: no bucket (name one in the entry or in the URL)")
+    if bucket not in named:
+        check_bucket(bucket)
+        named.add(bucket)
+    provider = get("provider")
+    if provider is not None and provider != "ais" and provider != "":
+        raise BadRequest(f"moss: entry {i}: provider {provider!r} is not supported (only 'ais')")
+    if get("uname"):
+        raise BadRequest(f"moss: entry {i}: 'uname' is not supported; use bucket and objname")
+    archpath = get("archpath") or ""
+    if archpath:
+        if not isinstance(archpath, str):
+            raise BadRequest(f"moss: entry {i}: 'archpath' must be a string")
+        try:
+            check_member_path(archpath)
+        except BadRequest as e:
+            raise BadRequest(f"moss: entry {i}: {e.message}") from None
+    opaque = get("opaque")
+    if opaque is not None:
+        if not isinstance(opaque, str):
+            raise BadRequest(f"moss: entry {i}: 'opaque' must be a base64 string")
+        try:
+            base64.b64decode(opaque, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"moss: entry {i}: 'opaque' is not valid base64") from None
+    start, length = get("start"), get("length")
+    if start is not None or length is not None:  # most entries are whole objects
+        start, length = _range_int(start, "start", i), _range_int(length, "length", i)
+        if start < 0 or length < -1 or (start != 0 and length == 0):
+            raise BadRequest(f"moss: entry {i}: invalid range start={start} length={length} "
+                             "(start >= 0; length > 0, or -1 to the end; a non-zero start needs a length)")
+    else:
+        start = length = 0
+    name = objname if onob else f"{bucket}/{objname}"
+    if archpath:
+        name = f"{name}/{archpath}"
+    return Entry(i, bucket, objname, archpath, start, length, opaque, name)
+
+
+def span(e: Entry, size: int) -> tuple[int, int]:
+    """(first byte, byte count) of entry ``e`` in an object or member of ``size`` bytes."""
+    if e.length == 0:
+        return 0, size
+    what = f"ais://{e.bucket}/{e.objname}" + (f" member {e.archpath!r}" if e.archpath else "")
+    if e.start >= size and not (e.start == 0 and e.length == -1):
+        raise RangeNotSatisfiable(f"moss: entry {e.index}: start {e.start} is beyond {what} ({size} bytes)", size)
+    if e.length == -1:
+        return e.start, size - e.start
+    if e.start + e.length > size:
+        raise RangeNotSatisfiable(f"moss: entry {e.index}: {e.start}+{e.length} is beyond {what} ({size} bytes)", size)
+    return e.start, e.length

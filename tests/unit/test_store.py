@@ -1,0 +1,268 @@
+"""The store under the HTTP API: listing at scale, crash safety of PUT, checksums on read.
+
+Each test here runs its own server process on its own data directories, because it either
+prepares them before the server starts or kills the server on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.store.store import Store
+from tests.support.processes import ServerProcess
+
+MiB = 1 << 20
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _list_all(url: str, bucket: str, page: int, prefix: str = "") -> list[str]:
+    names, token, pages = [], "", 0
+    while True:
+        r = httpx.request("GET", f"{url}/v1/buckets/{bucket}", headers={"Accept": "application/json"},
+                          json={"action": "list", "value": {"prefix": prefix, "pagesize": page,
+                                                            "continuation_token": token}})
+        r.raise_for_status()
+        reply = r.json()
+        assert len(reply["Entries"]) <= page
+        names += [e["n"] for e in reply["Entries"]]
+        token, pages = reply["ContinuationToken"], pages + 1
+        if not token:
+            return names
+
+
+def _bulk_clone(store: Store, bucket: str, names: list[str]) -> None:
+    """Fill a bucket fast: PUT one object the normal way, then clone its catalog row under
+    every other name (one transaction per mountpath) with hard links to its data file.
+    Going through put_bytes 20,000 times would spend ~30 s in fsync."""
+    template = store.put_bytes(bucket, names[0], b"same bytes")
+    src = store.chunk_files(template)[0][0]
+    row = store.home(bucket, names[0]).reader().execute(
+        "SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, names[0])).fetchone()
+    by_home: dict = {}
+    for name in names[1:]:
+        by_home.setdefault(store.home(bucket, name), []).append(name)
+    for mp, batch in by_home.items():
+        chunks = row[8].replace(template.chunks[0].mp, mp.id)
+        with mp.writer() as db:
+            db.executemany("INSERT INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
+                           [(bucket, n, *row[2:8], chunks) for n in batch])
+        for n in batch:
+            dst = mp.data_path(bucket, n, template.tag, 0)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+
+
+def test_list_20000_objects_in_pages(tmp_path):
+    dirs = [tmp_path / "d1", tmp_path / "d2", tmp_path / "d3"]
+    store = Store(dirs, 1 * MiB)
+    store.create_bucket("big")
+    expected = sorted(f"{p}/{i:05d}" for p in ("train", "val") for i in range(10_000))
+    _bulk_clone(store, "big", expected)
+    del store
+    with ServerProcess(dirs) as srv:
+        assert _list_all(srv.url, "big", 997) == expected
+        assert _list_all(srv.url, "big", 10_000, prefix="val/") == expected[10_000:]
+        assert _list_all(srv.url, "big", 333, prefix="train/0999") == [f"train/0999{i}" for i in range(10)]
+        from aistore.sdk import Client
+
+        bucket = Client(srv.url).bucket("big")
+        entries = bucket.list_all_objects(prefix="val/09", page_size=100)
+        assert [e.name for e in entries] == [f"val/{i:05d}" for i in range(9000, 10_000)]
+        assert bucket.object("val/04242").get_reader().read_all() == b"same bytes"
+
+
+def test_store_listing_spans_mountpaths(tmp_path):
+    """Every page merges all mountpaths in name order, however names are spread."""
+    store = Store([tmp_path / "a", tmp_path / "b", tmp_path / "c"], 1 * MiB)
+    store.create_bucket("b")
+    names = sorted(f"n{i:04d}" for i in range(300))
+    _bulk_clone(store, "b", names)
+    homes = {store.home("b", n).id for n in names}
+    assert len(homes) == 3
+    for limit in (1, 2, 3, 50, 299, 300, 1000):
+        # pages of 1 exercise the token landing on each mountpath in turn
+        got, token = [], ""
+        while True:
+            page, token = store.list_page("b", "", token, limit)
+            got += [m.name for m in page]
+            if not token:
+                break
+        assert got == names, limit
+
+
+def _start_slow_put(url: str, path: str, total: int, first: bytes) -> socket.socket:
+    """Send PUT headers and the first part of a body, then stall (a slow streaming client)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {total}\r\n\r\n".encode() + first)
+    return sock
+
+
+@pytest.mark.parametrize("v2_size", [200_000, 5 * MiB + 7])  # one inline write; chunked, streamed
+def test_crash_mid_put_keeps_old_version(tmp_path, v2_size):
+    dirs = [tmp_path / "d1", tmp_path / "d2"]
+    v1 = os.urandom(3 * MiB + 11)
+    srv = ServerProcess(dirs, "--chunk-size", "1MiB").start()
+    sock = None
+    try:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        httpx.put(f"{srv.url}/v1/objects/b/obj", content=v1).raise_for_status()
+        tmp_dirs = [d / ".batchfs" / "tmp" for d in dirs]
+        sock = _start_slow_put(srv.url, "/v1/objects/b/obj", v2_size, os.urandom(v2_size // 2))
+        if v2_size > 256 * 1024:
+            # a streamed PUT has a temp file open while it waits for the rest of the body
+            _wait_for(lambda: any(any(d.iterdir()) for d in tmp_dirs), 10, "a temp file of the PUT")
+        else:  # a small PUT is buffered in memory until the body is complete
+            time.sleep(0)  # nothing to wait for: the server holds half a body and no file
+        srv.proc.kill()  # SIGKILL: no cleanup of any kind
+        srv.proc.wait(10)
+    finally:
+        if sock:
+            sock.close()
+        srv.stop()
+    srv2 = ServerProcess(dirs, "--chunk-size", "1MiB").start()
+    try:
+        r = httpx.get(f"{srv2.url}/v1/objects/b/obj")
+        assert r.status_code == 200 and r.content == v1
+        assert r.headers["Ais-Version"] == "1"
+        assert all(not any(d.iterdir()) for d in tmp_dirs), "temp files survived a restart"
+        data_files = [p for d in dirs for p in (d / "objs").rglob("*") if p.is_file()]
+        assert len(data_files) == 4  # v1's chunks, and nothing of v2
+    finally:
+        srv2.stop()
+
+
+def test_client_abort_mid_put_keeps_old_version(tmp_path):
+    dirs = [tmp_path / "d1"]
+    with ServerProcess(dirs) as srv:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        httpx.put(f"{srv.url}/v1/objects/b/obj", content=b"version one").raise_for_status()
+        for total in (100, 3 * MiB):
+            sock = _start_slow_put(srv.url, "/v1/objects/b/obj", total, b"x" * (total // 2))
+            sock.close()
+        tmp = dirs[0] / ".batchfs" / "tmp"
+        _wait_for(lambda: not any(tmp.iterdir()), 10, "aborted PUTs to remove their temp files")
+        r = httpx.get(f"{srv.url}/v1/objects/b/obj")
+        assert r.content == b"version one" and r.headers["Ais-Version"] == "1"
+
+
+def _data_file(d: Path, bucket: str) -> Path:
+    (f,) = [p for p in (d / "objs" / bucket).rglob("*") if p.is_file()]
+    return f
+
+
+def test_corrupt_small_object_fails_with_500(tmp_path):
+    dirs = [tmp_path / "d1"]
+    with ServerProcess(dirs) as srv:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        data = os.urandom(10 * 1024)
+        httpx.put(f"{srv.url}/v1/objects/b/small", content=data).raise_for_status()
+        assert httpx.get(f"{srv.url}/v1/objects/b/small").content == data  # metadata now cached
+        f = _data_file(dirs[0], "b")
+        raw = bytearray(f.read_bytes())
+        raw[5000] ^= 0x01  # one flipped bit, same size
+        f.write_bytes(bytes(raw))
+        r = httpx.get(f"{srv.url}/v1/objects/b/small")
+        assert r.status_code == 500
+        body = r.json()
+        assert body["status"] == 500 and "checksum" in body["message"] and "ais://b/small" in body["message"]
+        assert httpx.get(f"{srv.url}/v1/health").status_code == 200
+
+
+def test_truncated_large_object_fails_before_sending(tmp_path):
+    dirs = [tmp_path / "d1"]
+    with ServerProcess(dirs) as srv:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        httpx.put(f"{srv.url}/v1/objects/b/large", content=os.urandom(2 * MiB)).raise_for_status()
+        f = _data_file(dirs[0], "b")
+        os.truncate(f, MiB)
+        r = httpx.get(f"{srv.url}/v1/objects/b/large")
+        assert r.status_code == 500 and "wrong size" in r.json()["message"]
+
+
+def test_range_get_opens_only_its_chunks(tmp_path):
+    """A range GET opens (and size-checks) only the chunks it sends: per request cost must
+    not grow with the object (a sequential read by ranges was quadratic in its size)."""
+    dirs = [tmp_path / "d1"]
+    data = os.urandom(4 * MiB)
+    with ServerProcess(dirs, "--chunk-size", str(MiB)) as srv:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck"}).raise_for_status()
+        httpx.put(f"{srv.url}/v1/objects/b/big", content=data).raise_for_status()
+        chunk3 = next(p for p in (dirs[0] / "objs" / "b").rglob("*.3") if p.is_file())
+        os.truncate(chunk3, MiB // 2)  # damage a chunk the range below does not touch
+        lo, hi = MiB - 10, 3 * MiB - 1  # chunks 0..2, across two boundaries
+        r = httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={lo}-{hi}"})
+        assert r.status_code == 206 and r.content == data[lo:hi + 1]
+        s3 = httpx.get(f"{srv.url}/s3/b/big", headers={"Range": f"bytes={lo}-{hi}"})
+        assert s3.status_code == 206 and s3.content == data[lo:hi + 1]
+        for whole in (httpx.get(f"{srv.url}/v1/objects/b/big"),
+                      httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={3 * MiB}-"})):
+            assert whole.status_code == 500 and "wrong size" in whole.json()["message"]
+
+
+def test_open_span_opens_only_overlapping_chunks(tmp_path):
+    store = Store([tmp_path / "d"], 1 * MiB)
+    store.create_bucket("b")
+    data = os.urandom(5 * MiB + 7)
+    store.put_bytes("b", "o", data)
+    with store.open("b", "o", lambda meta: (MiB + MiB // 2, 3 * MiB)) as obj:
+        assert [fd >= 0 for fd, _ in obj.files] == [False, True, True, False, False, False]
+        store.put_bytes("b", "o", b"replaced")  # open descriptors keep the old version readable
+        assert obj.pread(MiB, 3 * MiB) == data[MiB:3 * MiB]
+        with pytest.raises(ValueError, match="chunk 3 was not opened"):
+            obj.pread(2 * MiB, 3 * MiB + 1)
+    with store.open("b", "o", lambda meta: (0, 0)) as obj:
+        assert all(fd < 0 for fd, _ in obj.files)
+    store.put_bytes("b", "empty", b"")
+    with store.open("b", "empty") as obj:  # its one empty chunk file is opened (and checked)
+        assert [fd >= 0 for fd, _ in obj.files] == [True] and obj.pread() == b""
+
+
+def test_listing_rows_match_the_objects(tmp_path):
+    """Listings read only the columns they show (no chunk tables): the same name, size,
+    ETag and Last-Modified as the object itself."""
+    store = Store([tmp_path / "d"], 1 * MiB)
+    store.create_bucket("b")
+    metas = [store.put_bytes("b", f"o{i}", os.urandom(i * 300_000)) for i in range(5)]
+    page, token = store.list_page("b", "", "", 10)
+    assert token == "" and [m.name for m in page] == [m.name for m in metas]
+    for listed, meta in zip(page, metas):
+        assert (listed.size, listed.etag, listed.last_modified, listed.atime_ns) == \
+            (meta.size, meta.etag, meta.last_modified, meta.atime_ns)
+    assert page[0].last_modified.endswith(" GMT") and time.strptime(page[0].last_modified, "%a, %d %b %Y %H:%M:%S GMT")
+
+
+def test_meta_cache_never_keeps_a_row_read_before_a_commit(tmp_path):
+    store = Store([tmp_path / "d"], 1 * MiB, meta_cache_entries=2)
+    store.create_bucket("b")
+    v1 = store.put_bytes("b", "o", b"one")
+    # a reader that looked the row up before a concurrent commit must not cache it after
+    gen = store.meta_cache.generation()
+    v2 = store.put_bytes("b", "o", b"two")
+    store.meta_cache.fill(("b", "o"), v1, gen)
+    assert store.lookup("b", "o") == v2
+    with store.open("b", "o") as obj:
+        assert obj.pread() == b"two"
+    # bounded: least recently used entries go first
+    for n in ("x", "y", "z"):
+        store.put_bytes("b", n, n.encode())
+        store.lookup("b", n)
+    assert len(store.meta_cache) == 2 and store.meta_cache.get(("b", "x")) is None
+    store.delete("b", "z")
+    with pytest.raises(Exception, match="does not exist"):
+        store.lookup("b", "z")
