@@ -1,6 +1,6 @@
 """The AIStore-native backend (our server, or a real AIStore cluster) over httpx.
 
-Wire details are in reference/getbatch-wire.md. Two choices worth knowing:
+Wire details are in docs/wire.md. Two choices worth knowing:
 - Directory listings. The list-objects API is recursive (no delimiter), so ``list_dir``
   emulates one: it reads a page of names under the prefix, reports each immediate
   subdirectory once, and when a page ends inside a subdirectory it skips the rest of that

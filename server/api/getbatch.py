@@ -1,7 +1,7 @@
 """GetBatch (AIStore "moss"): many objects or shard members in, one ordered archive out.
 
 ``GET /v1/ml/moss[/BUCKET]?provider=ais[&coloc=0|1|2]`` with a ``MossReq`` JSON body (see
-reference/getbatch-wire.md and docs/getbatch.md). Member *i* of the archive is entry *i*,
+docs/wire.md and docs/getbatch.md). Member *i* of the archive is entry *i*,
 always. This module is the HTTP handler; the work is in:
 
 - ``getbatch_request``: the body and its entries, checked incrementally (400s);

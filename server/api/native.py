@@ -1,5 +1,5 @@
 """The native AIStore-compatible API: health, cluster map and jobs, buckets, objects (see
-reference/getbatch-wire.md, and docs/server.md for what is honoured and what is refused).
+docs/wire.md, and docs/server.md for what is honoured and what is refused).
 
 Every route declares, with ``@accepts``, the query parameters and the action messages it
 takes; ``guarded`` refuses anything else with a 400 before the handler runs, so no parameter

@@ -1,5 +1,5 @@
 """The native AIStore API against the real ``aistore`` SDK 2.0: every row of the wire table in
-reference/getbatch-wire.md, on the session server (two data dirs, 1 MiB chunks).
+docs/wire.md, on the session server (two data dirs, 1 MiB chunks).
 
 The SDK retries 5xx and 429 for minutes by default; these tests give it a no-retry config so
 an accidental 500 fails fast instead of looking like a hang.
