@@ -221,10 +221,10 @@ _PROFILE_RULES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("idle: epoll wait (for the server or the kernel)", lambda st, leaf: "get_events" in leaf),
     ("lookup probe: HEAD", lambda st, leaf: "as_file" in st),
     ("lookup probe: 1-entry LIST", lambda st, leaf: "as_dir" in st),
-    ("disk cache writes (threads)", lambda st, leaf: "diskcache" in st or "DiskChunkCache" in st),
+    ("disk cache writes (threads)", lambda st, leaf: "diskcache" in st or "DiskStore" in st),
     ("read: GET (httpx/httpcore)", lambda st, leaf: ("reader.py" in st or "AisClient.get" in st)
      and any(m in st for m in ("httpx", "httpcore", "h11"))),
-    ("read: engine (reader, caches)", lambda st, leaf: "reader.py" in st or "engine.py" in st or "datacache" in st),
+    ("read: engine (reader, caches)", lambda st, leaf: "reader.py" in st or "engine.py" in st or "batchfs/cache/" in st),
     ("other httpx/httpcore (pool, response close)", lambda st, leaf: any(m in st for m in ("httpx", "httpcore", "h11"))),
     ("FUSE handlers (pyfuse3 glue, fs.py, namespace)", lambda st, leaf: any(
         m in st for m in ("pyfuse3", "batchfs/fs.py", "namespace.py"))),

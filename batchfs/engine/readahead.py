@@ -33,7 +33,7 @@ the server's own chunk size (``Ais-Chunks-Max-Chunk-Size`` from HEAD) close to
 * **Concurrency.** Range GETs across the mount are limited by one semaphore
   (``parallel_total``) and each is bounded in time by ``request_timeout_seconds``.
 * **Chunk memory** is allocated without zeroing and stays mapped after use
-  (``batchfs.cache.chunkmem``).
+  (``batchfs.buffers``).
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ import logging
 import trio
 
 from batchfs.objclient.base import ObjectClient, ObjectInfo
-from batchfs.cache.chunkmem import keep_freed_chunks_mapped
+from batchfs.buffers import keep_freed_chunks_mapped
 from batchfs.engine.config import MountConfig
-from batchfs.cache.datacache import DiskChunkCache, MemoryChunkCache, chunk_key, geometry_key
+from batchfs.cache.chunks import MemoryChunkCache, chunk_key, geometry_key
+from batchfs.cache.diskstore import DiskStore
 from batchfs.engine.errors import RequestTimeout, VersionChanged
 from batchfs.engine.readahead import MemoryBudget, SequentialWindow, request_chunk_size
 
@@ -55,7 +56,7 @@ class Reader:
     """Mount-wide read state. Build with :meth:`create` inside the mount's nursery."""
 
     def __init__(self, config: MountConfig, client: ObjectClient, nursery: trio.Nursery,
-                 disk: DiskChunkCache | None):
+                 disk: DiskStore | None):
         self.config = config
         self.client = client
         self.nursery = nursery
@@ -72,7 +73,7 @@ class Reader:
         keep_freed_chunks_mapped(config.memory_budget_bytes // 4)
         disk = None
         if config.cache_dir is not None:
-            disk = await DiskChunkCache.open_or_none(config.cache_dir, config.cache_quota_bytes,
+            disk = await DiskStore.open_or_none(config.cache_dir, config.cache_quota_bytes,
                                                      config.cache_free_space_ratio)
             if disk is not None:
                 nursery.start_soon(disk.writer)
@@ -212,7 +213,7 @@ class FileReader:
         gkey = geometry_key(self.r.source_id, self.bucket, self.key, self.info.version)
         server_chunk = None
         if self.r.disk is not None:
-            server_chunk = await self.r.disk.get_geometry(gkey)
+            server_chunk = await self.r.disk.get_int(gkey)
         if server_chunk is None:
             head = await self.r.client.head(self.bucket, self.key)
             if head.info.version != self.info.version:
@@ -222,7 +223,7 @@ class FileReader:
                 gkey = geometry_key(self.r.source_id, self.bucket, self.key, self.info.version)
             server_chunk = head.chunk_size or self.r.config.chunk_size_bytes
             if self.r.disk is not None:
-                self.r.disk.put_geometry(gkey, server_chunk)
+                self.r.disk.put_int(gkey, server_chunk)
         chunk = request_chunk_size(server_chunk, self.r.config.chunk_size_bytes)
         return SequentialWindow(chunk, max(1, self.r.config.parallel_per_file))
 

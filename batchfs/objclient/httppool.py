@@ -36,7 +36,7 @@ import httpx
 import trio
 
 from batchfs.objclient.http1 import ConnectionFailed, Http1Pool
-from batchfs.cache.chunkmem import uninitialized
+from batchfs.buffers import uninitialized
 from batchfs.engine.config import MountConfig
 from batchfs.engine.errors import BackendError, RequestTimeout
 

@@ -111,13 +111,13 @@ def test_caching_stops_at_the_reserve_and_resumes_when_space_is_freed(tmp_path):
     dropped (not an error), and once space is freed, the next entries are written again."""
     import trio
 
-    from batchfs.cache.datacache import DiskChunkCache
+    from batchfs.cache.diskstore import DiskStore
 
     with tmpfs(tmp_path / "small", "24m") as fs:
         reserve = os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize // 4
 
         async def main():
-            cache = await DiskChunkCache.open(fs / "cache", 10 << 30, free_space_ratio=0.25)
+            cache = await DiskStore.open(fs / "cache", 10 << 30, free_space_ratio=0.25)
             assert not cache.low_space
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cache.writer)

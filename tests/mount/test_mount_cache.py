@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from batchfs.cache.datacache import _du
+from batchfs.cache.entries import du
 from tests.conftest import put
 from tests.support.mounts import MountProcess
 
@@ -50,8 +50,8 @@ def test_quota_is_never_exceeded(server, bucket, tmp_path):
         with _mount(server, bucket, tmp_path, cache, quota) as m:
             for k, v in blobs.items():
                 assert (m.mountpoint / k).read_bytes() == v
-                assert _du(cache) <= quota
-        assert _du(cache) <= quota
+                assert du(cache) <= quota
+        assert du(cache) <= quota
     # fill-then-read-through: the first objects are cached, the rest are read through
     gets = _gets(server)
     with _mount(server, bucket, tmp_path, cache, quota) as m:

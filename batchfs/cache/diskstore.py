@@ -1,50 +1,39 @@
-"""Data caches: a bounded in-memory chunk cache and a quota-bounded disk cache (diskcache).
+"""A quota-bounded, never-evicting, checksummed disk store of byte entries (diskcache).
+
+It holds whatever its caller names: the mount's chunks today, transformed row groups next. Keys
+are strings that name the bytes exactly (the caller puts the object version in them), so an entry
+never goes stale; it is only ever not asked for again.
 
 Invariants:
-- Keys name the bytes exactly: source, bucket, object key, object *version*, chunk size and
-  chunk index. A replaced object has a new version, so its old chunks are never served; they
-  are simply never asked for again.
-- The disk cache has a HARD quota and never evicts: it fills until the next entry would cross
-  the quota, then the mount reads through. Epoch scans read every item once per epoch, and
-  LRU would evict exactly what comes next (the Petastorm-at-Uber lesson). The quota counts
-  what ``du`` counts: file blocks, a per-entry allowance for directories and SQLite rows, and
-  fixed headroom for the SQLite files (whose WAL is kept small by pragmas).
-- The cache only accelerates. Every entry carries its length and xxh3-64; a truncated,
-  corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
-  (disk full, I/O error) stops further writes: read-through. A cache that cannot be opened
-  (its filesystem full, its directory unwritable, its SQLite file corrupt) is no cache:
-  ``open_or_none`` logs a warning and the mount runs without one.
-- The quota is also bounded by the filesystem: like JuiceFS's ``--free-space-ratio``, the
-  cache keeps ``free_space_ratio`` of its filesystem's size free (and never less than
-  ``SQLITE_HEADROOM_BYTES``). ``put`` drops an entry that would take free space below that
-  reserve (statvfs at most every ``SPACE_RECHECK_SECONDS``, minus what is queued since), and
-  the writer checks statvfs again right before each batch. Unlike the quota this is not
-  final: when space is freed, caching resumes. A small filesystem under the default 10 GiB
-  quota is therefore never filled to 0 bytes free (which made the next mount fail with
-  "database or disk is full").
-- Writes never block reads, and take only spare CPU: ``put`` queues the bytes for a writer
-  task and returns; the writes run on one thread at the lowest CPU priority (``_IdleWriter``,
-  ``SCHED_IDLE`` at nice 19); when more than ``write_buffer_bytes`` are waiting, the entry is
-  dropped instead.
-  So while the machine's CPUs are busy (a cold read on 2 cores: the read path, the server and
-  the reader), the cache fills only as far as spare CPU allows, and a cold read runs ~1.5x
-  faster than with the writer at normal priority (docs/mount.md); dropped entries are read
-  from the server next time and written then. Disk I/O runs in
-  threads bounded by one ``trio.CapacityLimiter``; the writer takes everything queued at once
-  (waiting ``BATCH_WAIT_SECONDS`` for more after a small entry) and writes it in one thread
-  call and one SQLite transaction.
-- Entries of at least ``diskcache``'s ``min_file_size`` are files, written from a reader that
-  hands diskcache the header and then the payload in large slices: given ``bytes``, diskcache
-  would write them line by line (it iterates a ``BytesIO``), tens of thousands of small
-  writes per 8 MiB chunk, which cost as much CPU as the whole read path. Hits are read back
-  with one ``readinto`` into a buffer of the right size. Smaller entries are SQLite blobs.
-- Entries persist across unmount/remount: the same cache directory serves the next mount.
-- A miss costs no disk I/O: ``_present`` is a one-hash Bloom filter (``FILTER_BITS`` bits,
-  2 MiB) of the keys on disk, filled from the cache's keys at open and on every write; a key
-  whose bit is clear is a miss without a thread hop and a SQLite query (~0.1 ms of CPU per
-  small file for a cold loader). A set bit may be a false positive (a real lookup then misses);
-  a key written by another process after this one opened the cache is not seen (a miss: the
-  object is read from the server, correct but not accelerated).
+- A HARD quota and no eviction: the store fills until the next entry would cross the quota, then
+  the caller reads through. Epoch scans read every item once per epoch, and LRU would evict exactly
+  what comes next (the Petastorm-at-Uber lesson). The quota counts what ``du`` counts: file blocks,
+  a per-entry allowance for directories and SQLite rows, and fixed headroom for the SQLite files
+  (whose WAL is kept small by pragmas).
+- The store only accelerates. Every entry carries its length and xxh3-64 (``cache.entries``); a
+  truncated, corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
+  (disk full, I/O error) stops further writes: read-through. A store that cannot be opened (its
+  filesystem full, its directory unwritable, its SQLite file corrupt) is no store:
+  ``open_or_none`` logs a warning and the caller runs without one.
+- The quota is also bounded by the filesystem: like JuiceFS's ``--free-space-ratio``, the store
+  keeps ``free_space_ratio`` of its filesystem's size free (and never less than
+  ``SQLITE_HEADROOM_BYTES``). ``put`` drops an entry that would take free space below that reserve
+  (statvfs at most every ``SPACE_RECHECK_SECONDS``, minus what is queued since), and the writer
+  checks statvfs again right before each batch. Unlike the quota this is not final: when space is
+  freed, caching resumes, and a small filesystem is never filled to 0 bytes free (which made the
+  next open fail with "database or disk is full").
+- Writes never block reads, and take only spare CPU: ``put`` queues the bytes for a writer task
+  and returns; the writes run on one thread at the lowest CPU priority (``IdleWriter``); when more
+  than ``write_buffer_bytes`` are waiting, the entry is dropped instead, and written the next time
+  it is read. Disk I/O runs in threads bounded by one ``trio.CapacityLimiter``; the writer takes
+  everything queued at once (waiting ``BATCH_WAIT_SECONDS`` for more after a small entry) and
+  writes it in one thread call and one SQLite transaction.
+- Entries persist across close/open: the same directory serves the next mount.
+- A miss costs no disk I/O: ``_present`` is a one-hash Bloom filter (``FILTER_BITS`` bits) of the
+  keys on disk, filled from the store's keys at open and on every write; a key whose bit is clear
+  is a miss without a thread hop and a SQLite query. A set bit may be a false positive (a real
+  lookup then misses); a key written by another process after this one opened the store is not
+  seen (a miss: correct, not accelerated).
 """
 
 from __future__ import annotations
@@ -52,28 +41,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
-import struct
-import threading
 import time
 from pathlib import Path
 
-import cachetools
 import diskcache
 import trio
-import xxhash
 
-from batchfs.cache.chunkmem import uninitialized
+from batchfs.cache.entries import (ENTRY_OVERHEAD_BYTES, HEADER, EntryReader, digest_ok, du, on_disk,
+                                   pack_header, read_entry)
+from batchfs.cache.idlewriter import IdleWriter
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<QQ")  # length, xxh3-64 of the payload (xxh64 in older entries)
-BLOCK = 4096
-ENTRY_OVERHEAD_BYTES = 3 * BLOCK  # up to two new fan-out directories and a SQLite row
 SQLITE_HEADROOM_BYTES = 2 * 1024 * 1024  # WAL growth between checkpoints, page slack
 DISK_THREADS = 4
 FILTER_BITS = 1 << 24
-WRITE_SLICE_BYTES = 4 * 1024 * 1024  # the pieces file entries are written in
 # A SQLite transaction costs ~0.3 ms of CPU: small entries (a loader's 10 KiB files) are
 # written in batches gathered for this long, which makes the per-entry cost ~0.05 ms.
 BATCH_MIN_BYTES = 1024 * 1024
@@ -81,76 +63,6 @@ BATCH_WAIT_SECONDS = 0.05
 # statvfs is a syscall of a few microseconds, but put() runs per chunk on the trio thread:
 # between checks, what was queued since is subtracted from the last reading.
 SPACE_RECHECK_SECONDS = 1.0
-
-
-def chunk_key(source: str, bucket: str, key: str, version: str, chunk_size: int, index: int) -> str:
-    return f"c|{source}|{bucket}|{key}|{version}|{chunk_size}|{index}"
-
-
-def geometry_key(source: str, bucket: str, key: str, version: str) -> str:
-    return f"g|{source}|{bucket}|{key}|{version}"
-
-
-class MemoryChunkCache:
-    """LRU of recently read chunks, bounded in bytes."""
-
-    def __init__(self, max_bytes: int):
-        self._lru = cachetools.LRUCache(maxsize=max(1, max_bytes), getsizeof=len)
-
-    def get(self, key: str) -> bytes | None:
-        return self._lru.get(key)
-
-    def put(self, key: str, data: bytes) -> None:
-        try:
-            self._lru[key] = data
-        except ValueError:  # larger than the whole cache
-            pass
-
-    @property
-    def bytes(self) -> int:
-        return self._lru.currsize
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-class _EntryReader:
-    """A file-like object diskcache reads a file entry from (``set(..., read=True)``): the
-    header, then the payload in slices, without concatenating them."""
-
-    def __init__(self, header: bytes, data: bytes):
-        self._parts = [header] + [memoryview(data)[i:i + WRITE_SLICE_BYTES]
-                                  for i in range(0, len(data), WRITE_SLICE_BYTES)]
-        self._parts.reverse()
-
-    def read(self, _size: int = -1):
-        return self._parts.pop() if self._parts else b""
-
-
-def _digest_ok(payload, digest: int) -> bool:
-    """Entries carry xxh3-64 (2.5x faster than xxh64 here: 0.045 vs 0.11 s of CPU per GiB);
-    entries written before the change carry xxh64 and stay valid."""
-    return xxhash.xxh3_64_intdigest(payload) == digest or xxhash.xxh64_intdigest(payload) == digest
-
-
-def _read_entry(f) -> bytearray | None:
-    """Payload of a file entry (header checked), or None if truncated or corrupt."""
-    header = f.read(_HEADER.size)
-    if len(header) != _HEADER.size:
-        return None
-    n, digest = _HEADER.unpack(header)
-    buf = uninitialized(n)
-    if f.readinto(buf) != n or f.read(1) or not _digest_ok(buf, digest):
-        return None
-    return buf
 
 
 def _slot(key: str) -> int:
@@ -161,60 +73,11 @@ def _pending_size(data: bytes | int) -> int:
     return 64 if isinstance(data, int) else len(data)
 
 
-def _on_disk(n: int) -> int:
-    return math.ceil(n / BLOCK) * BLOCK + ENTRY_OVERHEAD_BYTES
+class DiskStore:
+    """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end.
 
-
-class _IdleWriter:
-    """One thread at the lowest CPU priority (``SCHED_IDLE``, nice 19) that runs the cache's
-    writes: they take only CPU that the read path, the server and the reader leave. A trio
-    worker thread hands it a batch and waits (blocked, using no CPU) for the result.
-
-    ``SCHED_IDLE`` rather than nice 19 alone: both get a tiny share of a busy CPU, but a
-    thread that wakes up preempts a ``SCHED_IDLE`` one at once, so the FUSE thread no longer
-    waits behind a cache write after each wakeup (0.26 -> 0.18 s per GiB streamed, as
-    without a cache; cold 1 GiB read 1,032 -> 1,116 MiB/s, ``bench/ab_mount.py``)."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.tid = 0
-        self._thread = threading.Thread(target=self._run, name="batchfs-cache-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        self.tid = threading.get_native_id()
-        for lower in (lambda: os.setpriority(os.PRIO_PROCESS, self.tid, 19),  # this thread only (Linux)
-                      lambda: os.sched_setscheduler(self.tid, os.SCHED_IDLE, os.sched_param(0))):
-            try:
-                lower()
-            except (OSError, AttributeError):
-                pass
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, arg, done, box = item
-            try:
-                box.append((True, fn(arg)))
-            except BaseException as e:  # handed back to the caller
-                box.append((False, e))
-            done.set()
-
-    def run(self, fn, arg):
-        done, box = threading.Event(), []
-        self._queue.put((fn, arg, done, box))
-        done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-
-class DiskChunkCache:
-    """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end."""
+    Entries are ``bytes`` (``get``/``put``) or small positive ints (``get_int``/``put_int``: a
+    record such as the chunk size an object was cached with, stored without a header)."""
 
     def __init__(self, cache: diskcache.Cache, quota_bytes: int, used_bytes: int, write_buffer_bytes: int,
                  present: bytearray | None = None, directory: Path | None = None,
@@ -235,14 +98,14 @@ class DiskChunkCache:
         self.write_buffer_bytes = write_buffer_bytes
         self._pending_bytes = 0
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
-        self._idle = _IdleWriter()
+        self._idle = IdleWriter()
         self._send, self._recv = trio.open_memory_channel(math.inf)  # bounded by _pending_bytes
         self.drained = trio.Event()  # set when the writer has written everything queued
         self.hits = self.misses = self.writes = self.dropped = self.corrupt = 0
 
     @classmethod
     async def open_or_none(cls, directory: Path, quota_bytes: int, free_space_ratio: float = 0.0,
-                           write_buffer_bytes: int = 64 * 1024 * 1024) -> "DiskChunkCache | None":
+                           write_buffer_bytes: int = 64 * 1024 * 1024) -> "DiskStore | None":
         """The cache, or None (with a warning) if it cannot be opened: a mount never fails
         because of its cache, it reads from the server instead."""
         try:
@@ -255,7 +118,7 @@ class DiskChunkCache:
 
     @classmethod
     async def open(cls, directory: Path, quota_bytes: int, write_buffer_bytes: int = 64 * 1024 * 1024,
-                   free_space_ratio: float = 0.0) -> "DiskChunkCache":
+                   free_space_ratio: float = 0.0) -> "DiskStore":
         def do_open():
             directory.mkdir(parents=True, exist_ok=True)
             cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
@@ -266,7 +129,7 @@ class DiskChunkCache:
                 if isinstance(key, str):
                     i = _slot(key)
                     present[i >> 3] |= 1 << (i & 7)
-            return cache, _du(directory), present
+            return cache, du(directory), present
 
         cache, used, present = await trio.to_thread.run_sync(do_open)
         self = cls(cache, quota_bytes, used, write_buffer_bytes, present, directory, free_space_ratio)
@@ -327,7 +190,7 @@ class DiskChunkCache:
                 raw = self._cache.get(key, default=None, read=True, retry=True)
                 if raw is not None and not isinstance(raw, (bytes, int)):  # a file entry
                     with raw:
-                        data = _read_entry(raw)
+                        data = read_entry(raw)
                     if data is not None:
                         return data, False
                     raw = b""
@@ -336,10 +199,10 @@ class DiskChunkCache:
                 raw = b""
             if raw is None:
                 return None, False
-            if isinstance(raw, bytes) and len(raw) >= _HEADER.size:
-                n, digest = _HEADER.unpack_from(raw)
-                payload = memoryview(raw)[_HEADER.size:]
-                if len(payload) == n and _digest_ok(payload, digest):
+            if isinstance(raw, bytes) and len(raw) >= HEADER.size:
+                n, digest = HEADER.unpack_from(raw)
+                payload = memoryview(raw)[HEADER.size:]
+                if len(payload) == n and digest_ok(payload, digest):
                     return payload, False
             try:  # corrupt or truncated: drop it, it was a miss
                 self._cache.delete(key, retry=True)
@@ -359,7 +222,7 @@ class DiskChunkCache:
 
     def put(self, key: str, data: bytes) -> bool:
         """Queue an entry for writing; False if it was dropped (quota, backlog, disk full)."""
-        cost = _on_disk(len(data) + _HEADER.size)
+        cost = on_disk(len(data) + HEADER.size)
         if self.full or self.used_bytes + cost + SQLITE_HEADROOM_BYTES > self.quota_bytes:
             self.full = True  # fill until full, then read through: never evict
             self.dropped += 1
@@ -431,16 +294,16 @@ class DiskChunkCache:
         return True
 
     def _write(self, key: str, data: bytes | int) -> None:
-        if isinstance(data, int):  # a geometry entry
+        if isinstance(data, int):  # a small positive int (put_int)
             self._cache.set(key, data, retry=True)
             return
-        header = _HEADER.pack(len(data), xxhash.xxh3_64_intdigest(data))
+        header = pack_header(data)
         if len(header) + len(data) < self._cache.disk.min_file_size:
             self._cache.set(key, header + data, retry=True)  # a SQLite blob
         else:
-            self._cache.set(key, _EntryReader(header, data), read=True, retry=True)
+            self._cache.set(key, EntryReader(header, data), read=True, retry=True)
 
-    async def get_geometry(self, key: str) -> int | None:
+    async def get_int(self, key: str) -> int | None:
         if not self._maybe_present(key):
             return None
 
@@ -453,13 +316,13 @@ class DiskChunkCache:
 
         return await trio.to_thread.run_sync(read, limiter=self._limiter)
 
-    def put_geometry(self, key: str, chunk_size: int) -> None:
+    def put_int(self, key: str, value: int) -> None:
         if self.full or self._pending_bytes + 64 > self.write_buffer_bytes or not self._space_for(ENTRY_OVERHEAD_BYTES):
             return
         self._queued_since_check += ENTRY_OVERHEAD_BYTES
         self.used_bytes += ENTRY_OVERHEAD_BYTES
-        self._pending_bytes += _pending_size(chunk_size)
-        self._send.send_nowait((key, chunk_size, ENTRY_OVERHEAD_BYTES))
+        self._pending_bytes += _pending_size(value)
+        self._send.send_nowait((key, value, ENTRY_OVERHEAD_BYTES))
 
     def close_writes(self) -> None:
         self._send.close()

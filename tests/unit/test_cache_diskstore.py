@@ -10,11 +10,13 @@ from pathlib import Path
 import trio
 import xxhash
 
-from batchfs.cache.datacache import _HEADER, DiskChunkCache, MemoryChunkCache, _du
+from batchfs.cache.chunks import MemoryChunkCache
+from batchfs.cache.diskstore import DiskStore
+from batchfs.cache.entries import HEADER, du
 from tests.support.engine import KiB, MiB, engine, memory_client, read_all
 
 
-async def _drain(cache: DiskChunkCache) -> None:
+async def _drain(cache: DiskStore) -> None:
     """Run the writer until everything queued is on disk."""
     async with trio.open_nursery() as n:
         n.start_soon(cache.writer)
@@ -25,30 +27,30 @@ def test_quota_is_never_exceeded_and_nothing_is_evicted(tmp_path: Path):
     quota = 8 * MiB
 
     async def main():
-        cache = await DiskChunkCache.open(tmp_path / "c", quota)
+        cache = await DiskStore.open(tmp_path / "c", quota)
         blobs = {f"k{i}": os.urandom(256 * KiB) for i in range(60)}  # 15 MiB offered
         accepted = [k for k, v in blobs.items() if cache.put(k, v)]
         await _drain(cache)
         assert 0 < len(accepted) < len(blobs) and cache.full
-        assert _du(tmp_path / "c") <= quota
+        assert du(tmp_path / "c") <= quota
         for k in accepted:  # what got in stays in: fill, then read through
             assert await cache.get(k) == blobs[k]
         assert await cache.get("k59") is None
         cache.close()
         # persisted: a new instance sees the same entries and the same usage
-        again = await DiskChunkCache.open(tmp_path / "c", quota)
-        assert again.used_bytes >= _du(tmp_path / "c") - 64 * KiB  # measured at open
+        again = await DiskStore.open(tmp_path / "c", quota)
+        assert again.used_bytes >= du(tmp_path / "c") - 64 * KiB  # measured at open
         assert await again.get(accepted[0]) == blobs[accepted[0]]
         assert not again.put("more", b"x" * 256 * KiB)
         again.close()
-        assert _du(tmp_path / "c") <= quota
+        assert du(tmp_path / "c") <= quota
 
     trio.run(main)
 
 
 def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
     async def main():
-        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
         a, b = os.urandom(200 * KiB), os.urandom(200 * KiB)
         cache.put("a", a)
         cache.put("b", b)
@@ -79,7 +81,7 @@ def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
 
 def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
     async def main():
-        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
         real_get = cache._cache.get
 
         def no_disk(*a, **k):
@@ -95,7 +97,7 @@ def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
         assert os.getpriority(os.PRIO_PROCESS, cache._idle.tid) == 19  # writes take only spare CPU,
         assert os.sched_getscheduler(cache._idle.tid) == os.SCHED_IDLE  # and yield to any wakeup
         cache.close()
-        again = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
+        again = await DiskStore.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
         assert await again.get("big") == b"b" * 100_000 and await again.get("small") == b"s" * 100
         again._cache.get = no_disk
         assert await again.get("other") is None
@@ -106,11 +108,11 @@ def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
 
 def test_entries_written_with_xxh64_stay_valid(tmp_path: Path):
     async def main():
-        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
         for key, data in (("small", os.urandom(100)), ("big", os.urandom(300 * KiB))):
-            cache._cache.set(key, _HEADER.pack(len(data), xxhash.xxh64_intdigest(data)) + data)  # the old format
+            cache._cache.set(key, HEADER.pack(len(data), xxhash.xxh64_intdigest(data)) + data)  # the old format
             cache.close()
-            cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+            cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
             assert await cache.get(key) == data
         cache.close()
 
@@ -119,7 +121,7 @@ def test_entries_written_with_xxh64_stay_valid(tmp_path: Path):
 
 def test_write_failure_means_read_through(tmp_path: Path):
     async def main():
-        cache = await DiskChunkCache.open(tmp_path / "c", 64 * MiB)
+        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
 
         def disk_full(*a, **k):
             raise OSError(28, "No space left on device")

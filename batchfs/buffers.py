@@ -7,7 +7,7 @@ costs of ordinary allocation show up in ``perf`` of the daemon streaming 1 GiB:
   byte is overwritten by ``recv_into``/``readinto`` right after. ``uninitialized(n)`` calls
   ``PyByteArray_FromStringAndSize(NULL, n)``, which leaves the contents as they are. Callers
   must fill the whole buffer before anyone reads it (``http1._body_into`` and
-  ``datacache._read_entry`` fill all of it or fail and drop it).
+  ``cache.entries.read_entry`` fill all of it or fail and drop it).
 - glibc serves blocks of 8 MiB with mmap, or trims them off the heap when freed, so a buffer
   may be new memory: page faults and zeroed pages for every byte. Measured with 1 GiB as 128
   concurrent-by-8 range GETs in one process: 1.15-1.25 s of CPU (1.0 s system) with glibc's
