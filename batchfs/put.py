@@ -30,7 +30,8 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-SECONDS = 1.0
+from batchfs.wire.units import SECONDS
+
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from server.errors import BadRequest, NotFound
 from server.jobs import Job
-from server.names import check_bucket, check_objname
+from server.validate import check_bucket, check_objname
 from server.store.store import Store
 
 MAX_TEMPLATE_NAMES = 1_000_000  # a range template may name at most this many objects

@@ -24,7 +24,8 @@ from aiohttp import web
 
 from server.api import connlimits
 from server.api.app import build_app
-from server.config import ServerConfig, load_toml, parse_size
+from batchfs.wire.units import parse_size
+from server.config import ServerConfig, load_toml
 from server.api.state import INFLIGHT, METRICS, STORE
 from server.store.store import Store
 

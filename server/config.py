@@ -10,10 +10,8 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-SECONDS = 1.0
+from batchfs.wire.units import GiB, KiB, MiB, SECONDS, parse_size
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,17 +122,6 @@ class ServerConfig:
             from server.api.auth import load_token_file  # here: server.api.auth imports this module
 
             object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
-
-
-def parse_size(text: str | int) -> int:
-    """Parse '8MiB', '8M', '64k', '1G' or a plain byte count (binary units)."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(s)
 
 
 # Config-file keys that are spelled like the command-line option rather than the field.

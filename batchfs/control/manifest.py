@@ -33,9 +33,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from batchfs.engine.errors import InvalidArgument
+from batchfs.wire.units import KiB, MiB
 
-KiB = 1024
-MiB = 1024 * KiB
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: longer paths could not be opened through the mount anyway
 CONTROL_DIR = ".batch"

@@ -4,7 +4,7 @@ Design note
 -----------
 ``TarView.run()`` is the producer: it drives a batch source (``batchclient``), which calls
 this object's ``begin``/``data``/``end`` (the ``MemberSink`` protocol) for member 0, 1, …
-in manifest order. Each member becomes a header (``server.archive.writers.tar_header``: the bytes of
+in manifest order. Each member becomes a header (``batchfs.wire.tarheader.tar_header``: the bytes of
 ``tarfile.TarInfo.tobuf`` in pax format, so long and non-ASCII names survive, with a fast path
 for plain names), its bytes, and padding; the archive ends with
 tarfile's two zero blocks. With ``mime=tgz`` that stream goes through one gzip compressor.
@@ -44,7 +44,7 @@ import trio
 from batchfs.objclient.getbatch import BatchFetchError, BatchSource, MemberHead
 from batchfs.engine.errors import BatchfsError, InvalidArgument
 from batchfs.control.manifest import Target
-from server.archive.writers import tar_header  # the server's GetBatch headers: tobuf's bytes, 6x faster
+from batchfs.wire.tarheader import tar_header  # the same headers as the server's GetBatch replies
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,8 @@ import os
 import stat
 from pathlib import Path
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-SECONDS = 1.0
+from batchfs.wire.units import GiB, KiB, MiB, SECONDS
+
 
 
 @dataclasses.dataclass(frozen=True)

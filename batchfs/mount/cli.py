@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchfs.engine.config import TOKEN_ENV, GiB, KiB, MiB, MountConfig, Source, auth_token
+from batchfs.engine.config import TOKEN_ENV, MountConfig, Source, auth_token
 from batchfs.mount.daemon import MountError, is_mounted, run, unmount
-from server.config import parse_size
-from server.errors import BadRequest
-from server.names import check_bucket  # the server's rule for bucket names
+from batchfs.wire.errors import WireError
+from batchfs.wire.names import check_bucket  # the server's rule for bucket names
+from batchfs.wire.units import format_size, parse_seconds, parse_size
 
 PROG = "batchfs"
 _DEFAULTS = MountConfig(source=Source(kind="ais", endpoint="http://127.0.0.1:8080"), mountpoint=Path("/"))
@@ -49,13 +49,6 @@ _FUSE_KEYED = ("fsname=", "subtype=")
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
-
-
-def fmt_size(n: int) -> str:
-    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
 
 
 def _size(text: str) -> int:
@@ -79,14 +72,10 @@ def _quota(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    s = text.strip().lower().removesuffix("s")
     try:
-        v = float(s)
-    except ValueError:
-        raise UsageError(f"not a duration in seconds: {text!r}") from None
-    if v < 0 or v != v:
-        raise UsageError(f"duration must not be negative: {text!r}")
-    return v
+        return parse_seconds(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _ratio(text: str) -> float:
@@ -142,7 +131,7 @@ class Option:
         if v is None:
             return "none"
         if self.field.endswith("_bytes"):
-            return fmt_size(v)
+            return format_size(v)
         if self.field.endswith("_seconds"):
             return f"{v:g}s"
         return str(v)
@@ -244,8 +233,8 @@ def _endpoint(text: str, what: str) -> str:
 def _bucket(name: str, source: str) -> str:
     try:
         return check_bucket(urllib.parse.unquote(name))
-    except BadRequest as e:
-        raise UsageError(f"bad SOURCE {source!r}: {e.message}") from None
+    except WireError as e:
+        raise UsageError(f"bad SOURCE {source!r}: {e}") from None
 
 
 def _prefix(text: str) -> str:

@@ -49,7 +49,7 @@ from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch.request import Entry, parse_request
 from server.api.metrics import Metrics
-from server.names import check_bucket
+from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
 from server.api.state import CONFIG, METRICS, OP_KEY, STORE, read_json
 

@@ -38,7 +38,7 @@ from server import bucket_ops, jobs
 from server.api import daemon_api
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
-from server.names import check_bucket, check_objname, parse_range
+from server.validate import check_bucket, check_objname, parse_range
 from server.api.state import METRICS, OP_KEY, STORE, read_json
 from server.store.store import CKSUM_TYPE, ObjectMeta, OpenObject, discard, verify_in_thread, verify_pieces
 

@@ -50,7 +50,7 @@ from aiohttp import web
 from server.api import native
 from server.errors import (BadRequest, Conflict, CorruptData, InsufficientStorage, NotFound, PayloadTooLarge,
                            RangeNotSatisfiable, StoreError)
-from server.names import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
+from server.validate import MAX_OBJNAME_BYTES, check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
 from server.api.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_response, list_buckets_doc,
                            list_objects_doc, location_doc, xml_response)

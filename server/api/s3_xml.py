@@ -2,7 +2,7 @@
 
 Documents are built with ElementTree, never by string formatting, so keys holding ``&``,
 ``<`` or non-ASCII characters are escaped correctly. Keys are valid XML 1.0 text because
-object names never contain control characters (``server.names.check_objname``).
+object names never contain control characters (``batchfs.wire.names.check_objname``).
 
 Errors: S3 handlers raise ``S3Error`` (or any ``server.errors`` exception); the S3 route
 wrapper records the S3 code in the request under ``CODE_KEY`` and the app's one error

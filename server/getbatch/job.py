@@ -37,7 +37,8 @@ import concurrent.futures
 import dataclasses
 import time
 
-from server.archive.writers import TAR_END_BYTES, TarWriter, make_writer, tar_member_bytes
+from batchfs.wire.tarheader import TAR_END_BYTES, tar_member_bytes
+from server.archive.writers import TarWriter, make_writer
 from server.config import KiB, MiB, ServerConfig
 from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded

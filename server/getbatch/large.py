@@ -24,7 +24,8 @@ import asyncio
 import concurrent.futures
 from typing import TYPE_CHECKING, Protocol
 
-from server.archive.writers import TarWriter, tar_header, tar_padding
+from batchfs.wire.tarheader import tar_header, tar_padding
+from server.archive.writers import TarWriter
 from server.config import MiB
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
 from server.getbatch.reads import open_source, placeholder_name

@@ -22,7 +22,7 @@ import dataclasses
 from server.archive.writers import MIME_TYPES, normalize_mime
 from server.config import ServerConfig
 from server.errors import BadRequest, RangeNotSatisfiable
-from server.names import check_bucket, check_member_path, check_objname
+from server.validate import check_bucket, check_member_path, check_objname
 from server.store.store import ObjectMeta, Store
 
 

@@ -25,10 +25,11 @@ from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 from urllib3 import Retry
 
-from server.archive.writers import TarWriter, _tobuf, tar_header, tar_member_bytes
+from batchfs.wire.tarheader import _tobuf, tar_header, tar_member_bytes
+from server.archive.writers import TarWriter
 from server.errors import BadRequest
 from server.api.getbatch import PRECHECK_ENTRIES
-from server.names import check_objname, explain_objname
+from server.validate import check_objname, explain_objname
 from tests.conftest import put
 from tests.support.processes import ServerProcess
 
