@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from batchfs.wire.units import GiB, KiB, MiB, SECONDS, parse_size
+from server.tokens import load_token_file
 
 
 
@@ -119,8 +120,6 @@ class ServerConfig:
         if self.metrics_auth not in ("token", "none"):
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
-            from server.api.auth import load_token_file  # here: server.api.auth imports this module
-
             object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
 
 

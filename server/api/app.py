@@ -17,7 +17,7 @@ from aiohttp import web
 from server.api import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 from server.api.state import API_KEY, CONFIG, INFLIGHT, METRICS, OP_KEY, STORE, InFlight
 from server.store.store import Store
 

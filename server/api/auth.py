@@ -35,15 +35,12 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import os
-import stat
-from pathlib import Path
 
 from aiohttp import web
 
 from server.errors import StoreError
+from server.tokens import token_digest
 from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.state import API_KEY, CONFIG, OP_KEY
@@ -52,7 +49,6 @@ OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatev
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")
-MIN_TOKEN_CHARS = 16  # a shorter secret can be guessed online
 SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified SigV4 request (chains aws-chunked bodies)
 BEARER_REALM = 'Bearer realm="batchfs"'
 _PASSED = "batchfs.auth.passed"  # request key: checked already (by the expect handler)
@@ -73,53 +69,6 @@ class Forbidden(StoreError):
     """403: this API is not enabled for anyone (no credentials could make it work)."""
 
     status = 403
-
-
-# -- token files ------------------------------------------------------------------------------
-def token_digest(token: str | bytes) -> bytes:
-    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
-
-
-def load_token_file(path: Path) -> tuple[bytes, ...]:
-    """The SHA-256 digests of the tokens in ``path``: one token per line, blank lines and
-    lines starting with ``#`` ignored. Refused (ValueError with the reason) when the file is
-    readable or writable by others, missing, empty, or holds a token that is too short or
-    has characters a header cannot carry."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ValueError(f"auth token file {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)  # the file we read, not whatever the path points to a moment later
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"auth token file {path}: not a regular file")
-        if st.st_mode & 0o007:
-            raise ValueError(f"auth token file {path} is accessible by other users (mode "
-                             f"{stat.S_IMODE(st.st_mode):04o}); restrict it: chmod 600 {path}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(1024 * 1024 + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > 1024 * 1024:
-        raise ValueError(f"auth token file {path}: larger than 1 MiB")
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise ValueError(f"auth token file {path}: tokens must be ASCII") from None
-    digests = []
-    for n, line in enumerate(text.splitlines(), 1):
-        token = line.strip()
-        if not token or token.startswith("#"):
-            continue
-        if any(not 0x21 <= ord(c) <= 0x7E for c in token):
-            raise ValueError(f"auth token file {path}, line {n}: a token has no spaces or control characters")
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ValueError(f"auth token file {path}, line {n}: token shorter than {MIN_TOKEN_CHARS} "
-                             "characters (make one with: openssl rand -hex 32)")
-        digests.append(token_digest(token))
-    if not digests:
-        raise ValueError(f"auth token file {path}: no token in it (one per line)")
-    return tuple(dict.fromkeys(digests))
 
 
 def token_matches(presented: str, digests: tuple[bytes, ...]) -> bool:

@@ -48,7 +48,7 @@ from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyReques
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch.request import Entry, parse_request
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
 from server.api.state import CONFIG, METRICS, OP_KEY, STORE, read_json

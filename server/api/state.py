@@ -10,7 +10,7 @@ from aiohttp import web
 
 from server.config import ServerConfig
 from server.errors import BadRequest, PayloadTooLarge
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 from server.validate import check_json_text
 from server.store.store import Store
 

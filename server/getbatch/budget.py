@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable
 
 from server.errors import BadRequest, TooManyRequests
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 
 
 

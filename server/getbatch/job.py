@@ -45,7 +45,7 @@ from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer
 from server.getbatch.large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
 from server.getbatch.reads import NeedIndex, RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
 from server.getbatch.request import Entry, MossReq
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 from server.archive.shards import ShardIndexCache
 from server.store.store import Store
 

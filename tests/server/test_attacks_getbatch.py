@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from server.getbatch.budget import ByteBudget, FairPool
-from server.api.metrics import Metrics
+from server.metrics import Metrics
 from server.archive.shards import TGZ_SPACING
 from tests.support.processes import ServerProcess
 
