@@ -10,7 +10,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from batchfs.wire.units import GiB, KiB, MiB, SECONDS, parse_size
+from batchfs.wire.units import GiB, MiB, SECONDS, parse_size
 from server.tokens import load_token_file
 
 

@@ -26,7 +26,7 @@ Indexes are built at most once at a time per shard version (other threads wait f
 the cache is bounded both in entries and in bytes (a TGZ checkpoint holds ~44 KiB per
 ``TGZ_SPACING``, i.e. ~1% of the decompressed size).
 
-Work bound: the blocking functions take an optional ``work`` (``getbatch_budget.Work``)
+Work bound: the blocking functions take an optional ``work`` (a ``WorkBound``, below)
 that is charged every decompressed byte and checked between steps, so a request that is
 over its bound or whose client is gone stops in the middle of a walk or a member.
 
@@ -46,13 +46,20 @@ import tarfile
 import threading
 import zipfile
 import zlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from server.errors import BadRequest, NotFound
 from server.store.store import ObjectMeta, ObjectReader, OpenObject, Store
 
-if TYPE_CHECKING:
-    from server.getbatch.budget import Work
+
+class WorkBound(Protocol):
+    """A request's bound on decompression work (``server.getbatch.budget.Work`` is the one used):
+    ``check`` raises once the request has ended; ``charge_decompressed`` before decompressing
+    ``n`` bytes that yield ``delivering`` bytes of output, raising past the bound."""
+
+    def check(self) -> None: ...
+
+    def charge_decompressed(self, n: int, delivering: int, what: str) -> None: ...
 
 _ZIPINFO_BYTES = 400  # a zipfile.ZipInfo and its name, roughly
 _READ_BUFFER = 64 * 1024  # header walks read this much at a time (many small members per pread)
@@ -141,7 +148,7 @@ class GzStream(io.RawIOBase):
     its request is over. With ``record``, a checkpoint is appended
     every ``TGZ_SPACING`` output bytes. Concatenated gzip members are read as one stream."""
 
-    def __init__(self, obj: OpenObject, start: _Checkpoint | None, work: Work | None, what: str,
+    def __init__(self, obj: OpenObject, start: _Checkpoint | None, work: WorkBound | None, what: str,
                  record: list | None = None):
         super().__init__()
         self._obj, self._work, self._what, self._record = obj, work, what, record
@@ -218,7 +225,7 @@ class GzStream(io.RawIOBase):
         return self.pos
 
 
-def build_index(obj: OpenObject, work: Work | None = None) -> ShardIndex:
+def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
     meta = obj.meta
     head = obj.pread(0, min(meta.size, 4))
     kind = shard_format(meta.name, head)
@@ -286,7 +293,7 @@ class ShardIndexCache:
             return idx
 
     def get(self, store: Store, meta: ObjectMeta, obj: OpenObject | None = None,
-            work: Work | None = None) -> ShardIndex:
+            work: WorkBound | None = None) -> ShardIndex:
         """The index of this shard version, built (opening the shard unless ``obj`` is given)
         on a miss."""
         key = (meta.bucket, meta.name, meta.version, meta.tag)
@@ -382,7 +389,7 @@ class StreamSource(MemberSource):
     ``charged`` the file object (a GzStream) charges its own and reads count as delivered."""
 
     def __init__(self, obj: OpenObject, kind: str, fileobj, start: int, length: int, close_obj: bool = True,
-                 work: Work | None = None, charged: bool = False):
+                 work: WorkBound | None = None, charged: bool = False):
         super().__init__(obj, fileobj, close_obj)
         self._kind, self._left, self._work, self._charged = kind, length, work, charged
         self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
@@ -446,7 +453,7 @@ class TgzReader:
         self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
         self._stream: GzStream | None = None
 
-    def open_member(self, archpath: str, start: int, length: int, work: Work | None = None) -> StreamSource:
+    def open_member(self, archpath: str, start: int, length: int, work: WorkBound | None = None) -> StreamSource:
         offset, _ = self.index.find(self.obj.meta, archpath)
         target = offset + start
         s = self._stream
@@ -463,7 +470,7 @@ class TgzReader:
 
 
 def open_member(obj: OpenObject, index: ShardIndex, archpath: str, start: int, length: int,
-                close_obj: bool = True, work: Work | None = None) -> MemberSource:
+                close_obj: bool = True, work: WorkBound | None = None) -> MemberSource:
     """A source of bytes [start, start+length) of member ``archpath`` (TAR, ZIP or TGZ).
     With ``close_obj``, closing the source closes the shard."""
     meta = obj.meta

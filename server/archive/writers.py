@@ -22,7 +22,7 @@ import time
 import zipfile
 import zlib
 
-from batchfs.wire.tarheader import TAR_END_BYTES, tar_header, tar_member_bytes, tar_padding
+from batchfs.wire.tarheader import TAR_END_BYTES, tar_header, tar_padding
 
 MIME_TYPES = {
     ".tar": "application/x-tar",

@@ -39,7 +39,8 @@ import time
 
 from batchfs.wire.tarheader import TAR_END_BYTES, tar_member_bytes
 from server.archive.writers import TarWriter, make_writer
-from server.config import KiB, MiB, ServerConfig
+from server.config import ServerConfig
+from batchfs.wire.units import KiB, MiB
 from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded
 from server.getbatch.large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
@@ -90,6 +91,7 @@ class BatchJob:
 
     def __init__(self, req: MossReq, config: ServerConfig, store: Store, metrics: Metrics, state: GetBatchState):
         self.config, self.store, self.metrics, self.state = config, store, metrics, state
+        self.shard_indexes = state.shard_indexes
         self.req = req
         self.entries = req.entries  # grows as the plan checks raw entries
         self.loop = asyncio.get_running_loop()
@@ -158,7 +160,7 @@ class BatchJob:
         while self.planned < upto:
             lo, hi = self.planned, min(self.planned + chunk, self.req.n)
             try:
-                self.plan_missing += await self.run(plan_chunk, self.store, self.state.shard_indexes, self.req,
+                self.plan_missing += await self.run(plan_chunk, self.store, self.shard_indexes, self.req,
                                                     lo, hi, self.work)
             except NeedIndex as need:  # built off the reader pool, then plan on from there
                 self.plan_missing += need.missing
@@ -244,7 +246,7 @@ class BatchJob:
                         fut = self.loop.create_future()
                         fut.set_result(res)
                     else:
-                        fut = self.run(read_run, self.store, self.state.shard_indexes, run, self.req.coer,
+                        fut = self.run(read_run, self.store, self.shard_indexes, run, self.req.coer,
                                        encode, self.work)
                     await self.queue.put(_Run(run, nbytes, fut))
                 # Read ahead only once the first member is out: reader threads (and the next

@@ -22,19 +22,35 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from batchfs.wire.tarheader import tar_header, tar_padding
-from server.archive.writers import TarWriter
-from server.config import MiB
+from server.archive.writers import TarWriter, TgzWriter, ZipWriter
+from batchfs.wire.units import MiB
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
 from server.getbatch.reads import open_source, placeholder_name
-from server.getbatch.request import Entry
-from server.archive.shards import RangeSource
-from server.store.store import verify_in_thread, verify_pieces
+from server.getbatch.budget import Work
+from server.getbatch.request import Entry, MossReq
+from server.archive.shards import RangeSource, ShardIndexCache
+from server.store.store import Store, verify_in_thread, verify_pieces
 
-if TYPE_CHECKING:
-    from server.getbatch.job import BatchJob
+
+class Assembly(Protocol):
+    """What sending a large member needs of the request assembling it (``job.BatchJob``)."""
+
+    req: MossReq
+    store: Store
+    shard_indexes: ShardIndexCache
+    work: Work
+    writer: TarWriter | TgzWriter | ZipWriter
+
+    def run(self, fn, *args) -> asyncio.Future: ...  # blocking fn(*args) on the request's fair share
+
+    def submit(self, fn, *args) -> concurrent.futures.Future: ...
+
+    def check_planned(self, e: Entry, size: int, err: str) -> None: ...
+
+    def account(self, entries: list[Entry], sizes: list[tuple[int, str]]) -> None: ...
 
 STREAM_PIECE = 1 * MiB  # large members move in pieces of this size
 
@@ -47,9 +63,9 @@ class Output(Protocol):
     async def sendfile(self, fd: int, offset: int, count: int) -> None: ...
 
 
-async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
+async def send_from_files(job: Assembly, e: Entry, out: Output) -> None:
     """A large object or TAR-shard member of a sized reply: header, file ranges, padding."""
-    src, count, mtime = await job.run(open_source, job.store, job.state.shard_indexes, e, job.work)
+    src, count, mtime = await job.run(open_source, job.store, job.shard_indexes, e, job.work)
     try:
         assert isinstance(src, RangeSource)
         job.check_planned(e, count, "")
@@ -68,11 +84,11 @@ async def send_from_files(job: BatchJob, e: Entry, out: Output) -> None:
     job.account([e], [(count, "")])
 
 
-async def stream_in_pieces(job: BatchJob, e: Entry, out: Output) -> None:
+async def stream_in_pieces(job: Assembly, e: Entry, out: Output) -> None:
     """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
     w = job.writer
     try:
-        src, count, mtime = await job.run(open_source, job.store, job.state.shard_indexes, e, job.work)
+        src, count, mtime = await job.run(open_source, job.store, job.shard_indexes, e, job.work)
     except (NotFound, BadRequest) as ex:
         if not job.req.coer or isinstance(ex, RangeNotSatisfiable):
             raise

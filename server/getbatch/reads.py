@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from batchfs.wire.getbatch import MISSING_DIR
 from server.archive.writers import TarWriter
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.getbatch.budget import Work
@@ -43,7 +44,6 @@ from server.getbatch.request import MossReq, Entry, span
 from server.archive.shards import MemberSource, RangeSource, ShardIndexCache, TgzReader, open_member, open_version
 from server.store.store import ObjectMeta, OpenObject, Store
 
-MISSING_DIR = "__404__"  # placeholders are named __404__/<the member's name>
 
 
 # -- plan -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import base64
 import binascii
 import dataclasses
 
+from batchfs.wire.getbatch import RANGE_RULE, range_ok
 from server.archive.writers import MIME_TYPES, normalize_mime
 from server.config import ServerConfig
 from server.errors import BadRequest, RangeNotSatisfiable
@@ -151,9 +152,8 @@ def check_entry(item: object, i: int, default_bucket: str | None, onob: bool, na
     start, length = get("start"), get("length")
     if start is not None or length is not None:  # most entries are whole objects
         start, length = _range_int(start, "start", i), _range_int(length, "length", i)
-        if start < 0 or length < -1 or (start != 0 and length == 0):
-            raise BadRequest(f"moss: entry {i}: invalid range start={start} length={length} "
-                             "(start >= 0; length > 0, or -1 to the end; a non-zero start needs a length)")
+        if not range_ok(start, length):
+            raise BadRequest(f"moss: entry {i}: invalid range start={start} length={length} ({RANGE_RULE})")
     else:
         start = length = 0
     name = objname if onob else f"{bucket}/{objname}"
