@@ -19,27 +19,27 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import random
 import stat
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import httpx
 
+from batchfs.wire.retry import backoff_seconds, retryable
 from batchfs.wire.units import SECONDS
+from batchfs.wire.urls import bucket_path, object_path
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 @dataclasses.dataclass(frozen=True)
 class PutConfig:
     jobs: int = 8  # uploads in flight
     retries: int = 5  # further attempts after a retryable failure
-    backoff_seconds: float = 0.5 * SECONDS  # first retry delay; doubles each attempt (jittered)
+    backoff_seconds: float = 0.5 * SECONDS  # the first retry waits up to this; doubles each attempt (full jitter)
     backoff_max_seconds: float = 30 * SECONDS
     timeout_seconds: float = 120 * SECONDS  # per request, connect and each read/write
     progress: bool = True
@@ -48,13 +48,13 @@ class PutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class Destination:
     base_url: str  # http://HOST:PORT
     bucket: str
     prefix: str  # "" or ending in "/"
 
     def object_url(self, name: str) -> str:
-        return f"{self.base_url}/v1/objects/{quote(self.bucket, safe='')}/{quote(name, safe='/')}"
+        return self.base_url + object_path(self.bucket, name)
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ class PutError(Exception):
     """The upload cannot start (bad target, unreachable server, bucket refused)."""
 
 
-def parse_target(url: str) -> Target:
+def parse_target(url: str) -> Destination:
     """``http://HOST:PORT/BUCKET[/PREFIX]`` into its parts."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -80,7 +80,7 @@ def parse_target(url: str) -> Target:
     if not bucket:
         raise PutError(f"target {url!r} names no bucket")
     prefix = prefix.strip("/")
-    return Target(f"{parts.scheme}://{parts.netloc}", bucket, prefix + "/" if prefix else "")
+    return Destination(f"{parts.scheme}://{parts.netloc}", bucket, prefix + "/" if prefix else "")
 
 
 def walk(root: Path, warn: Callable[[str], None]) -> Iterator[tuple[Path, str, int]]:
@@ -107,8 +107,8 @@ def walk(root: Path, warn: Callable[[str], None]) -> Iterator[tuple[Path, str, i
                 yield path, path.relative_to(root).as_posix(), st.st_size
 
 
-def ensure_bucket(client: httpx.Client, target: Target) -> None:
-    url = f"{target.base_url}/v1/buckets/{quote(target.bucket, safe='')}"
+def ensure_bucket(client: httpx.Client, target: Destination) -> None:
+    url = target.base_url + bucket_path(target.bucket)
     try:
         r = client.post(url, json={"action": "create-bck", "name": "", "value": None})
     except httpx.HTTPError as e:
@@ -129,13 +129,12 @@ def _reason(r: httpx.Response) -> str:
 
 
 class _Uploader:
-    def __init__(self, client: httpx.Client, target: Target, cfg: PutConfig, on_bytes: Callable[[int], None]):
+    def __init__(self, client: httpx.Client, target: Destination, cfg: PutConfig, on_bytes: Callable[[int], None]):
         self.client, self.target, self.cfg, self.on_bytes = client, target, cfg, on_bytes
 
     def upload(self, path: Path, name: str) -> int:
         """PUT one file, with retries; returns its size. Raises with a reason on failure."""
         url = self.target.object_url(self.target.prefix + name)
-        delay = self.cfg.backoff_seconds
         for attempt in range(self.cfg.retries + 1):
             last = attempt == self.cfg.retries
             try:
@@ -145,15 +144,14 @@ class _Uploader:
                 if r.status_code == 200:
                     self.on_bytes(size)
                     return size
-                if r.status_code not in RETRY_STATUSES or last:
+                if not retryable(r.status_code) or last:
                     raise RuntimeError(f"HTTP {r.status_code}: {_reason(r)}")
             except httpx.TransportError as e:
                 if last:
                     raise RuntimeError(f"{type(e).__name__}: {e}") from None
             except OSError as e:  # reading the local file: retrying will not help
                 raise RuntimeError(f"cannot read: {e.strerror or e}") from None
-            time.sleep(min(delay, self.cfg.backoff_max_seconds) * random.uniform(0.5, 1.5))
-            delay *= 2
+            time.sleep(backoff_seconds(attempt, self.cfg.backoff_seconds, self.cfg.backoff_max_seconds))
         raise AssertionError("unreachable")
 
 

@@ -28,8 +28,9 @@ import tarfile
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
+from batchfs.wire.getbatch import MISSING_PREFIX
+
 CONTROL_DIR = ".batch"
-MISSING_PREFIX = "__404__/"
 
 
 def find_mount(path: str | os.PathLike) -> str:

@@ -40,7 +40,7 @@ import trio
 
 from batchfs.control import manifest as mf
 from batchfs.objclient.getbatch import BatchClientConfig, BatchSource
-from batchfs.engine.errors import InvalidArgument, NotFound, TooManyBatches
+from batchfs.errors import InvalidArgument, NotFound, TooManyBatches
 from batchfs.control.plans import Plan, PlanConfig, PlanRegistry
 from batchfs.control.tarview import BatchIOError, Rewound, TarView, ViewConfig
 

@@ -32,8 +32,9 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from batchfs.engine.errors import InvalidArgument
-from batchfs.wire.units import KiB, MiB
+from batchfs.errors import InvalidArgument
+from batchfs.wire.getbatch import RANGE_RULE, Target, range_ok
+from batchfs.wire.units import MiB
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: longer paths could not be opened through the mount anyway
@@ -269,9 +270,8 @@ def _entry(item, i: int, mp: tuple[str, ...]) -> Entry:
     start, length = item.get("start", 0), item.get("length", 0)
     if not _is_int(start) or not _is_int(length):
         raise ManifestError(f"{where}: start and length must be integers")
-    if start < 0 or length < -1 or (start != 0 and length == 0):
-        raise ManifestError(f"{where}: invalid range start={start} length={length} "
-                            "(start >= 0; length -1 to the end, 0 only with start 0)")
+    if not range_ok(start, length):
+        raise ManifestError(f"{where}: invalid range start={start} length={length} ({RANGE_RULE})")
     return Entry(path=path, bucket=bucket, objname=objname, archpath=archpath, start=start, length=length)
 
 
@@ -358,17 +358,6 @@ def _is_int(v) -> bool:
 
 
 # -- from entries to objects --------------------------------------------------------------------
-class Target(NamedTuple):
-    """An entry resolved against the mount's source: what to fetch and the TAR member name."""
-
-    bucket: str
-    objname: str
-    member: str  # the member's name in the TAR view (before any __404__/ prefix)
-    archpath: str | None = None
-    start: int = 0
-    length: int = 0
-
-
 def resolve(entry: Entry, bucket: str | None, prefix: str = "", onob: bool = False) -> Target:
     """Map an entry to a bucket and object name for a mount of ``bucket``/``prefix``.
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import trio
 
 from batchfs.objclient.getbatch import BatchFetchError, BatchSource, MemberHead
-from batchfs.engine.errors import BatchfsError
+from batchfs.errors import BatchfsError
 from batchfs.control.manifest import PlanSpec, Target
 
 MAX_ERRORS_KEPT = 20
@@ -264,6 +264,10 @@ class PlanRegistry:
             plan.state = "cancelled"
             self.wake()
 
+    def active(self) -> bool:
+        """Whether any plan is registered (the engine's ``Prefetched`` protocol)."""
+        return bool(self.plans)
+
     def wanted(self, bucket: str, key: str) -> bool:
         """Cheap check for the read path: is any plan holding or fetching this object?"""
         return any((bucket, key) in p.by_path for p in self.plans.values())
@@ -290,16 +294,3 @@ class PlanRegistry:
     def wake(self) -> None:
         for p in self.plans.values():
             p._moved.set()
-
-
-class PlannedReader:
-    """An open file served from planned bytes (the engine's reader interface)."""
-
-    def __init__(self, data: bytes):
-        self.data = data
-
-    async def read(self, offset: int, length: int) -> bytes:
-        return self.data[offset:offset + length]
-
-    def close(self) -> None:
-        self.data = b""

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import trio
 
 from batchfs.objclient.getbatch import BatchFetchError, BatchSource, MemberHead
-from batchfs.engine.errors import BatchfsError, InvalidArgument
+from batchfs.errors import BatchfsError, InvalidArgument
 from batchfs.control.manifest import Target
 from batchfs.wire.tarheader import tar_header  # the same headers as the server's GetBatch replies
 

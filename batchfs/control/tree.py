@@ -40,7 +40,7 @@ import stat
 import time
 
 from batchfs.control.batchfiles import BatchFile, BatchManager, StatusFile
-from batchfs.engine.errors import AccessDenied, Exists, NotADirectory, NotFound, NotPermitted, ReadOnly
+from batchfs.errors import AccessDenied, Exists, NotADirectory, NotFound, NotPermitted, ReadOnly
 from batchfs.control.manifest import CONTROL_DIR
 
 BASE = 1 << 60

@@ -12,19 +12,9 @@ import os
 import stat
 from pathlib import Path
 
-from batchfs.wire.units import GiB, KiB, MiB, SECONDS
+from batchfs.objclient.config import ClientConfig, Source
+from batchfs.wire.units import GiB, MiB, SECONDS
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """What to mount. ``kind`` is "ais" (our server or an AIStore cluster) or "s3"."""
-
-    kind: str
-    endpoint: str  # e.g. http://127.0.0.1:8080 (for s3: --endpoint-url)
-    bucket: str | None = None  # None: every bucket is a top-level directory (ais only)
-    prefix: str = ""  # "" or "some/prefix/" (always ends with "/")
-    region: str = "us-east-1"  # s3 only: the SigV4 signing region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +62,14 @@ class MountConfig:
     # Bearer token sent with every request to an AIStore-API server (``Authorization: Bearer``);
     # from --token-file or AIS_AUTHN_TOKEN (see ``auth_token``), never from a command-line value.
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def client(self) -> ClientConfig:
+        """What the object client needs of this configuration (and nothing else)."""
+        return ClientConfig(source=self.source, auth_token=self.auth_token,
+                            request_timeout_seconds=self.request_timeout_seconds,
+                            connect_timeout_seconds=self.connect_timeout_seconds, retries=self.retries,
+                            parallel_total=self.parallel_total, http_read_bytes=self.http_read_bytes)
 
 
 TOKEN_ENV = "AIS_AUTHN_TOKEN"  # the aistore SDK's variable: one token for both

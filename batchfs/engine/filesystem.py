@@ -2,16 +2,18 @@
 
 ``Engine`` composes the namespace (inodes, listings, metadata caches) and the reader (open
 files, read-ahead, data caches) and owns the table of open file handles. Its methods take
-plain arguments and return plain values or raise ``batchfs.engine.errors`` exceptions, so the engine
-is tested without FUSE, and ``fs.py`` stays a thin adapter.
+plain arguments and return plain values or raise ``batchfs.errors`` exceptions, so the engine
+is tested without FUSE, and the adapter stays thin.
 
 Page-cache policy (measured, see docs/mount.md): files of at least ``direct_io_min_bytes``
 are opened with ``direct_io`` (1 MiB FUSE reads instead of 128 KiB page-cache fills, ~10x
 the throughput through pyfuse3); smaller files use the page cache, and keep it across opens
 (``keep_cache``) only while the object's version is the one the kernel cached.
 
-Prefetch plans (``batchfs.control.plans``): a lookup of a planned object is answered from its fetched
-member (no metadata request), and opening it hands the planned bytes to ``fs.py`` to put
+Prefetched objects (``Prefetched``, given to the constructor; the mount passes the ``.batch/``
+plans of ``batchfs.control.plans``, which the engine never imports): a lookup of a prefetched
+object is answered from its fetched member (no metadata request), and opening it hands the
+fetched bytes to the adapter to put
 into the kernel's page cache (``Opened.store``) with ``keep_cache``, so the file's reads
 never come back to the daemon; the handle still holds the bytes in case the kernel drops
 pages before they are read.
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Protocol
 
 import trio
 
 from batchfs.objclient.base import ObjectClient
 from batchfs.engine.config import MountConfig
-from batchfs.engine.errors import IsADirectory, NotFound, VersionChanged
+from batchfs.errors import IsADirectory, NotFound, VersionChanged
 from batchfs.engine.namespace import Attr, DirHandle, Namespace, Node
 from batchfs.engine.reader import FileReader, Reader
 
@@ -45,8 +48,32 @@ class Opened:
     store: bytes | None = None  # the whole file, to put into the page cache before replying
 
 
+class Prefetched(Protocol):
+    """Objects fetched ahead of their reads (the mount's ``.batch/`` plans)."""
+
+    def active(self) -> bool: ...  # anything prefetched at all: lookups skip the rest when not
+
+    async def peek(self, bucket: str, key: str) -> tuple[int, int] | None: ...  # (size, mtime seconds)
+
+    async def take(self, bucket: str, key: str) -> bytes | None: ...  # the bytes, handed over once
+
+
+class BytesReader:
+    """An open file served from bytes already in memory (a prefetched object)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    async def read(self, offset: int, length: int) -> bytes:
+        return self.data[offset:offset + length]
+
+    def close(self) -> None:
+        self.data = b""
+
+
 class Engine:
-    def __init__(self, config: MountConfig, client: ObjectClient, reader: Reader, namespace: Namespace):
+    def __init__(self, config: MountConfig, client: ObjectClient, reader: Reader, namespace: Namespace,
+                 prefetched: Prefetched | None = None):
         self.config = config
         self.client = client
         self.reader = reader
@@ -54,12 +81,13 @@ class Engine:
         self._files: dict[int, tuple[Node, FileReader]] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._fh = itertools.count(1)
-        self.plans = None  # batchfs.control.plans.PlanRegistry: objects fetched ahead by `.batch` plans
+        self.prefetched = prefetched
 
     @classmethod
-    async def create(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery) -> "Engine":
+    async def create(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery,
+                     prefetched: Prefetched | None = None) -> "Engine":
         reader = await Reader.create(config, client, nursery)
-        return cls(config, client, reader, Namespace(config, client))
+        return cls(config, client, reader, Namespace(config, client), prefetched)
 
     async def aclose(self) -> None:
         for fh in list(self._files):
@@ -68,10 +96,10 @@ class Engine:
 
     # -- metadata ----------------------------------------------------------------------------
     async def lookup(self, parent: int, name: str) -> Attr:
-        if self.plans is not None and self.plans.plans:
+        if self.prefetched is not None and self.prefetched.active():
             p = self.ns.nodes.get(parent)
             if p is not None and p.is_dir and p.bucket is not None and "/" not in name:
-                got = await self.plans.peek(p.bucket, p.key + name)
+                got = await self.prefetched.peek(p.bucket, p.key + name)
                 attr = self.ns.learn(parent, name, got[0], got[1] * 10**9) if got is not None else None
                 if attr is not None:
                     return attr
@@ -111,12 +139,10 @@ class Engine:
         if node.is_dir:
             raise IsADirectory(f"inode {ino} is a directory")
         info = await self.ns.current(node)
-        data = await self.plans.take(node.bucket, node.key) if self.plans is not None else None
+        data = await self.prefetched.take(node.bucket, node.key) if self.prefetched is not None else None
         planned = data is not None and len(data) == info.size
         if planned:
-            from batchfs.control.plans import PlannedReader
-
-            fr = PlannedReader(data)
+            fr = BytesReader(data)
         else:
             fr = self.reader.open(node.bucket, node.key, info)
         fh = next(self._fh)

@@ -54,7 +54,7 @@ import trio
 
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.engine.config import MountConfig
-from batchfs.engine.errors import BatchfsError, InvalidArgument, NotADirectory, NotFound
+from batchfs.errors import BatchfsError, InvalidArgument, NotADirectory, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def request_chunk_size(server_chunk: int | None, wanted: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class WindowStep:
     """What one read means for its handle's chunks."""
 
     sequential: bool
@@ -93,7 +93,7 @@ class SequentialWindow:
     def __post_init__(self) -> None:
         self.window = min(self.window, self.max_window)
 
-    def observe(self, offset: int, length: int) -> Plan:
+    def observe(self, offset: int, length: int) -> WindowStep:
         """Record a read and say which chunks to keep and which to start fetching."""
         continues = offset == self.last_end
         self.last_end = offset + length
@@ -104,7 +104,7 @@ class SequentialWindow:
         if not sequential:
             self.window = min(INITIAL_WINDOW, self.max_window)
             self.current_chunk, self.next_offset = first, offset + length
-            return Plan(False, range(max(first - 1, 0), last + 1), range(0))
+            return WindowStep(False, range(max(first - 1, 0), last + 1), range(0))
         late = not continues and offset + length <= self.next_offset
         if first > self.current_chunk >= 0:
             self.window = min(self.window * 2, self.max_window)
@@ -116,5 +116,5 @@ class SequentialWindow:
         ahead = range(first, max(last + 1, self.current_chunk + self.window))
         keep = range(max(first - 1, 0), ahead.stop)
         if late:  # fetch its own chunk if it is the cursor's or the one before, nothing more
-            return Plan(True, keep, range(max(first, self.current_chunk - 1), min(last, self.current_chunk) + 1))
-        return Plan(True, keep, ahead)
+            return WindowStep(True, keep, range(max(first, self.current_chunk - 1), min(last, self.current_chunk) + 1))
+        return WindowStep(True, keep, ahead)

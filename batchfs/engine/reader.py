@@ -28,7 +28,7 @@ from batchfs.buffers import keep_freed_chunks_mapped
 from batchfs.engine.config import MountConfig
 from batchfs.cache.chunks import MemoryChunkCache, chunk_key, geometry_key
 from batchfs.cache.diskstore import DiskStore
-from batchfs.engine.errors import RequestTimeout, VersionChanged
+from batchfs.errors import RequestTimeout, VersionChanged
 from batchfs.engine.readahead import MemoryBudget, SequentialWindow, request_chunk_size
 
 log = logging.getLogger(__name__)

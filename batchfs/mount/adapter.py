@@ -1,7 +1,7 @@
 """The pyfuse3 adapter: arguments in, errno out. All logic lives in ``batchfs.engine.filesystem``.
 
 Every handler goes through ``_boundary``: engine exceptions become ``FUSEError`` via the one
-table in ``batchfs.engine.errors.errno_for``, and anything unexpected is logged and answered with
+table in ``batchfs.errors.errno_for``, and anything unexpected is logged and answered with
 EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
 
 The mount is read-only: every mutating operation answers EROFS, except inside ``.batch/``:
@@ -21,7 +21,6 @@ import errno
 import functools
 import logging
 import os
-import signal
 import stat
 from collections.abc import Callable
 
@@ -31,7 +30,7 @@ import trio
 from batchfs.objclient import make_client
 from batchfs.engine.config import MountConfig
 from batchfs.engine.filesystem import Engine
-from batchfs.engine.errors import BatchfsError, ReadOnly, SourceError, errno_for
+from batchfs.errors import BatchfsError, ReadOnly, SourceError, errno_for
 from batchfs.engine.namespace import ROOT_INODE, Attr
 
 log = logging.getLogger(__name__)
@@ -242,16 +241,16 @@ def _mount_options(config: MountConfig) -> set[str]:
 
 async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
     """Check the source, mount at ``config.mountpoint``, call ``on_ready()`` once the mount is
-    live, serve until unmounted or cancelled (SIGTERM/SIGINT unmount cleanly), and always
-    unmount and close clients on the way out. Raises ``SourceError`` before mounting if the
+    live, serve until unmounted or cancelled (``daemon.serve_until_signal`` cancels on a signal),
+    and always unmount and close clients on the way out. Raises ``SourceError`` before mounting if the
     source cannot be used."""
-    client = make_client(config)
+    client = make_client(config.client)
     try:
         await _check(config, client)  # outside any nursery: the caller gets a bare SourceError
         async with trio.open_nursery() as nursery:
-            engine = await Engine.create(config, client, nursery)
             batch_control = await _batch_control(config, client, nursery)
-            engine.plans = batch_control.mgr.plans  # planned objects are served from memory
+            # planned objects are served from memory
+            engine = await Engine.create(config, client, nursery, prefetched=batch_control.mgr.plans)
             try:
                 await _run_mounted(config, engine, on_ready, nursery, batch_control)
             finally:
@@ -300,14 +299,6 @@ async def _run_mounted(config: MountConfig, engine: Engine, on_ready, nursery: t
     pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
     try:
         async with trio.open_nursery() as inner:
-            async def on_signal():
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("signal %d: unmounting %s", signum, config.mountpoint)
-                        inner.cancel_scope.cancel()
-                        return
-
-            inner.start_soon(on_signal)
             on_ready()
 
             async def main():

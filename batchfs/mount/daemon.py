@@ -150,7 +150,9 @@ def _announce_when_mounted(config: MountConfig, announce: Callable[[str], None])
     sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {config.mountpoint}")
 
 
-async def _serve_until_signal(config: MountConfig, on_ready: Callable[[], None]) -> None:
+async def serve_until_signal(config: MountConfig, on_ready: Callable[[], None]) -> None:
+    """Serve the mount until it is unmounted from outside or SIGTERM/SIGINT/SIGHUP arrives (the one
+    place the mount handles signals): a signal cancels ``adapter.serve``, which unmounts cleanly."""
     import trio
 
     from batchfs.mount import adapter as fs
@@ -190,10 +192,10 @@ def serve_blocking(config: MountConfig, announce: Callable[[str], None], log_err
         threading.Thread(target=_announce_when_mounted, args=(config, once), daemon=True,
                          name="batchfs-ready").start()
 
-    from batchfs.engine.errors import SourceError
+    from batchfs.errors import SourceError
 
     try:
-        trio.run(_serve_until_signal, config, on_ready)
+        trio.run(serve_until_signal, config, on_ready)
     except Exception as group:
         e = _first_leaf(group)  # the nursery wraps what fs.serve raised in an ExceptionGroup
         if isinstance(e, SourceError):  # its message already names the source

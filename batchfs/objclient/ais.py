@@ -22,7 +22,6 @@ import email.utils
 import functools
 import json
 import logging
-import urllib.parse
 
 import httpx
 import msgpack
@@ -30,8 +29,9 @@ import xxhash
 
 from batchfs.objclient.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
 from batchfs.objclient.httppool import Reply, lean_request, make_http_client, range_body, with_retries
-from batchfs.engine.config import MountConfig
-from batchfs.engine.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
+from batchfs.objclient.config import ClientConfig
+from batchfs.wire.urls import bucket_path, object_path
+from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def version_from_headers(h) -> str:
 
 
 class AisClient(ObjectClient):
-    def __init__(self, config: MountConfig):
+    def __init__(self, config: ClientConfig):
         self.config = config
         self.base = config.source.endpoint.rstrip("/")
         self.http = make_http_client(config)
@@ -78,7 +78,7 @@ class AisClient(ObjectClient):
         self.has_token = bool(config.auth_token)
 
     def _obj_url(self, bucket: str, key: str) -> str:
-        return f"{self.base}/v1/objects/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/')}"
+        return self.base + object_path(bucket, key)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -93,7 +93,7 @@ class AisClient(ObjectClient):
     async def check_bucket(self, bucket: str) -> None:
         what = f"bucket ais://{bucket}"
         resp = await with_retries(self.config, what, lambda: self.http.head(
-            f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"}))
+            self.base + bucket_path(bucket), params={"provider": "ais"}))
         _check_status(resp, what, self.has_token)
 
     async def _list_page(self, bucket: str, prefix: str, token: str, start_after: str, page_size: int) -> dict:
@@ -102,7 +102,7 @@ class AisClient(ObjectClient):
         body = json.dumps({"action": "list", "name": "", "value": value}).encode()
         what = f"list ais://{bucket}/{prefix}"
         resp = await with_retries(self.config, what, lambda: self.http.request(
-            "GET", f"{self.base}/v1/buckets/{urllib.parse.quote(bucket)}", params={"provider": "ais"},
+            "GET", self.base + bucket_path(bucket), params={"provider": "ais"},
             content=body, headers={"Accept": "application/msgpack", "Content-Type": "application/json"}))
         _check_status(resp, what, self.has_token)
         if resp.headers.get("Content-Type", "").startswith("application/json"):

@@ -6,7 +6,7 @@ Invariants every backend keeps:
   cache keyed by it can never serve a replaced object.
 - ``get(..., version=v)`` either returns exactly the asked bytes of version ``v`` or raises
   ``VersionChanged``: a reader never sees bytes of two versions.
-- Errors are ``batchfs.engine.errors`` exceptions; transient failures (429, 5xx, connection resets)
+- Errors are ``batchfs.errors`` exceptions; transient failures (429, 5xx, connection resets)
   are retried inside the backend within ``request_timeout_seconds``.
 """
 

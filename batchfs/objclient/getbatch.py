@@ -2,7 +2,7 @@
 
 Design note
 -----------
-A *batch source* takes a list of :class:`~batchfs.control.manifest.Target` and a ``MemberSink`` and
+A *batch source* takes a list of :class:`~batchfs.wire.getbatch.Target` and a ``MemberSink`` and
 calls ``sink.begin(head)``, then ``sink.data(chunk)`` zero or more times, then ``sink.end()``
 for member 0, 1, 2, … in manifest order, whatever order the underlying fetches complete in.
 Backpressure is the sink's: a slow reader makes ``sink.data`` wait, which stops the socket
@@ -20,7 +20,8 @@ reads, which stops the server. Two sources:
   the GNU long-name and pax records a long member name needs; ``tarfile``'s own stream mode
   wants a blocking file object, which a trio task cannot offer). Every member's name is
   checked against the request, and the count too: a stream that ends early, or carries a
-  member we did not ask for, is an error at that member, never a silently short batch.
+  member we did not ask for, is an error at that member, never a silently short batch
+  (the block-by-block reader is ``batchfs.objclient.tarstream``).
   The mount always asks with ``coer`` so a missing entry arrives as a ``__404__/`` placeholder
   *in its place*; without ``coer`` in the manifest that placeholder becomes an error at
   exactly that member (the members before it stay readable).
@@ -34,26 +35,23 @@ Errors are :class:`BatchFetchError` (EIO) carrying the member index and the reas
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
-import random
-import tarfile
-import urllib.parse
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import httpx
 import trio
 
 from batchfs.objclient.base import ObjectClient
-from batchfs.engine.errors import BackendError, NotFound
-from batchfs.control.manifest import Target
+from batchfs.objclient.tarstream import BLOCK, TarStream, next_header
+from batchfs.errors import BackendError, NotFound
+from batchfs.wire.getbatch import MISSING_PREFIX, Target, member_name, request_body
+from batchfs.wire.retry import backoff_seconds, retryable
+from batchfs.wire.urls import moss_path
 
-MISSING_PREFIX = "__404__/"
-BLOCK = tarfile.BLOCKSIZE
-RETRY_STATUS = {429, 500, 502, 503, 504}
+BACKOFF_FIRST_SECONDS = 0.05
 
 
 class BatchFetchError(BackendError):
@@ -126,159 +124,6 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 # -- GetBatch ------------------------------------------------------------------------------------
-class _Reader:
-    """Exact-size reads over an httpx byte stream; EOF is reported as ``b""``.
-
-    Received chunks are kept as they came (no reassembly buffer): headers are cut out of
-    them, and member bytes are handed on as memoryviews of them, so a member's bytes are
-    copied once, by whoever keeps them."""
-
-    def __init__(self, resp: httpx.Response):
-        self._it = resp.aiter_raw()
-        self._chunks: collections.deque[memoryview] = collections.deque()
-        self._have = 0
-        self._eof = False
-
-    async def _fill(self) -> bool:
-        if self._eof:
-            return False
-        try:
-            chunk = await self._it.__anext__()
-        except StopAsyncIteration:
-            self._eof = True
-            return False
-        if chunk:
-            self._chunks.append(memoryview(chunk))
-            self._have += len(chunk)
-        return True
-
-    def _take(self, n: int) -> memoryview:
-        """Up to ``n`` bytes from the first chunk (a view, no copy)."""
-        c = self._chunks[0]
-        if len(c) <= n:
-            self._chunks.popleft()
-        else:
-            self._chunks[0] = c[n:]
-            c = c[:n]
-        self._have -= len(c)
-        return c
-
-    async def exact(self, n: int) -> bytes:
-        while self._have < n:
-            if not await self._fill():
-                return b""
-        if n == 0:
-            return b""
-        if len(self._chunks[0]) >= n:
-            return bytes(self._take(n))
-        parts, left = [], n
-        while left:
-            parts.append(self._take(left))
-            left -= len(parts[-1])
-        return b"".join(parts)
-
-    async def drain(self, limit: int) -> None:
-        """Read what is left of the body, up to ``limit`` bytes: a body read to its end lets the
-        connection go back to the pool (closing it instead costs a new connection per batch)."""
-        while self._have <= limit and await self._fill():
-            pass
-        self._chunks.clear()
-        self._have = 0
-
-    async def pieces(self, n: int):
-        """Yield up to ``n`` bytes as memoryviews of what arrived (valid until the next call);
-        stops short only at EOF."""
-        while n > 0:
-            if not self._have and not await self._fill():
-                return
-            piece = self._take(n)
-            n -= len(piece)
-            yield piece
-
-
-def _pax_records(data: bytes) -> dict[str, str]:
-    out, pos = {}, 0
-    while pos < len(data):
-        sp = data.find(b" ", pos)
-        if sp < 0 or not data[pos:sp].isdigit():
-            break
-        length = int(data[pos:sp])
-        if length <= 0:
-            break
-        key, _, value = data[sp + 1:pos + length - 1].partition(b"=")
-        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
-        pos += length
-    return out
-
-
-class _Head(NamedTuple):
-    name: str
-    size: int
-    mtime: int
-
-
-_ZERO_BLOCK = bytes(BLOCK)
-_POSIX_MAGIC = tarfile.POSIX_MAGIC  # b"ustar\x0000": what tarfile writes for USTAR and PAX
-
-
-def _octal(field: bytes) -> int:
-    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)  # as tarfile.nti, for octal fields
-
-
-def quick_header(buf: bytes) -> _Head | None:
-    """A plain USTAR regular-file header (what GetBatch sends for names of up to 100 ASCII
-    bytes) parsed without ``TarInfo.frombuf``, which costs ~3x as much (it parses every field
-    and sums the block twice); None for any other header, which then goes to tarfile. The
-    checksum is still verified."""
-    if buf[156] not in (0x30, 0) or buf[257:265] != _POSIX_MAGIC or buf[124] & 0x80 or buf[136] & 0x80:
-        return None
-    try:
-        chksum, size, mtime = _octal(buf[148:156]), _octal(buf[124:136]), _octal(buf[136:148])
-    except ValueError:
-        return None
-    if chksum != sum(buf) - sum(buf[148:156]) + 8 * 0x20:  # the checksum field counts as spaces
-        return None
-    name = buf[:100].split(b"\0", 1)[0]
-    prefix = buf[345:500].split(b"\0", 1)[0]
-    if prefix:
-        name = prefix + b"/" + name
-    return _Head(name.decode("utf-8", "surrogateescape"), size, mtime)
-
-
-async def _next_header(r: _Reader) -> _Head | None:
-    """The next member's header with extensions applied; None at the end of the archive."""
-    long_name = None
-    pax: dict[str, str] = {}
-    while True:
-        buf = await r.exact(BLOCK)
-        if not buf or buf == _ZERO_BLOCK:
-            return None
-        if long_name is None and not pax:
-            head = quick_header(buf)
-            if head is not None:
-                return head
-        try:
-            info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
-        except tarfile.HeaderError as e:
-            raise ValueError(f"bad TAR header: {e}") from None
-        if info.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE):
-            body = await r.exact(-(-info.size // BLOCK) * BLOCK)
-            if len(body) < info.size:
-                raise ValueError("stream ended inside an extended header")
-            if info.type == tarfile.GNUTYPE_LONGNAME:
-                long_name = body[:info.size].rstrip(b"\0").decode("utf-8", "surrogateescape")
-            elif info.type == tarfile.XHDTYPE:
-                pax.update(_pax_records(body[:info.size]))
-            continue
-        if long_name is not None:
-            info.name = long_name
-        if "path" in pax:
-            info.name = pax["path"]
-        if "size" in pax and pax["size"].isdigit():
-            info.size = int(pax["size"])
-        return _Head(info.name, info.size, int(info.mtime))
-
-
 class GetBatchSource:
     def __init__(self, http: httpx.AsyncClient, endpoint: str, config: BatchClientConfig = BatchClientConfig()):
         self.http = http
@@ -286,8 +131,8 @@ class GetBatchSource:
         self.config = config
 
     def _request(self, targets: Sequence[Target]) -> httpx.Request:
-        body = {"in": [_moss_in(t) for t in targets], "mime": ".tar", "coer": True, "onob": False, "strm": True}
-        url = f"{self.base}/v1/ml/moss/{urllib.parse.quote(targets[0].bucket)}"
+        body = request_body(targets, coer=True, onob=False, strm=True)
+        url = self.base + moss_path(targets[0].bucket)
         return self.http.build_request("GET", url, params={"provider": "ais"}, content=json.dumps(body).encode(),
                                        headers={"Content-Type": "application/json"})
 
@@ -310,10 +155,10 @@ class GetBatchSource:
                 except (ValueError, AttributeError):
                     pass
                 last = f"GetBatch answered HTTP {resp.status_code}: {detail}"
-                if resp.status_code not in RETRY_STATUS:
+                if not retryable(resp.status_code):
                     break
             if n < self.config.retries:
-                await trio.sleep(random.uniform(0, min(self.config.backoff_max_seconds, 0.05 * 2 ** n)))
+                await trio.sleep(backoff_seconds(n, BACKOFF_FIRST_SECONDS, self.config.backoff_max_seconds))
         raise BatchFetchError(first, last, status)
 
     def _parts(self, n: int) -> list[tuple[int, int]]:
@@ -365,17 +210,17 @@ class GetBatchSource:
 
     async def _consume(self, resp: httpx.Response, first: int, part: Sequence[Target], coer: bool,
                        sink: MemberSink) -> None:
-        r = _Reader(resp)
+        r = TarStream(resp)
         for j, t in enumerate(part):
             i = first + j
             try:
-                info = await _next_header(r)
+                info = await next_header(r)
             except (ValueError, httpx.HTTPError) as e:
                 raise BatchFetchError(i, f"{t.member}: {e}") from None
             if info is None:
                 raise BatchFetchError(i, f"{t.member}: the GetBatch stream ended after {i} of the batch's members")
             got = info.name.removeprefix("./")
-            expect = f"{t.bucket}/{t.objname}" + (f"/{t.archpath}" if t.archpath else "")
+            expect = member_name(t.bucket, t.objname, t.archpath)
             if got == MISSING_PREFIX + expect:
                 head = _missing(t.member, t, i, coer, "not found")
             elif got != expect:
@@ -398,7 +243,7 @@ class GetBatchSource:
             # parsing them without one would hold FUSE requests back for milliseconds.
             await trio.lowlevel.checkpoint()
         try:
-            extra = await _next_header(r)
+            extra = await next_header(r)
         except (ValueError, httpx.HTTPError):
             extra = None  # the trailer after the last member is not worth failing a complete batch
         if extra is not None:
@@ -407,15 +252,6 @@ class GetBatchSource:
 
 
 DRAIN_MAX_BYTES = 64 * 1024  # the rest of a reply (end-of-archive blocks) read so its connection is reused
-
-
-def _moss_in(t: Target) -> dict:
-    d = {"objname": t.objname, "bucket": t.bucket, "provider": "ais"}
-    if t.archpath:
-        d["archpath"] = t.archpath
-    if t.start or t.length:
-        d["start"], d["length"] = t.start, t.length
-    return d
 
 
 # -- emulation over plain range reads ----------------------------------------------------------------

@@ -16,8 +16,8 @@ Large range reads run on worker threads. The trio thread also answers every FUSE
 streaming one big object is bound by that thread's time (docs/mount.md): a range GET of at
 least ``thread_body_min_bytes`` is sent, parsed and received on a worker thread with
 blocking calls, the body in one ``recv_into(MSG_WAITALL)`` with the GIL released. The
-protocol code is written once, without I/O (``_exchange_steps``), and driven either on the
-trio loop or on a thread.
+protocol code is written once, without I/O (``http1exchange.exchange_steps``), and driven
+either on the trio loop or on a thread.
 
 Invariants:
 - Plain ``http://`` only (``https://`` endpoints use httpcore, see ``http.lean_request``).
@@ -53,7 +53,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import re
 import socket
 import struct
 import time
@@ -62,33 +61,13 @@ import traceback
 import httptools
 import trio
 
-from batchfs.engine.errors import BackendError
+from batchfs.objclient.http1exchange import (HEAD_READ_BYTES, ConnectionFailed, Reply1, StaleConnection,
+                                             exchange_steps, request_bytes)
 
-# Reads until the response head is parsed: a small object's whole reply fits, and a large
-# body goes mostly through recv_into rather than through the parser (three copies).
-HEAD_READ_BYTES = 64 * 1024
+
 # Ranged bodies at least this large are read on a worker thread (``_drive_blocking``); below
 # it the thread hop (~60 us, and the GIL handoffs) costs more than it saves.
 THREAD_BODY_MIN_BYTES = 512 * 1024
-# Bodies that do not go into the caller's buffer are held in memory, so they are bounded:
-# error pages are kept up to this much (enough for any message), the rest of them unread.
-ERROR_BODY_KEEP_BYTES = 64 * 1024
-# ... and a 2xx body that does not fit the buffer (a server that ignores Range sends the whole
-# object) may be this large, or as large as the buffer; a larger one is refused, not retried.
-BODY_MAX_BYTES = 16 * 1024 * 1024
-
-
-class ConnectionFailed(Exception):
-    """The connection broke or the server's reply was malformed: retryable."""
-
-
-class Reply1:
-    """Status, headers (lower-case names) and body of one response."""
-
-    __slots__ = ("status", "headers", "body")
-
-    def __init__(self, status: int, headers: dict[str, str], body):
-        self.status, self.headers, self.body = status, headers, body
 
 
 class _Conn:
@@ -147,17 +126,17 @@ class Http1Pool:
             if conn is not None:
                 try:
                     return await self._exchange(conn, method, head, into)
-                except _StaleConnection:
+                except StaleConnection:
                     pass  # closed by the server while idle: once more on a new connection
             conn = await self._connect()
             try:
                 return await self._exchange(conn, method, head, into)
-            except _StaleConnection as e:
+            except StaleConnection as e:
                 raise ConnectionFailed(str(e)) from None
 
     async def _exchange(self, conn: _Conn, method: str, head: bytes, into: bytearray | None) -> Reply1:
         reusable = False
-        steps = _exchange_steps(method, head, into, self.host_header)
+        steps = exchange_steps(method, head, into, self.host_header)
         try:
             if into is not None and len(into) >= self.thread_body_min_bytes:
                 reply, reusable = await self._drive_in_thread(conn.sock, steps)
@@ -214,148 +193,6 @@ class Http1Pool:
             self._idle.pop().sock.close()
 
 
-class _StaleConnection(Exception):
-    pass
-
-
-class _Overflow(Exception):
-    """Raised from a parser callback to stop parsing a body past its limit."""
-
-
-# -- one exchange, without I/O -------------------------------------------------------------
-# ``_exchange_steps`` is a generator that yields the socket operations it needs and returns
-# ``(Reply1, reusable)``; a driver performs each operation and sends back its result (or
-# throws the OSError it raised). The same protocol code thus runs on the trio loop
-# (``_drive_on_loop``) and on a worker thread (``_drive_blocking``). Operations:
-#   ("send", data)  -> None       send all of ``data``
-#   ("recv", n)     -> bytes      one read of up to ``n`` bytes (b"" at EOF)
-#   ("fill", view)  -> int        fill ``view``; fewer bytes only at EOF
-
-
-def request_bytes(method: str, target: str, headers: list[tuple[str, str]]) -> bytes:
-    """The request head. Every field comes from our own code (quoted object names, ranges,
-    signatures), but a CR, LF or NUL would let one request smuggle another: refused."""
-    lines = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers)]
-    for line in lines:
-        if _UNSAFE.search(line) or " " in target:
-            raise ValueError(f"refusing to send a malformed request line or header: {line[:200]!r}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-_UNSAFE = re.compile(r"[\0\r\n]")
-
-
-class _Response:
-    """``httptools`` callbacks for one response: the final head (1xx heads are skipped), then
-    the body either into the caller's buffer (``view``) or as a list of pieces."""
-
-    __slots__ = ("parser", "into", "status", "headers", "head_done", "done", "view", "pos", "parts",
-                 "limit", "overflow")
-
-    def __init__(self, into: bytearray | None):
-        self.parser = httptools.HttpResponseParser(self)
-        self.into = into
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.head_done = self.done = False
-        self.view: memoryview | None = None
-        self.pos = 0
-        self.parts: list[bytes] = []
-        self.limit = 0  # bytes of a body kept in ``parts`` (set with the status)
-        self.overflow = False
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if status < 200:  # informational: the real head follows
-            self.headers = {}
-            return
-        self.status, self.head_done = status, True
-        length = self.headers.get("content-length")
-        if self.into is not None and status == 206 and length is not None and int(length) == len(self.into):
-            self.view = memoryview(self.into)
-        elif status >= 300:
-            self.limit = ERROR_BODY_KEEP_BYTES
-        else:  # e.g. a server that ignored Range and sends the whole object: small ones only
-            self.limit = max(len(self.into) if self.into is not None else 0, BODY_MAX_BYTES)
-
-    def on_body(self, body: bytes) -> None:
-        if self.view is None:
-            room = self.limit - self.pos
-            if len(body) > room:  # keep what fits, stop the parser: memory stays bounded
-                self.parts.append(body[:room])
-                self.pos, self.overflow = self.limit, True
-                raise _Overflow()
-            self.parts.append(body)
-            self.pos += len(body)
-            return
-        end = self.pos + len(body)
-        self.view[self.pos:end] = body  # the parser never passes Content-Length
-        self.pos = end
-
-    def on_message_begin(self) -> None:
-        if self.done:  # we never pipeline: bytes after the response's end mean the framing is lost
-            raise ConnectionFailed("more bytes after the end of the response")
-
-    def on_message_complete(self) -> None:
-        self.done = self.head_done
-
-
-def _exchange_steps(method: str, head: bytes, into: bytearray | None, host_header: str):
-    r = _Response(into)
-    try:
-        return (yield from _exchange_with(r, method, head, into, host_header))
-    finally:
-        # The parser holds its callbacks object and the object its parser: a reference cycle
-        # that would keep the 8 MiB body buffer alive until a full garbage collection (the
-        # daemon's RSS reached 900 MiB streaming 4 GiB). Broken here, whatever the outcome.
-        r.parser = None
-
-
-def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | None, host_header: str):
-    try:  # a reused connection the server closed while idle fails here, before any reply byte
-        yield ("send", head)
-        data = yield ("recv", HEAD_READ_BYTES)
-    except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO/SO_SNDTIMEO (worker threads): slow, not gone
-        raise ConnectionFailed(f"{host_header}: no reply within the read timeout") from None
-    except OSError as e:
-        raise _StaleConnection(f"{host_header}: {e}") from None
-    if not data:
-        raise _StaleConnection(f"{host_header} closed the connection")
-    while True:
-        try:
-            r.parser.feed_data(data)
-        except httptools.HttpParserCallbackError:
-            if not r.overflow:
-                raise
-            break
-        if r.done or (r.head_done and (method == "HEAD" or r.view is not None)):
-            break
-        data = yield ("recv", HEAD_READ_BYTES if not r.head_done else None)
-        if not data:  # EOF: the end only of a body framed by the connection's close
-            if r.head_done and "content-length" not in r.headers and "transfer-encoding" not in r.headers:
-                break
-            raise ConnectionFailed(f"{host_header}: connection closed before the end of the response")
-    length = r.headers.get("content-length")
-    keep = r.parser.get_http_version() == "1.1" and "close" not in r.headers.get("connection", "").lower()
-    if method == "HEAD" or r.status in (204, 304):
-        return Reply1(r.status, r.headers, b""), keep
-    if r.view is not None:  # the bytes parsed so far are in place: the rest straight into the buffer
-        n = len(r.view)
-        if r.pos < n:
-            r.pos += yield ("fill", r.view[r.pos:])
-        if r.pos < n:
-            raise ConnectionFailed(f"{host_header}: connection closed {n - r.pos} bytes before the body's end")
-        return Reply1(r.status, r.headers, into), keep
-    # any other body (error pages, servers ignoring Range, chunked): through the parser
-    if r.overflow and r.status < 300:
-        asked = f"; {len(into)} bytes were asked" if into is not None else ""
-        raise BackendError(f"{host_header}: a reply body of more than {r.limit} bytes (status {r.status}, "
-                           f"Content-Length {length}{asked}): refused, did the server ignore Range?", r.status)
-    # an error page is kept up to ERROR_BODY_KEEP_BYTES; the connection then holds the rest
-    return Reply1(r.status, r.headers, b"".join(r.parts)), keep and length is not None and not r.overflow
 
 
 async def _drive(steps, perform):

@@ -27,7 +27,6 @@ retries included, must finish within ``request_timeout_seconds`` or it fails wit
 from __future__ import annotations
 
 import logging
-import random
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
@@ -37,12 +36,12 @@ import trio
 
 from batchfs.objclient.http1 import ConnectionFailed, Http1Pool
 from batchfs.buffers import uninitialized
-from batchfs.engine.config import MountConfig
-from batchfs.engine.errors import BackendError, RequestTimeout
+from batchfs.objclient.config import ClientConfig
+from batchfs.errors import BackendError, RequestTimeout
+from batchfs.wire.retry import backoff_seconds, retryable
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = {429, 500, 502, 503, 504}
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
 MAX_REDIRECTS = 5
 BACKOFF_FIRST_SECONDS = 0.05
@@ -94,7 +93,7 @@ def _trio_backend() -> httpcore.AsyncNetworkBackend:
 class _PooledTransport(httpx.AsyncHTTPTransport):
     """httpx's transport over a connection pool that uses ``_BigReads``."""
 
-    def __init__(self, config: MountConfig):
+    def __init__(self, config: ClientConfig):
         super().__init__()
         self._pool = httpcore.AsyncConnectionPool(
             max_connections=config.parallel_total + 8,  # + room for listings and HEADs
@@ -250,12 +249,12 @@ async def _http1_request(transport: _PooledTransport, method: str, url: str, hea
     return Reply(r.status, _Headers(r.headers), r.body, {})
 
 
-def make_http_client(config: MountConfig) -> httpx.AsyncClient:
+def make_http_client(config: ClientConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
     return httpx.AsyncClient(transport=_PooledTransport(config), timeout=timeout, follow_redirects=True)
 
 
-async def with_retries(config: MountConfig, what: str,
+async def with_retries(config: ClientConfig, what: str,
                        attempt: Callable[[], Awaitable[_Response]]) -> _Response:
     """Run ``attempt`` until it returns a response whose status is not retryable, retrying
     transient failures with jittered backoff, all within ``request_timeout_seconds``.
@@ -274,12 +273,12 @@ async def with_retries(config: MountConfig, what: str,
                         ConnectionFailed) as e:
                     last = f"{type(e).__name__}: {e}"
                 else:
-                    if resp.status_code not in RETRY_STATUS:
+                    if not retryable(resp.status_code):
                         return resp
                     last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 if n == config.retries:
                     break
-                backoff = random.uniform(0, min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** n))
+                backoff = backoff_seconds(n, BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
                 log.debug("%s: %s; retry %d in %.3fs", what, last, n + 1, backoff)
                 await trio.sleep(backoff)
     except trio.TooSlowError:

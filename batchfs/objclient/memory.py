@@ -15,7 +15,7 @@ from collections.abc import Callable
 import trio
 
 from batchfs.objclient.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
-from batchfs.engine.errors import NotFound, VersionChanged
+from batchfs.errors import NotFound, VersionChanged
 
 
 class MemoryClient(ObjectClient):

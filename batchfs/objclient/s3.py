@@ -20,8 +20,8 @@ from botocore.credentials import EnvProvider
 
 from batchfs.objclient.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
 from batchfs.objclient.httppool import Reply, lean_request, make_http_client, range_body, with_retries
-from batchfs.engine.config import MountConfig
-from batchfs.engine.errors import BackendError, NotFound, VersionChanged
+from batchfs.objclient.config import ClientConfig
+from batchfs.errors import BackendError, NotFound, VersionChanged
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 S3_MAX_KEYS = 1000
@@ -51,7 +51,7 @@ def _check_status(resp: httpx.Response | Reply, what: str) -> None:
 
 
 class S3Client(ObjectClient):
-    def __init__(self, config: MountConfig):
+    def __init__(self, config: ClientConfig):
         self.config = config
         src = config.source
         self.base = (src.endpoint or f"https://s3.{src.region}.amazonaws.com").rstrip("/")

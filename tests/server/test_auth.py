@@ -38,7 +38,7 @@ from botocore.exceptions import ClientError
 from tenacity import Retrying, stop_after_attempt
 from urllib3 import Retry
 
-from batchfs.engine.errors import BackendError, errno_for
+from batchfs.errors import BackendError, errno_for
 from server.api.app import build_app
 from server.config import ServerConfig
 from tests.support.processes import BIN, ServerProcess

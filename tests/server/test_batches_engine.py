@@ -23,11 +23,13 @@ from hypothesis import strategies as st
 
 from batchfs.objclient.ais import AisClient
 from batchfs.objclient.memory import MemoryClient
-from batchfs.objclient.getbatch import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source, quick_header
+from batchfs.objclient.getbatch import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source
+from batchfs.objclient.tarstream import quick_header
 from batchfs.control.batchfiles import BatchConfig, BatchManager
 from batchfs.control.tree import DIR_INO, BatchControl, Caller
-from batchfs.engine.config import MountConfig, Source
-from batchfs.engine.errors import BatchfsError
+from batchfs.engine.config import MountConfig
+from batchfs.objclient.config import Source
+from batchfs.errors import BatchfsError
 from batchfs.control.manifest import Limits
 from batchfs.control.plans import PlanConfig
 from batchfs.control.tarview import PIECE, BatchIOError, ViewConfig
@@ -326,7 +328,7 @@ def test_fuzz_state_machine(ops):
 
 # -- TAR views and plans over GetBatch, against the real server ------------------------------------
 def ais(server, bucket: str) -> AisClient:
-    return AisClient(MountConfig(source=Source("ais", server.url, bucket), mountpoint=Path(MP)))
+    return AisClient(MountConfig(source=Source("ais", server.url, bucket), mountpoint=Path(MP)).client)
 
 
 def getbatch_count(server) -> float:
@@ -437,7 +439,7 @@ def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emula
     names = ["..%2Fsecret", "%2e%2e/secret", "x%2Fsecret", "a"]
 
     async def main():
-        client = AisClient(MountConfig(source=Source("ais", server.url, bucket, "pre/"), mountpoint=Path(MP)))
+        client = AisClient(MountConfig(source=Source("ais", server.url, bucket, "pre/"), mountpoint=Path(MP)).client)
         source = EmulatedBatchSource(client) if emulated else make_source(client)
         try:
             async with trio.open_nursery() as nursery:

@@ -410,8 +410,9 @@ def _lying_server(body: bytes, claimed: str):
 
 def test_mount_refuses_a_whole_object_reply_that_fails_its_checksum(caplog):
     from batchfs.objclient.ais import AisClient
-    from batchfs.engine.config import MountConfig, Source
-    from batchfs.engine.errors import ChecksumMismatch, errno_for
+    from batchfs.engine.config import MountConfig
+    from batchfs.objclient.config import Source
+    from batchfs.errors import ChecksumMismatch, errno_for
 
     good = random.Random(9).randbytes(50_000)
     bad = bytearray(good)
@@ -422,7 +423,7 @@ def test_mount_refuses_a_whole_object_reply_that_fails_its_checksum(caplog):
                           mountpoint=Path("/nonexistent"))
 
         async def main() -> None:
-            client = AisClient(cfg)
+            client = AisClient(cfg.client)
             try:
                 with pytest.raises(ChecksumMismatch) as e:
                     await client.get("b", "o", 0, len(good))

@@ -20,10 +20,11 @@ import pytest
 import trio
 
 from batchfs.objclient.ais import AisClient
-from batchfs.objclient import http1
+from batchfs.objclient import http1exchange
 from batchfs.objclient.http1 import ConnectionFailed, Http1Pool
-from batchfs.engine.config import MountConfig, Source
-from batchfs.engine.errors import BackendError, VersionChanged
+from batchfs.engine.config import MountConfig
+from batchfs.objclient.config import Source
+from batchfs.errors import BackendError, VersionChanged
 from server.store.store import Store
 from tests.support.processes import ServerProcess
 
@@ -403,7 +404,7 @@ def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections_over_
                        (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab", True),
                        (_ok(b"abcd", extra=v), False)]
             port, accepted = await scripted_server(nursery, replies)
-            c = AisClient(MountConfig(Source("ais", f"http://127.0.0.1:{port}", "b"), Path("/x"), retries=3))
+            c = AisClient(MountConfig(Source("ais", f"http://127.0.0.1:{port}", "b"), Path("/x"), retries=3).client)
             try:
                 assert bytes(await c.get("b", "o", 0, 4, "c:1")) == b"abcd"
             finally:
@@ -422,7 +423,7 @@ def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
     server = ServerProcess([tmp_path / "d"]).start()
     try:
         async def main():
-            c = AisClient(MountConfig(Source("ais", server.url, "b"), Path("/x")))
+            c = AisClient(MountConfig(Source("ais", server.url, "b"), Path("/x")).client)
             try:
                 head = await c.head("b", "k")
                 assert head.info.size == len(data) and head.chunk_size == 1 << 20
@@ -446,8 +447,8 @@ def test_bodies_outside_the_buffer_are_bounded(threshold, monkeypatch):
     an oversized 2xx (a server ignoring Range on a big object, or chunked) is refused with a
     clear, non-retryable error; an oversized error page is truncated and its connection
     dropped. Limits shrunk to 100 bytes for the test."""
-    monkeypatch.setattr(http1, "BODY_MAX_BYTES", 100)
-    monkeypatch.setattr(http1, "ERROR_BODY_KEEP_BYTES", 100)
+    monkeypatch.setattr(http1exchange, "BODY_MAX_BYTES", 100)
+    monkeypatch.setattr(http1exchange, "ERROR_BODY_KEEP_BYTES", 100)
 
     async def main():
         async with trio.open_nursery() as nursery:

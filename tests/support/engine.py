@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 
 import trio
 
 from batchfs.objclient.memory import MemoryClient
-from batchfs.engine.config import MountConfig, Source
+from batchfs.engine.config import MountConfig
+from batchfs.objclient.config import Source
 from batchfs.engine.filesystem import Engine
 from batchfs.engine.namespace import ROOT_INODE
 

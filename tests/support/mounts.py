@@ -1,4 +1,4 @@
-"""Real mounts for tests: ``batchfs.mount.adapter.serve`` in a subprocess, waited for with a deadline.
+"""Real mounts for tests: ``batchfs.mount.daemon.serve_until_signal`` in a subprocess, waited for with a deadline.
 
 ``MountProcess(config_kwargs).start()`` runs ``serve`` under ``trio.run`` in a fresh Python
 process (so a crash in the daemon cannot take the test runner with it), waits until the
@@ -22,9 +22,10 @@ _RUNNER = r"""
 import json, logging, sys
 from pathlib import Path
 import trio
-from batchfs.engine.config import MountConfig, Source
-from batchfs.engine.errors import SourceError
-from batchfs.mount.adapter import serve
+from batchfs.engine.config import MountConfig
+from batchfs.objclient.config import Source
+from batchfs.errors import SourceError
+from batchfs.mount.daemon import serve_until_signal
 
 spec = json.loads(sys.argv[1])
 source = Source(**spec.pop("source"))
@@ -42,9 +43,9 @@ def ready():
     print("batchfs: mounted", flush=True)
 
 try:
-    trio.run(serve, config, ready)
-except SourceError as e:
-    print(f"batchfs: error: {e}", file=sys.stderr, flush=True)
+    trio.run(serve_until_signal, config, ready)  # what the daemon runs, signals included
+except* SourceError as group:
+    print(f"batchfs: error: {group.exceptions[0]}", file=sys.stderr, flush=True)
     sys.exit(2)
 """
 

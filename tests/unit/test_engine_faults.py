@@ -14,8 +14,9 @@ import trio
 
 from batchfs.objclient.ais import AisClient
 from batchfs.objclient.memory import FaultInjectingClient
-from batchfs.engine.config import MountConfig, Source
-from batchfs.engine.errors import BackendError, NotFound, RequestTimeout, VersionChanged, errno_for
+from batchfs.engine.config import MountConfig
+from batchfs.objclient.config import Source
+from batchfs.errors import BackendError, NotFound, RequestTimeout, VersionChanged, errno_for
 from tests.support.engine import KiB, engine, memory_client, read_all, resolve
 
 CHUNK = 64 * KiB
@@ -151,12 +152,12 @@ def test_retries_429_5xx_and_resets_with_backoff():
         return httpx.Response(206, content=b"abcd", headers={"Ais-Checksum-Value": "c", "Ais-Version": "1"})
 
     async def main():
-        c = AisClient(_ais_config(retries=4))
+        c = AisClient(_ais_config(retries=4).client)
         c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         assert await c.get("b", "o", 0, 4, "c:1") == b"abcd"
         assert len(calls) == 4
         calls.clear()
-        c2 = AisClient(_ais_config(retries=2))
+        c2 = AisClient(_ais_config(retries=2).client)
         c2.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500, text="down")))
         with pytest.raises(BackendError, match="after 3 attempts"):
             await c2.get("b", "o", 0, 4, "c:1")
@@ -166,7 +167,7 @@ def test_retries_429_5xx_and_resets_with_backoff():
 
 def test_retries_stop_at_the_request_timeout():
     async def main():
-        c = AisClient(_ais_config(retries=1000, request_timeout_seconds=0.5))
+        c = AisClient(_ais_config(retries=1000, request_timeout_seconds=0.5).client)
         c.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
         t = time.monotonic()
         with pytest.raises(RequestTimeout):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import trio
 
-from batchfs.engine.config import Source
-from batchfs.engine.errors import NotFound
+from batchfs.objclient.config import Source
+from batchfs.errors import NotFound
 from batchfs.engine.namespace import LOOKUP_LIST_MAX_PAGES, ROOT_INODE, Namespace
-from tests.support.engine import config, engine, memory_client, read_all, resolve
+from tests.support.engine import config, engine, memory_client, read_all
 
 
 class FakeClock:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from batchfs.mount import cli as mountcli
-from batchfs.engine.config import GiB, MiB, MountConfig, Source
+from batchfs.engine.config import GiB, MiB, MountConfig
+from batchfs.objclient.config import Source
 from batchfs.mount.daemon import is_mounted, sd_notify
 from tests.support.processes import BIN, ROOT
 
