@@ -1,8 +1,8 @@
-"""The ``.batch/`` directory as inodes and file handles: what ``fs.py`` delegates to.
+"""The ``.batch/`` directory as inodes and file handles: a ``Tree`` (``batchfs.engine.tree``).
 
-``fs.py`` hands every operation on an inode or handle for which :meth:`BatchControl.owns`
-is true (and the lookup of ``.batch`` in the root) to this class, which maps it onto the
-batch manager (``batches``) and never imports pyfuse3.
+The mount adapter hands every operation on an inode or handle for which :meth:`BatchControl.owns`
+is true (and the lookup of ``.batch`` in the root, which it ``claims``) to this class, which maps
+it onto the batch manager (``batchfiles``) and never imports pyfuse3.
 
 Invariants: control inodes and handles live at and above ``BASE`` (far above anything the
 namespace allocates), so ownership is one comparison; a name keeps its inode while it exists;
@@ -33,51 +33,26 @@ the kernel's help, and two that the kernel cannot express are added:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import stat
 import time
+from collections.abc import AsyncIterator
 
 from batchfs.control.batchfiles import BatchFile, BatchManager, StatusFile
 from batchfs.errors import AccessDenied, Exists, NotADirectory, NotFound, NotPermitted, ReadOnly
 from batchfs.control.manifest import CONTROL_DIR
+from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, AttrChanges, Caller, Opened
 
 BASE = 1 << 60
 DIR_INO = BASE
 ROOT_INODE = 1
 MODE_CAP = 0o600  # control files are private: at most rw for their owner
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
-
-
-@dataclasses.dataclass(frozen=True)
-class Caller:
-    """Who asks: the FUSE request's uid, gid and umask (pyfuse3's ``RequestContext``)."""
-
-    uid: int
-    gid: int
-    umask: int = 0o022
-
-
-SELF = Caller(os.getuid(), os.getgid())  # the daemon's own user: engine tests and internal calls
-
-
-@dataclasses.dataclass(frozen=True)
-class CtlAttr:
-    """The namespace's ``Attr`` fields plus a mode and a cache lifetime."""
-
-    ino: int
-    is_dir: bool
-    size: int
-    mtime_ns: int
-    version: str = ""
-    mode: int = 0
-    ttl: float = 0.0
-    uid: int | None = None  # None: the mount's (the daemon's) uid and gid
-    gid: int | None = None
 
 
 class BatchControl:
+    """The ``.batch/`` tree: it owns inodes and handles from ``BASE`` up and claims ``.batch`` in the root."""
+
     def __init__(self, mgr: BatchManager):
         self.mgr = mgr
         self._inos: dict[str, int] = {}
@@ -91,7 +66,7 @@ class BatchControl:
     def owns(self, ino_or_fh: int) -> bool:
         return ino_or_fh >= BASE
 
-    def is_control_dir(self, parent: int, name: str) -> bool:
+    def claims(self, parent: int, name: str) -> bool:
         return parent == ROOT_INODE and name == CONTROL_DIR
 
     # -- metadata ----------------------------------------------------------------------------
@@ -101,15 +76,16 @@ class BatchControl:
             self._inos[name], self._names[ino] = ino, name
         return self._inos[name]
 
-    def _attr(self, f: BatchFile | StatusFile) -> CtlAttr:
+    def _attr(self, f: BatchFile | StatusFile) -> Attr:
         bf = f.bf if isinstance(f, StatusFile) else f
         mode = stat.S_IFREG | (bf.mode & 0o444 if isinstance(f, StatusFile) else bf.mode)
-        return CtlAttr(self._ino(f.name), False, f.size(), int(bf.mtime * 1e9), mode=mode, uid=bf.uid, gid=bf.gid)
+        return Attr(self._ino(f.name), False, f.size(), int(bf.mtime * 1e9), mode=mode, ttl=0.0, uid=bf.uid,
+                    gid=bf.gid)
 
-    def dir_attr(self) -> CtlAttr:
+    def dir_attr(self) -> Attr:
         # sticky and world-writable, like /tmp: anyone who can see the mount may start a batch;
         # the sticky bit makes the kernel refuse removing or renaming another user's
-        return CtlAttr(DIR_INO, True, 0, self._born, mode=stat.S_IFDIR | 0o1777)
+        return Attr(DIR_INO, True, 0, self._born, mode=stat.S_IFDIR | 0o1777, ttl=0.0)
 
     # -- who may do what -----------------------------------------------------------------------
     @staticmethod
@@ -133,17 +109,23 @@ class BatchControl:
         if caller.uid not in (bf.uid, 0):
             raise AccessDenied(f".batch/{bf.name} belongs to uid {bf.uid}; uid {caller.uid} may not {what} it")
 
-    def lookup(self, parent: int, name: str) -> CtlAttr:
-        if self.is_control_dir(parent, name):
+    async def lookup(self, parent: int, name: str) -> Attr:
+        if self.claims(parent, name):
             return self.dir_attr()
         if parent != DIR_INO:
             raise NotADirectory(f"inode {parent} is not a directory")
         return self._attr(self.mgr.lookup(name))
 
-    def getattr(self, ino: int) -> CtlAttr:
+    async def getattr(self, ino: int) -> Attr:
         if ino == DIR_INO:
             return self.dir_attr()
         return self._attr(self._by_ino(ino))
+
+    def forget(self, ino: int, n: int) -> None:
+        pass  # names keep their inode while they exist; unlink drops it
+
+    def listed(self, ino: int, taken: bool) -> None:
+        pass
 
     def _by_ino(self, ino: int) -> BatchFile | StatusFile:
         name = self._names.get(ino)
@@ -163,7 +145,7 @@ class BatchControl:
         self._dirs[fh] = caller
         return fh
 
-    def readdir(self, fh: int, offset: int) -> list[tuple[str, CtlAttr, int]]:
+    async def readdir(self, fh: int, offset: int) -> AsyncIterator[tuple[str, Attr, int]]:
         """The entries of ``.batch/`` for the user who opened it: their own files (root: all)."""
         caller = self._dirs.get(fh)
         if caller is None:
@@ -171,7 +153,9 @@ class BatchControl:
         files = [self.mgr.lookup(n) for n in sorted(self.mgr.names())]
         if caller.uid != 0:
             files = [f for f in files if (f.bf if isinstance(f, StatusFile) else f).uid == caller.uid]
-        return [(f.name, self._attr(f), i + 1) for i, f in enumerate(files) if i >= offset]
+        for i, f in enumerate(files):
+            if i >= offset:
+                yield f.name, self._attr(f), i + 1
 
     def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
@@ -184,18 +168,20 @@ class BatchControl:
             self.mgr.opened(f)
         return fh
 
-    def open(self, ino: int, flags: int, caller: Caller = SELF) -> int:
+    async def open(self, ino: int, flags: int = os.O_RDONLY, caller: Caller = SELF) -> Opened:
+        """Open with ``direct_io``: reads of a TAR view whose length is not known yet must not
+        be clamped to a stale ``st_size``."""
         f = self._by_ino(ino)
-        writing = bool(flags & _WRITE_FLAGS)
+        writing = bool(flags & WRITE_FLAGS)
         self._may(f, caller, writing)
         if isinstance(f, StatusFile) and writing:
             raise ReadOnly(f"{f.name} is read-only")
         if isinstance(f, BatchFile) and flags & os.O_TRUNC:
             f.truncate(0)
-        return self._handle(f)
+        return Opened(self._handle(f), direct_io=True, keep_cache=False)
 
     def create(self, parent: int, name: str, flags: int, mode: int = 0o666,
-               caller: Caller = SELF) -> tuple[int, CtlAttr]:
+               caller: Caller = SELF) -> tuple[Opened, Attr]:
         """Create batch ``name`` for ``caller`` (mode ``mode & ~umask``, capped at MODE_CAP)
         and open it; a name that exists by now (another process was first) is opened as
         ``open`` would, with the same checks, or refused with O_EXCL."""
@@ -211,7 +197,7 @@ class BatchControl:
             bf = self.mgr.new(name, caller.uid, caller.gid, mode & ~caller.umask & MODE_CAP)
         if flags & os.O_TRUNC:
             bf.truncate(0)
-        return self._handle(bf), self._attr(bf)
+        return Opened(self._handle(bf), direct_io=True, keep_cache=False), self._attr(bf)
 
     def _fh(self, fh: int) -> BatchFile | StatusFile:
         try:
@@ -250,10 +236,10 @@ class BatchControl:
         status = self._inos.pop(name + ".status", None)
         self._names.pop(status, None)
 
-    def setattr(self, ino: int, size: int | None = None, mode: int | None = None, chown: bool = False,
-                times: bool = False, caller: Caller = SELF) -> CtlAttr:
+    def setattr(self, ino: int, changes: AttrChanges, caller: Caller = SELF) -> Attr:
         """Truncate (the owner only: a write), chmod (owner or root, capped at MODE_CAP),
         utimes (owner or root; accepted, the times are the batch's own), never chown."""
+        size, mode, chown, times = changes.size, changes.mode, changes.chown, changes.times
         if ino == DIR_INO:
             if size is not None or mode is not None or chown:
                 raise NotPermitted("cannot change .batch/")

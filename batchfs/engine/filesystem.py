@@ -21,16 +21,17 @@ pages before they are read.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import os
 from typing import Protocol
 
 import trio
 
 from batchfs.objclient.base import ObjectClient
 from batchfs.engine.config import MountConfig
-from batchfs.errors import IsADirectory, NotFound, VersionChanged
-from batchfs.engine.namespace import Attr, DirHandle, Namespace, Node
+from batchfs.errors import IsADirectory, NotFound, ReadOnly, VersionChanged
+from batchfs.engine.namespace import DirHandle, Namespace, Node
+from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, Caller, Opened, ReadOnlyTree
 from batchfs.engine.reader import FileReader, Reader
 
 
@@ -38,14 +39,6 @@ def cache_tag(info) -> str:
     """What a file's page cache is valid for: its version, or, for metadata learnt without
     one (a plan's fetched member), its size and mtime. Never "" (= the kernel holds nothing)."""
     return info.version or f"~{info.size}:{info.mtime_ns}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Opened:
-    fh: int
-    direct_io: bool
-    keep_cache: bool
-    store: bytes | None = None  # the whole file, to put into the page cache before replying
 
 
 class Prefetched(Protocol):
@@ -71,7 +64,9 @@ class BytesReader:
         self.data = b""
 
 
-class Engine:
+class Engine(ReadOnlyTree):
+    """The main tree of a mount: the object namespace, read-only (``engine.tree.Tree``)."""
+
     def __init__(self, config: MountConfig, client: ObjectClient, reader: Reader, namespace: Namespace,
                  prefetched: Prefetched | None = None):
         self.config = config
@@ -84,8 +79,9 @@ class Engine:
         self.prefetched = prefetched
 
     @classmethod
-    async def create(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery,
-                     prefetched: Prefetched | None = None) -> "Engine":
+    async def start(cls, config: MountConfig, client: ObjectClient, nursery: trio.Nursery,
+                    prefetched: Prefetched | None = None) -> "Engine":
+        """An engine whose reader's background tasks run in ``nursery``."""
         reader = await Reader.create(config, client, nursery)
         return cls(config, client, reader, Namespace(config, client), prefetched)
 
@@ -114,8 +110,18 @@ class Engine:
     def forget(self, ino: int, n: int) -> None:
         self.ns.forget(ino, n)
 
+    def owns(self, ino_or_fh: int) -> bool:
+        return True  # the main tree: whatever no other tree owns
+
+    def listed(self, ino: int, taken: bool) -> None:
+        """A readdir entry the kernel took holds a lookup reference; one it did not is dropped."""
+        if taken:
+            self.ns.ref(ino)
+        else:
+            self.ns.drop_if_unreferenced(ino)
+
     # -- directories -------------------------------------------------------------------------
-    def opendir(self, ino: int) -> int:
+    def opendir(self, ino: int, caller: Caller = SELF) -> int:
         fh = next(self._fh)
         self._dirs[fh] = self.ns.opendir(ino)
         return fh
@@ -134,7 +140,9 @@ class Engine:
         self._dirs.pop(fh, None)
 
     # -- files -------------------------------------------------------------------------------
-    async def open(self, ino: int) -> Opened:
+    async def open(self, ino: int, flags: int = os.O_RDONLY, caller: Caller = SELF) -> Opened:
+        if flags & WRITE_FLAGS:
+            raise ReadOnly("the mount is read-only")
         node = self.ns.node(ino)
         if node.is_dir:
             raise IsADirectory(f"inode {ino} is a directory")

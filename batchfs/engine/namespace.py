@@ -55,6 +55,7 @@ import trio
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.engine.config import MountConfig
 from batchfs.errors import BatchfsError, InvalidArgument, NotADirectory, NotFound
+from batchfs.engine.tree import Attr
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +78,6 @@ class Node:
     stamp: float = 0.0  # when ``info`` was last confirmed (monotonic seconds)
     lookups: int = 0
     page_cache_version: str = ""  # version the kernel's page cache may hold for this inode
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Attr:
-    ino: int
-    is_dir: bool
-    size: int
-    mtime_ns: int
-    version: str
 
 
 @dataclasses.dataclass(slots=True)

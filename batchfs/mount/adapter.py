@@ -1,15 +1,17 @@
-"""The pyfuse3 adapter: arguments in, errno out. All logic lives in ``batchfs.engine.filesystem``.
+"""The pyfuse3 adapter: arguments in, errno out. All logic lives in the trees it serves.
 
 Every handler goes through ``_boundary``: engine exceptions become ``FUSEError`` via the one
 table in ``batchfs.errors.errno_for``, and anything unexpected is logged and answered with
 EIO, so no exception can end ``pyfuse3.main()`` and leave a dead mountpoint.
 
-The mount is read-only: every mutating operation answers EROFS, except inside ``.batch/``:
-inodes and handles there (``batch_control.owns``) and the root's ``.batch`` go to
-``batchfs.control.tree.BatchControl``. (The kernel-level ``ro`` option is therefore not set.)
-Control files belong to the user whose request created them: the handlers pass the request's
-uid, gid and umask (``_caller(ctx)``) along, and ``default_permissions`` is always set, so the
-kernel checks the attributes ``BatchControl`` reports before a request gets here.
+Dispatch (``batchfs.engine.tree``): a request goes to the first extra tree that owns its inode
+or handle, or claims the name looked up — ``.batch/`` (``batchfs.control.tree.BatchControl``)
+today — else to the main tree, the object namespace (``batchfs.engine.filesystem.Engine``). No
+handler names a tree. The main tree is read-only (EROFS for every change); ``.batch/`` takes
+writes, so the kernel-level ``ro`` option is not set. Control files belong to the user whose
+request created them: the handlers pass the request's uid, gid and umask (``_caller(ctx)``)
+along, and ``default_permissions`` is always set, so the kernel checks the attributes a tree
+reports before a request gets here.
 
 ``serve`` is the whole life of a mount; the CLI (``batchfs.mount.cli``) calls it under
 ``trio.run``.
@@ -22,7 +24,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyfuse3
 import trio
@@ -30,13 +32,13 @@ import trio
 from batchfs.objclient import make_client
 from batchfs.engine.config import MountConfig
 from batchfs.engine.filesystem import Engine
-from batchfs.errors import BatchfsError, ReadOnly, SourceError, errno_for
-from batchfs.engine.namespace import ROOT_INODE, Attr
+from batchfs.errors import BatchfsError, SourceError, errno_for
+from batchfs.engine.namespace import ROOT_INODE
+from batchfs.engine.tree import Attr, AttrChanges, Caller, Tree
 
 log = logging.getLogger(__name__)
 assert ROOT_INODE == pyfuse3.ROOT_INODE
 
-BATCH_DIR = ".batch"  # hook for the control-file issue: the engine will own this directory
 BLOCK_SIZE = 1024 * 1024
 
 
@@ -53,25 +55,40 @@ def _boundary(fn):
 
 
 class Operations(pyfuse3.Operations):
+    """FUSE requests in, tree calls out: each request goes to the first of ``trees`` that owns
+    its inode or handle (or claims the name looked up), else to the engine, the main tree."""
+
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, trees: Sequence[Tree] = ()):
         super().__init__()
         self.engine = engine
-        self.batch_control = None  # batchops.BatchControl for `.batch/`; None: not provided
+        self.trees = tuple(trees)
         self.timeout = engine.config.metadata_ttl_seconds
+
+    def _tree(self, ino_or_fh: int) -> Tree:
+        for t in self.trees:
+            if t.owns(ino_or_fh):
+                return t
+        return self.engine
+
+    def _tree_of_name(self, parent: int, name: str) -> Tree:
+        for t in self.trees:
+            if t.owns(parent) or t.claims(parent, name):
+                return t
+        return self.engine
 
     def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        e.entry_timeout = e.attr_timeout = getattr(a, "ttl", self.timeout)
-        e.st_mode = getattr(a, "mode", 0) or ((stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444))
+        e.entry_timeout = e.attr_timeout = self.timeout if a.ttl is None else a.ttl
+        e.st_mode = a.mode or ((stat.S_IFDIR | 0o555) if a.is_dir else (stat.S_IFREG | 0o444))
         e.st_nlink = 2 if a.is_dir else 1
-        e.st_uid = a.uid if getattr(a, "uid", None) is not None else self.engine.ns.uid
-        e.st_gid = a.gid if getattr(a, "gid", None) is not None else self.engine.ns.gid
+        e.st_uid = a.uid if a.uid is not None else self.engine.ns.uid
+        e.st_gid = a.gid if a.gid is not None else self.engine.ns.gid
         e.st_size = a.size
         e.st_blksize = BLOCK_SIZE
         e.st_blocks = (a.size + 511) // 512
@@ -80,62 +97,46 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def lookup(self, parent_inode, name, ctx=None):
-        if self._ctl(parent_inode) or self.batch_control and self.batch_control.is_control_dir(
-                parent_inode, os.fsdecode(name)):
-            return self._entry(self.batch_control.lookup(parent_inode, os.fsdecode(name)))
-        return self._entry(await self.engine.lookup(parent_inode, os.fsdecode(name)))
+        name = os.fsdecode(name)
+        return self._entry(await self._tree_of_name(parent_inode, name).lookup(parent_inode, name))
 
     @_boundary
     async def getattr(self, inode, ctx=None):
-        if self._ctl(inode):
-            return self._entry(self.batch_control.getattr(inode))
-        return self._entry(await self.engine.getattr(inode))
+        return self._entry(await self._tree(inode).getattr(inode))
 
     async def forget(self, inode_list):
         for inode, n in inode_list:
             try:
-                self.engine.forget(inode, n)
+                self._tree(inode).forget(inode, n)
             except Exception:  # forget may not fail
                 log.exception("forget(%d, %d)", inode, n)
 
     @_boundary
     async def opendir(self, inode, ctx):
-        if self._ctl(inode):
-            return self.batch_control.opendir(inode, _caller(ctx))
-        return self.engine.opendir(inode)
+        return self._tree(inode).opendir(inode, _caller(ctx))
 
     @_boundary
     async def readdir(self, fh, start_id, token):
-        if self._ctl(fh):
-            for name, attr, next_id in self.batch_control.readdir(fh, start_id):
-                if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id):
-                    return
-            return
-        async for name, attr, next_id in self.engine.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id):
-                self.engine.ns.drop_if_unreferenced(attr.ino)
+        tree = self._tree(fh)
+        async for name, attr, next_id in tree.readdir(fh, start_id):
+            taken = pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id)
+            tree.listed(attr.ino, taken)
+            if not taken:
                 return
-            self.engine.ns.ref(attr.ino)
 
     @_boundary
     async def releasedir(self, fh):
-        if self._ctl(fh):
-            return self.batch_control.releasedir(fh)
-        self.engine.releasedir(fh)
+        self._tree(fh).releasedir(fh)
 
     @_boundary
     async def open(self, inode, flags, ctx):
-        if self._ctl(inode):
-            return pyfuse3.FileInfo(fh=self.batch_control.open(inode, flags, _caller(ctx)), direct_io=True)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise ReadOnly("the mount is read-only")
-        o = await self.engine.open(inode)
+        o = await self._tree(inode).open(inode, flags, _caller(ctx))
         keep = o.keep_cache
         if o.store is not None:
-            # Planned bytes go into the page cache before the open reply (keep_cache keeps them):
-            # the file's reads then never reach the daemon. If the kernel refuses (ENOSYS,
-            # ENOMEM; maybe after storing part), drop its cache instead: reads come here, where
-            # the handle serves the same bytes.
+            # Prefetched bytes go into the page cache before the open reply (keep_cache keeps
+            # them): the file's reads then never reach the daemon. If the kernel refuses
+            # (ENOSYS, ENOMEM; maybe after storing part), drop its cache instead: reads come
+            # here, where the handle serves the same bytes.
             try:
                 pyfuse3.notify_store(inode, 0, o.store)
             except OSError as e:
@@ -145,15 +146,11 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def read(self, fh, off, size):
-        if self._ctl(fh):
-            return await self.batch_control.read(fh, off, size)
-        return await self.engine.read(fh, off, size)
+        return await self._tree(fh).read(fh, off, size)
 
     @_boundary
     async def release(self, fh):
-        if self._ctl(fh):
-            return self.batch_control.release(fh)
-        self.engine.release(fh)
+        self._tree(fh).release(fh)
 
     @_boundary
     async def statfs(self, ctx):
@@ -162,55 +159,40 @@ class Operations(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    # -- read-only: everything that would change the tree ----------------------------------
+    # -- changes: only trees that allow them (``.batch/``); the others answer EROFS ------------
     async def _readonly(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS)
 
     mknod = mkdir = rmdir = symlink = rename = link = setxattr = removexattr = _readonly
 
-    # -- `.batch/` control files: the only writable place --------------------------------------
-    def _ctl(self, ino_or_fh) -> bool:
-        return self.batch_control is not None and self.batch_control.owns(ino_or_fh)
-
     @_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
-        if not self._ctl(parent_inode):
-            raise ReadOnly("the mount is read-only outside .batch/")
-        fh, attr = self.batch_control.create(parent_inode, os.fsdecode(name), flags, mode, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, direct_io=True), self._entry(attr)
+        o, attr = self._tree(parent_inode).create(parent_inode, os.fsdecode(name), flags, mode, _caller(ctx))
+        return pyfuse3.FileInfo(fh=o.fh, direct_io=o.direct_io, keep_cache=o.keep_cache), self._entry(attr)
 
     @_boundary
     async def write(self, fh, off, buf):
-        if not self._ctl(fh):
-            raise ReadOnly("the mount is read-only outside .batch/")
-        return self.batch_control.write(fh, off, buf)
+        return self._tree(fh).write(fh, off, buf)
 
     @_boundary
     async def flush(self, fh):
-        if self._ctl(fh):
-            self.batch_control.flush(fh)
+        self._tree(fh).flush(fh)
 
     @_boundary
     async def unlink(self, parent_inode, name, ctx):
-        if not self._ctl(parent_inode):
-            raise ReadOnly("the mount is read-only outside .batch/")
-        self.batch_control.unlink(parent_inode, os.fsdecode(name), _caller(ctx))
+        self._tree(parent_inode).unlink(parent_inode, os.fsdecode(name), _caller(ctx))
 
     @_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if not self._ctl(inode):
-            raise ReadOnly("the mount is read-only outside .batch/")
-        return self._entry(self.batch_control.setattr(
-            inode, size=attr.st_size if fields.update_size else None,
-            mode=attr.st_mode if fields.update_mode else None,
-            chown=fields.update_uid or fields.update_gid,
-            times=fields.update_atime or fields.update_mtime, caller=_caller(ctx)))
+        changes = AttrChanges(size=attr.st_size if fields.update_size else None,
+                              mode=attr.st_mode if fields.update_mode else None,
+                              chown=fields.update_uid or fields.update_gid,
+                              times=fields.update_atime or fields.update_mtime)
+        return self._entry(self._tree(inode).setattr(inode, changes, _caller(ctx)))
 
 
-def _caller(ctx):
-    """The identity of a request's process, for the ownership of ``.batch/`` files."""
-    from batchfs.control.tree import Caller
-
+def _caller(ctx) -> Caller:
+    """The identity of a request's process: trees with per-user files (``.batch/``) check it."""
     return Caller(ctx.uid, ctx.gid, ctx.umask)
 
 
@@ -250,9 +232,9 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
         async with trio.open_nursery() as nursery:
             batch_control = await _batch_control(config, client, nursery)
             # planned objects are served from memory
-            engine = await Engine.create(config, client, nursery, prefetched=batch_control.mgr.plans)
+            engine = await Engine.start(config, client, nursery, prefetched=batch_control.mgr.plans)
             try:
-                await _run_mounted(config, engine, on_ready, nursery, batch_control)
+                await _run_mounted(config, Operations(engine, trees=[batch_control]), on_ready)
             finally:
                 batch_control.mgr.close()
                 await engine.aclose()
@@ -290,12 +272,9 @@ async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
     return BatchControl(mgr)
 
 
-async def _run_mounted(config: MountConfig, engine: Engine, on_ready, nursery: trio.Nursery,
-                       batch_control=None) -> None:
+async def _run_mounted(config: MountConfig, ops: Operations, on_ready) -> None:
     if not os.path.isdir(config.mountpoint):
         raise SourceError(f"mountpoint {config.mountpoint} is not a directory")
-    ops = Operations(engine)
-    ops.batch_control = batch_control
     pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
     try:
         async with trio.open_nursery() as inner:

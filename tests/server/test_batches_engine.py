@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import io
 import json
 import os
@@ -26,7 +27,8 @@ from batchfs.objclient.memory import MemoryClient
 from batchfs.objclient.getbatch import BatchClientConfig, EmulatedBatchSource, GetBatchSource, make_source
 from batchfs.objclient.tarstream import quick_header
 from batchfs.control.batchfiles import BatchConfig, BatchManager
-from batchfs.control.tree import DIR_INO, BatchControl, Caller
+from batchfs.control.tree import DIR_INO, BatchControl
+from batchfs.engine.tree import AttrChanges, Caller
 from batchfs.engine.config import MountConfig
 from batchfs.objclient.config import Source
 from batchfs.errors import BatchfsError
@@ -160,62 +162,64 @@ def test_control_files_belong_to_their_creator_without_the_kernels_help():
         ctl = BatchControl(mgr)
         denied = functools.partial(pytest.raises, BatchfsError)
 
-        def refused(fn, code=errno.EACCES):
+        async def refused(fn, code=errno.EACCES):
             with denied() as e:
-                fn()
+                got = fn()
+                if inspect.isawaitable(got):
+                    await got
             assert e.value.errno == code, e.value
 
-        fh, a = ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT, 0o666, alice)
+        o, a = ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT, 0o666, alice)
         assert (a.uid, a.gid, oct(a.mode)) == (1000, 100, "0o100600")  # 0666 & ~022, capped at 0600
-        ctl.write(fh, 0, b"d/1\nd/2\n")
-        ctl.flush(fh)
-        ctl.release(fh)
-        ino = ctl.lookup(DIR_INO, "a").ino
-        st_ino = ctl.lookup(DIR_INO, "a.status").ino
-        assert (ctl.getattr(st_ino).uid, oct(ctl.getattr(st_ino).mode)) == (1000, "0o100400")
+        ctl.write(o.fh, 0, b"d/1\nd/2\n")
+        ctl.flush(o.fh)
+        ctl.release(o.fh)
+        ino = (await ctl.lookup(DIR_INO, "a")).ino
+        st_ino = (await ctl.lookup(DIR_INO, "a.status")).ino
+        assert ((await ctl.getattr(st_ino)).uid, oct((await ctl.getattr(st_ino)).mode)) == (1000, "0o100400")
         # bob: nothing of alice's, whatever the flags
         for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
-            refused(lambda: ctl.open(ino, flags, bob))
-        refused(lambda: ctl.open(st_ino, os.O_RDONLY, bob))
-        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, bob))
-        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, alice), errno.EEXIST)
-        refused(lambda: ctl.setattr(ino, size=0, caller=bob))
-        refused(lambda: ctl.setattr(ino, mode=0o666, caller=bob))
-        refused(lambda: ctl.setattr(ino, times=True, caller=bob))
-        refused(lambda: ctl.setattr(ino, chown=True, caller=alice), errno.EPERM)
-        refused(lambda: ctl.setattr(ino, chown=True, caller=root), errno.EPERM)
-        refused(lambda: ctl.unlink(DIR_INO, "a", bob))
+            await refused(lambda: ctl.open(ino, flags, bob))
+        await refused(lambda: ctl.open(st_ino, os.O_RDONLY, bob))
+        await refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, bob))
+        await refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, alice), errno.EEXIST)
+        await refused(lambda: ctl.setattr(ino, AttrChanges(size=0), bob))
+        await refused(lambda: ctl.setattr(ino, AttrChanges(mode=0o666), bob))
+        await refused(lambda: ctl.setattr(ino, AttrChanges(times=True), bob))
+        await refused(lambda: ctl.setattr(ino, AttrChanges(chown=True), alice), errno.EPERM)
+        await refused(lambda: ctl.setattr(ino, AttrChanges(chown=True), root), errno.EPERM)
+        await refused(lambda: ctl.unlink(DIR_INO, "a", bob))
         # root reads (it can read every object anyway) but never writes another user's file
         for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
-            refused(lambda: ctl.open(ino, flags, root))
-        refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, root))
-        refused(lambda: ctl.setattr(ino, size=0, caller=root))
-        fh = ctl.open(ino, os.O_RDONLY, root)
+            await refused(lambda: ctl.open(ino, flags, root))
+        await refused(lambda: ctl.create(DIR_INO, "a", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, root))
+        await refused(lambda: ctl.setattr(ino, AttrChanges(size=0), root))
+        fh = (await ctl.open(ino, os.O_RDONLY, root)).fh
         assert [n for n, _ in members(await read_all(_Reader(ctl, fh)))] == ["d/1", "d/2"]  # alice's, untouched
         ctl.release(fh)
         # the owner: chmod within the cap, a mode without the write bit stops her own writes
-        assert oct(ctl.setattr(ino, mode=0o777, caller=alice).mode) == "0o100600"
-        ctl.setattr(ino, mode=0o400, caller=alice)
-        refused(lambda: ctl.open(ino, os.O_WRONLY, alice))
-        ctl.release(ctl.open(ino, os.O_RDONLY, alice))
+        assert oct(ctl.setattr(ino, AttrChanges(mode=0o777), alice).mode) == "0o100600"
+        ctl.setattr(ino, AttrChanges(mode=0o400), alice)
+        await refused(lambda: ctl.open(ino, os.O_WRONLY, alice))
+        ctl.release((await ctl.open(ino, os.O_RDONLY, alice)).fh)
         # listings: one's own files; root sees all
-        fh, _ = ctl.create(DIR_INO, "b", os.O_WRONLY | os.O_CREAT, 0o644, bob)
-        assert oct(ctl.getattr(ctl.lookup(DIR_INO, "b").ino).mode) == "0o100600"  # 0644 & ~077 & 0600
+        fh = ctl.create(DIR_INO, "b", os.O_WRONLY | os.O_CREAT, 0o644, bob)[0].fh
+        assert oct((await ctl.getattr((await ctl.lookup(DIR_INO, "b")).ino)).mode) == "0o100600"  # 0644 & ~077 & 0600
         ctl.release(fh)
 
-        def listing(who):
+        async def listing(who):
             d = ctl.opendir(DIR_INO, who)
             try:
-                return [n for n, _, _ in ctl.readdir(d, 0)]
+                return [n async for n, _, _ in ctl.readdir(d, 0)]
             finally:
                 ctl.releasedir(d)
 
-        assert listing(alice) == ["a", "a.status"] and listing(bob) == ["b", "b.status"]
-        assert listing(root) == ["a", "a.status", "b", "b.status"]
-        assert listing(Caller(7, 7)) == []
+        assert await listing(alice) == ["a", "a.status"] and await listing(bob) == ["b", "b.status"]
+        assert await listing(root) == ["a", "a.status", "b", "b.status"]
+        assert await listing(Caller(7, 7)) == []
         ctl.unlink(DIR_INO, "b", root)  # root may remove any batch
         ctl.unlink(DIR_INO, "a", alice)
-        assert listing(root) == []
+        assert await listing(root) == []
 
     trio.run(with_manager, EmulatedBatchSource(client), body)
 

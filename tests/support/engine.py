@@ -30,7 +30,7 @@ def config(**kw) -> MountConfig:
 async def engine(client, **kw):
     cfg = config(**kw)
     async with trio.open_nursery() as nursery:
-        eng = await Engine.create(cfg, client, nursery)
+        eng = await Engine.start(cfg, client, nursery)
         try:
             yield eng
         finally:
