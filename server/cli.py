@@ -26,7 +26,7 @@ from server.api import connlimits
 from server.api.app import build_app
 from batchfs.wire.units import parse_size
 from server.config import ServerConfig, load_toml
-from server.api.state import INFLIGHT, METRICS, STORE
+from server.api.state import INFLIGHT, METRICS, NODE
 from server.store.store import Store
 
 _DEFAULTS = ServerConfig()
@@ -309,7 +309,7 @@ async def serve(config: ServerConfig) -> None:
         a_host, a_port = listeners[1].address
         print(f"batchfs-server: admin (health, metrics) on http://{a_host}:{a_port}", flush=True)
     stop_scan = threading.Event()
-    scan = asyncio.create_task(_orphan_scan(app[STORE], started_ns, stop_scan))
+    scan = asyncio.create_task(_orphan_scan(app[NODE].target_store, started_ns, stop_scan))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,7 +18,8 @@ from server.api import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
-from server.api.state import API_KEY, CONFIG, INFLIGHT, METRICS, OP_KEY, STORE, InFlight
+from server.api.state import API_KEY, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, InFlight
+from server.node import LocalNode
 from server.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def build_app(config: ServerConfig, store: Store | None = None) -> web.Applicati
     # check_access inside error_boundary: its refusals are rendered and counted like any error.
     app = web.Application(middlewares=[error_boundary, auth.check_access], client_max_size=config.max_json_bytes)
     app[CONFIG] = config
-    app[STORE] = store
+    app[NODE] = LocalNode(store)
     app[METRICS] = Metrics()
     store.on_corrupt = app[METRICS].corrupt_reads.inc  # the store detects, the metric counts
     app[INFLIGHT] = InFlight()

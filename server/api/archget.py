@@ -44,7 +44,7 @@ from aiohttp import web
 from server.errors import BadRequest, StoreError
 from server.getbatch.budget import Cancelled, Work
 from server.archive.shards import MemberSource, RangeSource, ShardIndexCache, open_member
-from server.api.state import CONFIG, METRICS, OP_KEY, STORE
+from server.api.state import CONFIG, METRICS, NODE, OP_KEY
 from server.store.store import verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
@@ -97,14 +97,14 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
     """Reply with exactly the bytes of the member ``?archpath=`` of shard ``bucket/name``."""
     archpath = _archpath(request)
     request[OP_KEY] = "get_archpath"
-    store = request.app[STORE]
+    node = request.app[NODE]
     config = request.app[CONFIG]
     work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, request.app[METRICS])
     watchdog = asyncio.create_task(_stop_when_gone(request, work))
-    obj = store.open(bucket, name)
+    obj = node.open(bucket, name)
     src: MemberSource | None = None
     try:
-        index = await asyncio.to_thread(_index_cache(request.app).get, store, obj.meta, obj, work)
+        index = await asyncio.to_thread(_index_cache(request.app).get, node.target_store, obj.meta, obj, work)
         _, size = index.find(obj.meta, archpath)
         src = await asyncio.to_thread(open_member, obj, index, archpath, 0, size, False, work)
         headers = {"Content-Type": "application/octet-stream"}

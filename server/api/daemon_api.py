@@ -21,7 +21,7 @@ from aiohttp import web
 
 from server.errors import BadRequest
 
-NODE = web.AppKey("node", dict)
+NODE_INFO = web.AppKey("node_info", dict)  # this node's identity (id, addresses)
 
 
 def node_identity(mountpath_ids: list[str]) -> dict:
@@ -39,7 +39,7 @@ def _netinfo(request: web.Request) -> dict:
 
 
 def smap(request: web.Request) -> dict:
-    node = request.app[NODE]
+    node = request.app[NODE_INFO]
     net = _netinfo(request)
 
     def snode(kind: str) -> dict:

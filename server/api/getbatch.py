@@ -51,7 +51,7 @@ from server.getbatch.request import Entry, parse_request
 from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
-from server.api.state import CONFIG, METRICS, OP_KEY, STORE, read_json
+from server.api.state import CONFIG, METRICS, NODE, OP_KEY, read_json
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ async def moss(request: web.Request) -> web.StreamResponse:
     if request.method != "GET":
         raise web.HTTPMethodNotAllowed(request.method, ["GET"], text=f"moss: method {request.method} not allowed; use GET")
     app = request.app
-    config, store, metrics, state = app[CONFIG], app[STORE], app[METRICS], app[GB_STATE]
+    config, node, metrics, state = app[CONFIG], app[NODE], app[METRICS], app[GB_STATE]
     try:
         coloc = request.query.get("coloc", "0")
         if not coloc.isdigit() or int(coloc) > 2:
@@ -255,14 +255,14 @@ async def moss(request: web.Request) -> web.StreamResponse:
         default_bucket = request.match_info.get("bucket") or None
         if default_bucket:
             check_bucket(default_bucket)
-            store.require_bucket(default_bucket)
+            node.require_bucket(default_bucket)
         req = parse_request(await read_json(request), default_bucket, config)
-        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, store)
+        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, node.target_store)
         throttle = state.admission.admit()  # counted from here on: leave() in the finally below
     except StoreError:
         metrics.gb_err_n.inc()
         raise
-    job = BatchJob(req, config, store, metrics, state)
+    job = BatchJob(req, config, node.target_store, metrics, state)  # the items are this node's
     progress = _Progress()
     watch = asyncio.create_task(_watch(request, job, progress))
     work: asyncio.Task | None = None

@@ -39,7 +39,7 @@ from server.api import daemon_api
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
 from server.validate import check_bucket, check_objname, parse_range
-from server.api.state import METRICS, OP_KEY, STORE, read_json
+from server.api.state import METRICS, NODE, OP_KEY, read_json
 from server.store.store import CKSUM_TYPE, ObjectMeta, OpenObject, discard, verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ async def daemon_get(request: web.Request) -> web.Response:
 async def cluster_get(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     body = await read_json(request, required=False)
-    return await jobs.cluster_get(request, request.app[daemon_api.NODE]["id"], body)
+    return await jobs.cluster_get(request, request.app[daemon_api.NODE_INFO]["id"], body)
 
 
 # -- buckets --------------------------------------------------------------------------------
@@ -167,9 +167,9 @@ async def list_buckets(request: web.Request) -> web.Response:
     request[OP_KEY] = "list_buckets"
     if request[MSG_KEY].get("value") not in (None, {}, ""):
         raise BadRequest("list buckets: the action's value must be empty")
-    store = request.app[STORE]
+    node = request.app[NODE]
     return web.json_response([{"name": b, "provider": "ais", "namespace": {"uuid": "", "name": ""}}
-                              for b in sorted(store.buckets)])
+                              for b in sorted(node.buckets)])
 
 
 @accepts(["bck_to"], actions=["create-bck", "copy-bck", "copy-listrange"])
@@ -178,13 +178,13 @@ async def bucket_post(request: web.Request) -> web.Response:
     bucket = check_bucket(request.match_info["bucket"])
     msg = request[MSG_KEY]
     action, value = msg["action"], msg.get("value")
-    store = request.app[STORE]
+    node = request.app[NODE]
     if action == "create-bck":
         if "bck_to" in request.query or value not in (None, {}, ""):
             raise BadRequest("create-bck takes no bck_to and no value (bucket properties are not supported)")
-        await asyncio.to_thread(store.create_bucket, bucket)
+        await asyncio.to_thread(node.create_bucket, bucket)
         return web.Response(text="")
-    store.require_bucket(bucket)
+    node.require_bucket(bucket)
     registry = request.app[jobs.JOBS]
     if action == "copy-bck":
         dst, _ = bucket_ops.parse_uname(request.query.get("bck_to", ""), want_object=False)
@@ -192,7 +192,7 @@ async def bucket_post(request: web.Request) -> web.Response:
             raise BadRequest(f"copy-bck: unsupported value {value!r}")
         bucket_ops.check_copy_msg(value)
         prefix = value.get("prefix") or ""
-        names = list(await asyncio.to_thread(lambda: list(bucket_ops.names_under(store, bucket, prefix))))
+        names = list(await asyncio.to_thread(lambda: list(node.names_under(bucket, prefix))))
         missing_is_error = False
     else:  # copy-listrange: the destination is in the value
         if "bck_to" in request.query:
@@ -208,11 +208,11 @@ async def bucket_post(request: web.Request) -> web.Response:
         if value.get("prefix"):
             raise BadRequest("copy-listrange selects objects with 'objnames' or 'template', not 'prefix'")
         names_it, missing_is_error = await asyncio.to_thread(
-            bucket_ops.selected, store, bucket, value, bucket_ops.TC_KEYS)
+            node.selected, bucket, value, bucket_ops.TC_KEYS)
         names = list(names_it)
     job = registry.start(action, bucket, dst)
     try:
-        await asyncio.to_thread(bucket_ops.copy_objects, store, bucket, iter(names), missing_is_error, dst,
+        await asyncio.to_thread(node.copy_objects, bucket, iter(names), missing_is_error, dst,
                                 value.get("prepend") or "", bool(value.get("dry_run")), job)
     finally:
         registry.finish(job, job.error)
@@ -226,10 +226,10 @@ async def bucket_head(request: web.Request) -> web.Response:
     request[OP_KEY] = "head_bucket"
     bucket = check_bucket(request.match_info["bucket"])
     prefix = request.match_info.get("obj", "")  # HEAD /v1/buckets/B/PREFIX (bucket.info(prefix=...))
-    store = request.app[STORE]
-    store.require_bucket(bucket)
+    node = request.app[NODE]
+    node.require_bucket(bucket)
     props = {"provider": "ais", "name": bucket, "namespace": {"uuid": "", "name": ""},
-             "created": store.buckets[bucket]}
+             "created": node.buckets[bucket]}
     headers = {"Ais-Bucket-Props": json.dumps(props)}
     q = request.query
     _bool_param(request, "bsumm_remote")  # only ais:// buckets: no remote objects to count
@@ -250,7 +250,7 @@ async def bucket_head(request: web.Request) -> web.Response:
     if presence in ("1", "3"):  # FLT_*_NO_PROPS: existence only, no summary
         return web.Response(headers=headers)
     job = registry.start("summary-bck", bucket)  # AIStore's kind for both summary protocols
-    job.result = await asyncio.to_thread(bucket_ops.summary, store, bucket, prefix)
+    job.result = await asyncio.to_thread(node.summary, bucket, prefix)
     registry.finish(job)
     headers["Ais-Xaction-Id"] = job.id
     return web.Response(status=202, headers=headers)
@@ -260,22 +260,22 @@ async def bucket_head(request: web.Request) -> web.Response:
 async def bucket_delete(request: web.Request) -> web.Response:
     bucket = check_bucket(request.match_info["bucket"])
     msg = request[MSG_KEY]
-    store = request.app[STORE]
+    node = request.app[NODE]
     if msg["action"] == "destroy-bck":
         request[OP_KEY] = "destroy_bucket"
         if msg.get("value") not in (None, {}, ""):
             raise BadRequest("destroy-bck takes no value")
-        await asyncio.to_thread(store.destroy_bucket, bucket)
+        await asyncio.to_thread(node.destroy_bucket, bucket)
         return web.Response(text="")
     request[OP_KEY] = "delete_objects"
-    store.require_bucket(bucket)
+    node.require_bucket(bucket)
     # validated in full (template syntax, names) before the first delete
     names, missing_is_error = await asyncio.to_thread(
-        bucket_ops.selected, store, bucket, msg.get("value"), bucket_ops.EVD_KEYS)
+        node.selected, bucket, msg.get("value"), bucket_ops.EVD_KEYS)
     registry = request.app[jobs.JOBS]
     job = registry.start("delete-listrange", bucket)
     try:
-        await asyncio.to_thread(bucket_ops.delete_objects, store, bucket, names, missing_is_error, job)
+        await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job)
     finally:
         registry.finish(job, job.error)
     return web.Response(text=job.id)
@@ -330,21 +330,21 @@ async def list_objects(request: web.Request) -> web.Response:
             raise BadRequest(f"list flag {what} is not supported by this node")
     if flags & ~(_LS_HONOURED | sum(_LS_REFUSED)) or flags < 0:
         raise BadRequest(f"unknown list flag bits in {flags:#x}")
-    node = request.app[daemon_api.NODE]["id"]
-    if value.get("target") not in (None, "", node):
-        raise NotFound(f"target {value['target']!r} is not in this one-node cluster (its node is {node!r})")
+    node_id = request.app[daemon_api.NODE_INFO]["id"]
+    if value.get("target") not in (None, "", node_id):
+        raise NotFound(f"target {value['target']!r} is not in this one-node cluster (its node is {node_id!r})")
     # A listing's id: echoed back while the client pages, fresh on its first page (the SDK's
     # iterator stops only once it has seen a non-empty id and an empty token).
     list_id = value.get("uuid") or uuidlib.uuid4().hex[:10]
-    store = request.app[STORE]
+    node = request.app[NODE]
     limit = min(pagesize, LIST_PAGE_MAX)
     if flags & LS_NOT_CACHED:  # "not present in the cluster": nothing, on ais:// buckets
         entries, next_token = [], ""
     elif flags & LS_NO_RECURSION:
         entries, next_token = await asyncio.to_thread(
-            _list_level, store, bucket, prefix, token, limit, not flags & LS_NO_DIRS)
+            _list_level, node, bucket, prefix, token, limit, not flags & LS_NO_DIRS)
     else:
-        page, next_token = await asyncio.to_thread(store.list_page, bucket, prefix, token, limit)
+        page, next_token = await asyncio.to_thread(node.list_page, bucket, prefix, token, limit)
         entries = [_entry(m) for m in page]
     if flags & (LS_NAME_ONLY | LS_NAME_SIZE):
         keep = ("n", "f", "s") if flags & LS_NAME_SIZE else ("n", "f")
@@ -364,7 +364,7 @@ def _entry(m) -> dict:
 _PAST = "\U0010ffff"  # the largest code point: d + _PAST sorts after every name under d/
 
 
-def _list_level(store, bucket: str, prefix: str, token: str, limit: int, dirs: bool) -> tuple[list[dict], str]:
+def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bool) -> tuple[list[dict], str]:
     """One page of a non-recursive listing: the objects directly under ``prefix`` (up to its
     last '/') and, unless ``dirs`` is False, each virtual subdirectory once, as ``name/`` with
     ``EntryIsDir``, in name order (as AIStore's LsNoRecursion). A token naming a directory
@@ -373,7 +373,7 @@ def _list_level(store, bucket: str, prefix: str, token: str, limit: int, dirs: b
     after = token + _PAST if token.endswith("/") else token
     out: list[dict] = []
     while len(out) < limit:
-        page, nxt = store.list_page(bucket, prefix, after, limit)
+        page, nxt = node.list_page(bucket, prefix, after, limit)
         skipped = False
         for m in page:
             rest = m.name[len(base):]
@@ -391,7 +391,7 @@ def _list_level(store, bucket: str, prefix: str, token: str, limit: int, dirs: b
                 break
         if not skipped and not nxt and len(out) < limit:
             return out, ""
-    more = bool(store.list_page(bucket, prefix, after, 1)[0])
+    more = bool(node.list_page(bucket, prefix, after, 1)[0])
     return out, (out[-1]["n"] if more else "")
 
 
@@ -399,8 +399,8 @@ async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Respo
     request[OP_KEY] = "summary"
     if not isinstance(value, dict) or set(value) - {"uuid", "prefix", "cached", "present", "dont_add_remote"}:
         raise BadRequest(f"summary-bck: unsupported value {value!r}")
-    store = request.app[STORE]
-    store.require_bucket(bucket)
+    node = request.app[NODE]
+    node.require_bucket(bucket)
     registry = request.app[jobs.JOBS]
     if value.get("uuid"):
         job = registry.get(value["uuid"])
@@ -411,7 +411,7 @@ async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Respo
     if not isinstance(prefix, str):
         raise BadRequest("summary-bck: prefix must be a string")
     job = registry.start("summary-bck", bucket)
-    job.result = await asyncio.to_thread(bucket_ops.summary, store, bucket, prefix)
+    job.result = await asyncio.to_thread(node.summary, bucket, prefix)
     registry.finish(job)
     return web.Response(status=202, text=json.dumps(job.id), content_type="application/json")
 
@@ -434,8 +434,8 @@ async def put_object(request: web.Request) -> web.Response:
         return await _copy_object(request, bucket, name)
     if "append_type" in q or "append_handle" in q:
         return await _append(request, bucket, name)
-    store = request.app[STORE]
-    writer = store.writer(bucket, name)
+    node = request.app[NODE]
+    writer = node.writer(bucket, name)
     try:
         length = request.content_length
         if length is not None and length <= PUT_INLINE_MAX:
@@ -489,10 +489,10 @@ async def _copy_object(request: web.Request, bucket: str, name: str) -> web.Resp
     dst_bucket, dst_name = bucket_ops.parse_uname(request.query["object_to"], want_object=True)
     if (dst_bucket, dst_name) == (bucket, name):
         raise BadRequest("copying an object onto itself")
-    store = request.app[STORE]
-    store.lookup(bucket, name)  # 404 before anything else
-    store.require_bucket(dst_bucket)
-    size = await asyncio.to_thread(bucket_ops.copy_object, store, bucket, name, dst_bucket, dst_name)
+    node = request.app[NODE]
+    node.lookup(bucket, name)  # 404 before anything else
+    node.require_bucket(dst_bucket)
+    size = await asyncio.to_thread(node.copy_object, bucket, name, dst_bucket, dst_name)
     request.app[METRICS].bytes_in.inc(size)
     return web.Response(text="")
 
@@ -504,7 +504,7 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
     if op not in ("append", "flush"):
         raise BadRequest(f"append_type={op!r}: expected 'append' or 'flush'")
     appends: Appends = request.app[APPENDS]
-    store = request.app[STORE]
+    node = request.app[NODE]
     await appends.sweep()
     if op == "flush":
         if not handle:
@@ -523,12 +523,12 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
     if handle:
         session = appends.get(handle, bucket, name)
     else:  # a new work copy holding the object's current bytes (if any)
-        writer = store.writer(bucket, name)
+        writer = node.writer(bucket, name)
         session = AppendSession(bucket, name, writer)
 
         def seed() -> None:
             try:
-                with store.open(bucket, name) as obj:
+                with node.open(bucket, name) as obj:
                     base = 0
                     for _, size in obj.files:
                         writer.write(obj.pread(base, base + size))
@@ -561,7 +561,7 @@ async def head_object(request: web.Request) -> web.Response:
     unknown = set(props) - KNOWN_PROPS
     if unknown:
         raise BadRequest(f"unknown object properties: {', '.join(sorted(unknown))}")
-    meta = request.app[STORE].lookup(bucket, name)
+    meta = request.app[NODE].lookup(bucket, name)
     headers = object_headers(meta)
     headers.update({"Content-Length": str(meta.size), "Ais-Present": "true", "Ais-Name": name,
                     "Ais-Bucket-Name": bucket, "Ais-Bucket-Provider": "ais",
@@ -580,7 +580,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
-    obj = request.app[STORE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
+    obj = request.app[NODE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
     try:
         return await send_object(request, obj)
     finally:
@@ -652,7 +652,7 @@ async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict
 async def delete_object(request: web.Request) -> web.Response:
     request[OP_KEY] = "delete"
     bucket, name = _names(request)
-    await asyncio.to_thread(request.app[STORE].delete, bucket, name)
+    await asyncio.to_thread(request.app[NODE].delete, bucket, name)
     return web.Response(text="")
 
 
@@ -681,7 +681,7 @@ def _refuse(what: str):
 def add_routes(app: web.Application) -> None:
     app[jobs.JOBS] = jobs.JobRegistry()
     app[APPENDS] = Appends()
-    app[daemon_api.NODE] = daemon_api.node_identity([mp.id for mp in app[STORE].mountpaths])
+    app[daemon_api.NODE_INFO] = daemon_api.node_identity([mp.id for mp in app[NODE].target_store.mountpaths])
     r = app.router
     r.add_get("/v1/health", health)
     r.add_get("/v1/daemon", daemon_get)

@@ -56,7 +56,7 @@ from server.api.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_re
                            list_objects_doc, location_doc, xml_response)
 from server.api.auth import SIGNED_KEY
 from server.api.sigv4 import aws_chunks, is_aws_chunked
-from server.api.state import API_KEY, METRICS, OP_KEY, STORE
+from server.api.state import API_KEY, METRICS, NODE, OP_KEY
 from server.store.store import ObjectMeta
 
 from server.api import s3_multipart  # multipart uploads, copy and multi-delete documents, trailing checksums
@@ -120,7 +120,7 @@ def _code_for(request: web.Request, e: StoreError) -> str:
         return e.code
     if isinstance(e, NotFound):
         bucket = request.match_info.get("bucket")
-        return "NoSuchBucket" if bucket and bucket not in request.app[STORE].buckets else "NoSuchKey"
+        return "NoSuchBucket" if bucket and bucket not in request.app[NODE].buckets else "NoSuchKey"
     for cls, code in ((RangeNotSatisfiable, "InvalidRange"), (PayloadTooLarge, "EntityTooLarge"),
                       (BadRequest, "InvalidArgument"), (Conflict, "BucketAlreadyOwnedByYou"),
                       (CorruptData, "InternalError")):
@@ -163,7 +163,7 @@ def _s3(handler, root: bool):
 
 def _require_bucket(request: web.Request) -> str:
     bucket = request.match_info["bucket"]
-    if bucket not in request.app[STORE].buckets:
+    if bucket not in request.app[NODE].buckets:
         raise S3Error(404, "NoSuchBucket", f"the bucket {bucket!r} does not exist")
     return bucket
 
@@ -245,12 +245,12 @@ def _key(request: web.Request) -> str:
 # -- service and buckets --------------------------------------------------------------------
 async def list_buckets(request: web.Request) -> web.Response:
     _refuse_unsupported(request, "list_buckets")
-    return xml_response(list_buckets_doc(dict(request.app[STORE].buckets)))
+    return xml_response(list_buckets_doc(dict(request.app[NODE].buckets)))
 
 
 async def bucket(request: web.Request) -> web.StreamResponse:
     _refuse_unsupported(request, "bucket")
-    store = request.app[STORE]
+    node = request.app[NODE]
     method = request.method
     if method == "POST":
         if "delete" not in request.query:
@@ -273,13 +273,13 @@ async def bucket(request: web.Request) -> web.StreamResponse:
         if (request.content_length or 0) > CREATE_BUCKET_BODY_MAX:
             raise S3Error(400, "MalformedXML", "CreateBucketConfiguration is too large")
         await request.content.read(CREATE_BUCKET_BODY_MAX)  # region constraint: one region here
-        await asyncio.to_thread(store.create_bucket, name)
+        await asyncio.to_thread(node.create_bucket, name)
         return web.Response(headers={"Location": f"/{name}"})
     name = _require_bucket(request)
-    metas, _ = await asyncio.to_thread(store.list_page, name, "", "", 1)
+    metas, _ = await asyncio.to_thread(node.list_page, name, "", "", 1)
     if metas:
         raise S3Error(409, "BucketNotEmpty", f"the bucket {name!r} is not empty")
-    await asyncio.to_thread(store.destroy_bucket, name)
+    await asyncio.to_thread(node.destroy_bucket, name)
     return web.Response(status=204)
 
 
@@ -310,7 +310,7 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     for what, value in (("prefix", prefix), ("delimiter", delimiter), ("marker", after)):
         if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise S3Error(400, "InvalidArgument", f"{what} longer than {MAX_NAME_BYTES} bytes")
-    page = await asyncio.to_thread(list_objects, request.app[STORE], bucket_name, prefix, delimiter,
+    page = await asyncio.to_thread(list_objects, request.app[NODE], bucket_name, prefix, delimiter,
                                    after, max_keys)
     next_token = base64.urlsafe_b64encode(page.last.encode("utf-8", "surrogatepass")).decode()
     return xml_response(list_objects_doc(
@@ -338,7 +338,7 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
         if hasher.digest() != want:
             raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was deleted")
     quiet, wanted = parse_delete_doc(body, MAX_DELETE_KEYS)
-    store = request.app[STORE]
+    node = request.app[NODE]
 
     def delete_all() -> tuple[list[str], list[tuple[str, str, str]]]:
         deleted, errors = [], []
@@ -347,7 +347,7 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
                 errors.append((key, "NotImplemented", "versioning is not implemented"))
                 continue
             try:
-                store.delete(bucket_name, check_objname(key), None if etag is None else _must_match(etag))
+                node.delete(bucket_name, check_objname(key), None if etag is None else _must_match(etag))
                 deleted.append(key)
             except BadRequest as e:
                 errors.append((key, "InvalidArgument", e.message))
@@ -387,7 +387,7 @@ async def obj(request: web.Request) -> web.StreamResponse:
         return await _get_object(request)
     if method == "HEAD":
         bucket_name, key = _require_bucket(request), _key(request)
-        meta = request.app[STORE].lookup(bucket_name, key)
+        meta = request.app[NODE].lookup(bucket_name, key)
         if (not_modified := _preconditions(request, meta)) is not None:
             return not_modified
         headers = native.object_headers(meta)
@@ -399,7 +399,7 @@ async def obj(request: web.Request) -> web.StreamResponse:
     bucket_name, key = _require_bucket(request), _key(request)
     if_match = request.headers.get("If-Match")
     try:
-        await asyncio.to_thread(request.app[STORE].delete, bucket_name, key,
+        await asyncio.to_thread(request.app[NODE].delete, bucket_name, key,
                                 None if if_match is None else _must_match(if_match))
     except NotFound:
         if if_match is not None:  # a conditional delete of a missing key, as S3 answers it
@@ -508,7 +508,7 @@ def _s3_span(rng: str | None) -> Callable[[ObjectMeta], tuple[int, int]] | None:
 
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = _require_bucket(request), _key(request)
-    obj_ = request.app[STORE].open(bucket_name, key, _s3_span(request.headers.get("Range")))
+    obj_ = request.app[NODE].open(bucket_name, key, _s3_span(request.headers.get("Range")))
     try:
         if (not_modified := _preconditions(request, obj_.meta)) is not None:
             return not_modified
@@ -628,16 +628,16 @@ class _Conditional:
         self._writer.abort()
 
 
-def _writer(store, bucket_name: str, key: str, precondition):
-    writer = store.writer(bucket_name, key)
+def _writer(node, bucket_name: str, key: str, precondition):
+    writer = node.writer(bucket_name, key)
     return writer if precondition is None else _Conditional(writer, precondition)
 
 
-def _early_check(store, bucket_name: str, key: str, precondition) -> None:
+def _early_check(node, bucket_name: str, key: str, precondition) -> None:
     """Fail fast, before a body is read or a copy made; the commit checks again."""
     if precondition is not None:
         try:
-            current = store.lookup(bucket_name, key)
+            current = node.lookup(bucket_name, key)
         except NotFound:
             current = None
         precondition(current)
@@ -654,10 +654,10 @@ def _copy_source(text: str) -> tuple[str, str]:
     return bucket_name, key
 
 
-def _copy_into(store, src, bucket_name: str, key: str, precondition) -> ObjectMeta:
+def _copy_into(node, src, bucket_name: str, key: str, precondition) -> ObjectMeta:
     """Write a new version of bucket/key from an open source version, chunk by chunk (each
     chunk read whole, so its checksum is verified; memory is one chunk)."""
-    writer = store.writer(bucket_name, key)
+    writer = node.writer(bucket_name, key)
     try:
         base = 0
         for chunk in src.meta.chunks:
@@ -688,11 +688,11 @@ async def _copy_object(request: web.Request, bucket_name: str, key: str) -> web.
                       "to itself without changing the object's metadata")
     if request.content_length:
         raise S3Error(400, "InvalidRequest", "a CopyObject request has no body")
-    store = request.app[STORE]
-    if src_bucket not in store.buckets:
+    node = request.app[NODE]
+    if src_bucket not in node.buckets:
         raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
     try:
-        src = store.open(src_bucket, check_objname(src_key))
+        src = node.open(src_bucket, check_objname(src_key))
     except (NotFound, BadRequest):
         raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
     try:
@@ -700,8 +700,8 @@ async def _copy_object(request: web.Request, bucket_name: str, key: str) -> web.
         if failed is not None:
             raise _precondition_failed(failed.partition(": ")[2])
         precondition = _put_precondition(request)
-        _early_check(store, bucket_name, key, precondition)
-        meta = await asyncio.to_thread(_copy_into, store, src, bucket_name, key, precondition)
+        _early_check(node, bucket_name, key, precondition)
+        meta = await asyncio.to_thread(_copy_into, node, src, bucket_name, key, precondition)
     finally:
         src.close()
     request.app[METRICS].bytes_in.inc(meta.size)
@@ -712,10 +712,10 @@ async def _put_object(request: web.Request) -> web.Response:
     bucket_name, key = _require_bucket(request), _key(request)
     if "x-amz-copy-source" in request.headers:
         return await _copy_object(request, bucket_name, key)
-    store = request.app[STORE]
+    node = request.app[NODE]
     precondition = _put_precondition(request)
-    _early_check(store, bucket_name, key, precondition)
-    meta = await _receive(request, _writer(store, bucket_name, key, precondition), key)
+    _early_check(node, bucket_name, key, precondition)
+    meta = await _receive(request, _writer(node, bucket_name, key, precondition), key)
     request.app[METRICS].bytes_in.inc(meta.size)
     return web.Response(headers={"ETag": f'"{meta.etag}"'})
 
@@ -800,12 +800,12 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
         raise S3Error(400, "MalformedXML", "the CompleteMultipartUpload document is too large")
     body = await request.content.read(DELETE_BODY_MAX * 4 + 1)
     numbers = s3_multipart.check_parts(up, parse_complete_doc(body, s3_multipart.MAX_PART_NUMBER))
-    store = request.app[STORE]
+    node = request.app[NODE]
     precondition = _put_precondition(request)
-    _early_check(store, bucket_name, key, precondition)
+    _early_check(node, bucket_name, key, precondition)
     uploads.forget(up)  # from here the upload is this request's: a second Complete gets 404
     try:
-        meta = await asyncio.to_thread(s3_multipart.assemble, store, up, numbers, precondition)
+        meta = await asyncio.to_thread(s3_multipart.assemble, node, up, numbers, precondition)
     finally:
         await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
     return xml_response(upload_doc("CompleteMultipartUploadResult", bucket_name, key,
@@ -822,7 +822,7 @@ async def _abort_upload(request: web.Request, bucket_name: str, key: str) -> web
 
 
 def add_routes(app: web.Application) -> None:
-    app[MPU] = s3_multipart.Uploads(app[STORE])
+    app[MPU] = s3_multipart.Uploads(app[NODE])
     r = app.router
     for base, root in (("/s3", False), ("", True)):
         r.add_get(base or "/", _s3(list_buckets, root), allow_head=False)

@@ -45,7 +45,7 @@ def _common_prefix(name: str, prefix: str, delimiter: str) -> str | None:
     return None if i < 0 else name[: i + len(delimiter)]
 
 
-def list_objects(store: Store, bucket: str, prefix: str, delimiter: str, after: str, max_keys: int) -> ListPage:
+def list_objects(node: Store, bucket: str, prefix: str, delimiter: str, after: str, max_keys: int) -> ListPage:
     """Up to ``max_keys`` keys and common prefixes after ``after``, in S3 order (blocking)."""
     page = ListPage([], [], False, "")
     if max_keys <= 0:
@@ -53,7 +53,7 @@ def list_objects(store: Store, bucket: str, prefix: str, delimiter: str, after: 
     cursor = after  # the store resumes strictly after this name
     batch = FIRST_BATCH if delimiter else max_keys + 1
     while True:
-        metas, token = store.list_page(bucket, prefix, cursor, batch)
+        metas, token = node.list_page(bucket, prefix, cursor, batch)
         jumped = False
         for meta in metas:
             cp = _common_prefix(meta.name, prefix, delimiter)

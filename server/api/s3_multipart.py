@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from server.api.s3_xml import S3Error
-from server.store.store import ObjectMeta, Store
+from server.node import LocalNode
+from server.store.store import ObjectMeta
 
 MIN_PART_BYTES = 5 * 1024**2  # S3's minimum for every part but the last
 MAX_PART_NUMBER = 10_000
@@ -55,8 +56,8 @@ class Upload:
 class Uploads:
     """The uploads in progress (touched on the event loop only; file work runs in threads)."""
 
-    def __init__(self, store: Store):
-        self.root = store.mountpaths[0].root / ".batchfs" / "mpu"
+    def __init__(self, node: LocalNode):
+        self.root = node.scratch_dir("mpu")
         shutil.rmtree(self.root, ignore_errors=True)  # uploads do not survive a restart
         self.root.mkdir(parents=True, exist_ok=True)
         self._uploads: dict[str, Upload] = {}
@@ -150,9 +151,9 @@ def check_parts(up: Upload, listed: list[tuple[int, str]]) -> list[int]:
     return numbers
 
 
-def assemble(store: Store, up: Upload, numbers: list[int], precondition) -> ObjectMeta:
+def assemble(node: LocalNode, up: Upload, numbers: list[int], precondition) -> ObjectMeta:
     """Write the listed parts, in order, as one new version of the object (blocking)."""
-    writer = store.writer(up.bucket, up.key)
+    writer = node.writer(up.bucket, up.key)
     try:
         for n in numbers:
             with open(up.dir / str(n), "rb") as f:

@@ -12,7 +12,7 @@ from server.config import ServerConfig
 from server.errors import BadRequest, PayloadTooLarge
 from server.metrics import Metrics
 from server.validate import check_json_text
-from server.store.store import Store
+from server.node import LocalNode
 
 class InFlight:
     """Requests whose handler is running, so a shutdown can wait for them.
@@ -49,7 +49,7 @@ class InFlight:
 
 
 CONFIG = web.AppKey("config", ServerConfig)
-STORE = web.AppKey("store", Store)
+NODE = web.AppKey("node", LocalNode)  # what handlers ask of storage (server.node)
 METRICS = web.AppKey("metrics", Metrics)
 INFLIGHT = web.AppKey("inflight", InFlight)
 

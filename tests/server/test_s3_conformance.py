@@ -483,11 +483,12 @@ def test_a_refused_conditional_commit_leaves_no_files(tmp_path):
 def test_upload_table_is_bounded_and_reclaims_idle_uploads(tmp_path, monkeypatch):
     from server.api import s3_multipart
     from server.api.s3_xml import S3Error
+    from server.node import LocalNode
     from server.store.store import Store
 
     monkeypatch.setattr(s3_multipart, "MAX_UPLOADS", 3)
     (tmp_path / "d").mkdir()
-    uploads = s3_multipart.Uploads(Store([tmp_path / "d"], chunk_size=MiB))
+    uploads = s3_multipart.Uploads(LocalNode(Store([tmp_path / "d"], chunk_size=MiB)))
     ups = [uploads.create("b", f"k{i}") for i in range(3)]
     with pytest.raises(S3Error) as info:
         uploads.create("b", "k3")

@@ -1,0 +1,89 @@
+"""The seam between the HTTP API and storage: what a request handler may ask of "the cluster".
+
+Handlers (``server.api``) parse a request, call the ``Node`` they find in ``app[NODE]``, and
+render the answer; they never reach the store. Today the only node is ``LocalNode``: one process
+that is gateway and target at once, so every operation goes to its own ``Store``. A cluster adds
+nodes that implement the same calls by asking other processes (a gateway forwarding to the
+target that HRW picks); the handlers stay as they are.
+
+Invariants:
+- The calls block (disk I/O, SQLite): handlers run them with ``asyncio.to_thread`` except the
+  in-memory ones (``buckets``, ``require_bucket``), exactly as they did on the store.
+- Errors are ``server.errors`` exceptions (``NotFound``, ``Conflict``, ...), whatever node
+  answers, so the handlers map them to HTTP statuses in one place.
+- ``target_store`` is the store this node holds as a target; only the target-side work of a
+  request that reads items of its own (GetBatch, archive reads) uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from server import bucket_ops
+from server.jobs import Job
+from server.store.store import Listed, ObjectMeta, OpenObject, PutWriter, Store
+
+
+class LocalNode:
+    """Gateway and target in one process: every call goes to this process's own store."""
+
+    def __init__(self, store: Store):
+        self.target_store = store
+
+    # -- buckets ---------------------------------------------------------------------------
+    @property
+    def buckets(self) -> Mapping[str, int]:
+        """Bucket name -> creation time (unix ns)."""
+        return self.target_store.buckets
+
+    def create_bucket(self, bucket: str) -> None:
+        self.target_store.create_bucket(bucket)
+
+    def require_bucket(self, bucket: str) -> None:
+        self.target_store.require_bucket(bucket)
+
+    def destroy_bucket(self, bucket: str) -> None:
+        self.target_store.destroy_bucket(bucket)
+
+    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:
+        return self.target_store.list_page(bucket, prefix, after, limit)
+
+    # -- objects ---------------------------------------------------------------------------
+    def lookup(self, bucket: str, name: str) -> ObjectMeta:
+        return self.target_store.lookup(bucket, name)
+
+    def open(self, bucket: str, name: str,
+             span: Callable[[ObjectMeta], tuple[int, int]] | None = None) -> OpenObject:
+        return self.target_store.open(bucket, name, span)
+
+    def writer(self, bucket: str, name: str) -> PutWriter:
+        return self.target_store.writer(bucket, name)
+
+    def delete(self, bucket: str, name: str, precondition: Callable[[ObjectMeta], None] | None = None) -> None:
+        self.target_store.delete(bucket, name, precondition)
+
+    def scratch_dir(self, purpose: str) -> Path:
+        """A directory on this node's storage for work files (multipart uploads): same
+        filesystem as the objects, so a finished upload is committed without a copy."""
+        return self.target_store.mountpaths[0].root / ".batchfs" / purpose
+
+    # -- multi-object operations (AIStore's xactions; see server.bucket_ops) ----------------
+    def names_under(self, bucket: str, prefix: str, non_recursive: bool = False) -> Iterator[str]:
+        return bucket_ops.names_under(self.target_store, bucket, prefix, non_recursive)
+
+    def selected(self, bucket: str, value: dict, extra_keys: set[str]) -> tuple[Iterator[str], bool]:
+        return bucket_ops.selected(self.target_store, bucket, value, extra_keys)
+
+    def delete_objects(self, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job) -> None:
+        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job)
+
+    def copy_object(self, src_bucket: str, src_name: str, dst_bucket: str, dst_name: str) -> int:
+        return bucket_ops.copy_object(self.target_store, src_bucket, src_name, dst_bucket, dst_name)
+
+    def copy_objects(self, src: str, names: Iterator[str], missing_is_error: bool, dst: str, prepend: str,
+                     dry_run: bool, job: Job) -> None:
+        bucket_ops.copy_objects(self.target_store, src, names, missing_is_error, dst, prepend, dry_run, job)
+
+    def summary(self, bucket: str, prefix: str) -> dict:
+        return bucket_ops.summary(self.target_store, bucket, prefix)
