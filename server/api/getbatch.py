@@ -47,6 +47,7 @@ from server.archive.writers import MIME_TYPES
 from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
+from server.getbatch.items import LocalItems
 from server.getbatch.request import Entry, parse_request
 from server.metrics import Metrics
 from server.validate import check_bucket
@@ -246,6 +247,7 @@ async def moss(request: web.Request) -> web.StreamResponse:
         raise web.HTTPMethodNotAllowed(request.method, ["GET"], text=f"moss: method {request.method} not allowed; use GET")
     app = request.app
     config, node, metrics, state = app[CONFIG], app[NODE], app[METRICS], app[GB_STATE]
+    items = LocalItems(node.target_store, state.shard_indexes, state.indexer)  # this node's own items
     try:
         coloc = request.query.get("coloc", "0")
         if not coloc.isdigit() or int(coloc) > 2:
@@ -257,12 +259,12 @@ async def moss(request: web.Request) -> web.StreamResponse:
             check_bucket(default_bucket)
             node.require_bucket(default_bucket)
         req = parse_request(await read_json(request), default_bucket, config)
-        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, node.target_store)
+        req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
         throttle = state.admission.admit()  # counted from here on: leave() in the finally below
     except StoreError:
         metrics.gb_err_n.inc()
         raise
-    job = BatchJob(req, config, node.target_store, metrics, state)  # the items are this node's
+    job = BatchJob(req, config, items, metrics, state)
     progress = _Progress()
     watch = asyncio.create_task(_watch(request, job, progress))
     work: asyncio.Task | None = None

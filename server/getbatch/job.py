@@ -44,11 +44,11 @@ from batchfs.wire.units import KiB, MiB
 from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded
 from server.getbatch.large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
-from server.getbatch.reads import NeedIndex, RunResult, placeholder_name, plan_chunk, read_run, read_run_cached
+from server.getbatch.items import ItemSource
+from server.getbatch.reads import NeedIndex, RunResult, placeholder_name
 from server.getbatch.request import Entry, MossReq
 from server.metrics import Metrics
 from server.archive.shards import ShardIndexCache
-from server.store.store import Store
 
 PLAN_CHUNK = 512  # entries checked and looked up per thread call after the first window
 RUN_FIRST_ENTRIES = 8
@@ -89,9 +89,8 @@ class BatchJob:
     """One GetBatch request; the handler plans the first window, then runs ``schedule`` as a
     task and awaits ``assemble``, and always calls ``shutdown``."""
 
-    def __init__(self, req: MossReq, config: ServerConfig, store: Store, metrics: Metrics, state: GetBatchState):
-        self.config, self.store, self.metrics, self.state = config, store, metrics, state
-        self.shard_indexes = state.shard_indexes
+    def __init__(self, req: MossReq, config: ServerConfig, items: ItemSource, metrics: Metrics, state: GetBatchState):
+        self.config, self.items, self.metrics, self.state = config, items, metrics, state
         self.req = req
         self.entries = req.entries  # grows as the plan checks raw entries
         self.loop = asyncio.get_running_loop()
@@ -160,14 +159,13 @@ class BatchJob:
         while self.planned < upto:
             lo, hi = self.planned, min(self.planned + chunk, self.req.n)
             try:
-                self.plan_missing += await self.run(plan_chunk, self.store, self.shard_indexes, self.req,
-                                                    lo, hi, self.work)
+                self.plan_missing += await self.run(self.items.plan, self.req, lo, hi, self.work)
             except NeedIndex as need:  # built off the reader pool, then plan on from there
                 self.plan_missing += need.missing
                 self.planned = need.done
                 self._check_soft(self.plan_missing)
                 try:
-                    await self.state.indexer.build(self.store, need.meta, self.work)
+                    await self.items.build_index(need.meta, self.work)
                 except WorkBoundExceeded:
                     raise
                 except (NotFound, BadRequest) as err:  # unreadable shard, or gone: as in the plan
@@ -241,13 +239,12 @@ class BatchJob:
                     await self.queue.put(_Run(run, hold, None, sendfile))
                 else:
                     await self._window_acquire(nbytes)
-                    res = read_run_cached(self.store, run, encode)
+                    res = self.items.read_cached(run, encode)
                     if res is not None:
                         fut = self.loop.create_future()
                         fut.set_result(res)
                     else:
-                        fut = self.run(read_run, self.store, self.shard_indexes, run, self.req.coer,
-                                       encode, self.work)
+                        fut = self.run(self.items.read_run, run, self.req.coer, encode, self.work)
                     await self.queue.put(_Run(run, nbytes, fut))
                 # Read ahead only once the first member is out: reader threads (and the next
                 # plan chunk) hold the GIL in 5 ms slices, which would delay the event loop's

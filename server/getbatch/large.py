@@ -28,19 +28,19 @@ from batchfs.wire.tarheader import tar_header, tar_padding
 from server.archive.writers import TarWriter, TgzWriter, ZipWriter
 from batchfs.wire.units import MiB
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable, StoreError
-from server.getbatch.reads import open_source, placeholder_name
+from server.getbatch.items import ItemSource
+from server.getbatch.reads import placeholder_name
 from server.getbatch.budget import Work
 from server.getbatch.request import Entry, MossReq
-from server.archive.shards import RangeSource, ShardIndexCache
-from server.store.store import Store, verify_in_thread, verify_pieces
+from server.archive.shards import RangeSource
+from server.store.store import verify_in_thread, verify_pieces
 
 
 class Assembly(Protocol):
     """What sending a large member needs of the request assembling it (``job.BatchJob``)."""
 
     req: MossReq
-    store: Store
-    shard_indexes: ShardIndexCache
+    items: ItemSource
     work: Work
     writer: TarWriter | TgzWriter | ZipWriter
 
@@ -65,7 +65,7 @@ class Output(Protocol):
 
 async def send_from_files(job: Assembly, e: Entry, out: Output) -> None:
     """A large object or TAR-shard member of a sized reply: header, file ranges, padding."""
-    src, count, mtime = await job.run(open_source, job.store, job.shard_indexes, e, job.work)
+    src, count, mtime = await job.run(job.items.open, e, job.work)
     try:
         assert isinstance(src, RangeSource)
         job.check_planned(e, count, "")
@@ -88,7 +88,7 @@ async def stream_in_pieces(job: Assembly, e: Entry, out: Output) -> None:
     """A large entry, opened at its turn and sent in pieces with one piece read ahead."""
     w = job.writer
     try:
-        src, count, mtime = await job.run(open_source, job.store, job.shard_indexes, e, job.work)
+        src, count, mtime = await job.run(job.items.open, e, job.work)
     except (NotFound, BadRequest) as ex:
         if not job.req.coer or isinstance(ex, RangeNotSatisfiable):
             raise

@@ -18,13 +18,14 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+from typing import Protocol
 
 from batchfs.wire.getbatch import RANGE_RULE, range_ok
 from server.archive.writers import MIME_TYPES, normalize_mime
 from server.config import ServerConfig
 from server.errors import BadRequest, RangeNotSatisfiable
 from server.validate import check_bucket, check_member_path, check_objname
-from server.store.store import ObjectMeta, Store
+from server.store.store import ObjectMeta
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +45,10 @@ class Entry:
     err: str = ""
 
 
+class BucketCheck(Protocol):
+    def require_bucket(self, bucket: str) -> None: ...  # NotFound unless the bucket exists
+
+
 @dataclasses.dataclass
 class MossReq:
     items: list  # the raw JSON entries
@@ -60,7 +65,7 @@ class MossReq:
     def n(self) -> int:
         return len(self.items)
 
-    def check_upto(self, upto: int, store: Store) -> None:
+    def check_upto(self, upto: int, store: BucketCheck) -> None:
         """Check raw entries up to ``upto`` (exclusive) into ``entries``; BadRequest (400) or
         NotFound (404, unknown bucket) for the first bad one."""
         upto = min(upto, len(self.items))
