@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import os
 
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.mounts import MountProcess
 from tests.server.test_diskfull import tmpfs
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from batchfs.cache.entries import du
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.mounts import MountProcess
 
 MiB = 1 << 20

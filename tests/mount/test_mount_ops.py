@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from batchfs.mount.daemon import is_mounted
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.processes import BIN, ROOT
 
 CLI = [str(BIN / "batchfs")]  # the installed console script, as users run it

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from tests.conftest import CHUNK, put
+from tests.support.objects import CHUNK, put
 from tests.support.mounts import MountProcess
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""Connection attacks on a real server process with small limits (server/connlimits.py):
+"""Connection attacks on a real server process with small limits (server/api/connlimits.py):
 slowloris (partial headers), idle keep-alives, a stalled PUT body, one client over its
 connection cap, and the node over its global cap. Each asserts the bound: /v1/health answers
 within 1 s, the attack's connections are closed after their timeout, others are served,

@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import os
-import socket
 import tarfile
 import threading
 import time
 import uuid
 import zipfile
-import zlib
-from pathlib import Path
 
 import httpx
 import pytest
@@ -35,27 +31,12 @@ import pytest
 from server.getbatch.budget import ByteBudget, FairPool
 from server.metrics import Metrics
 from server.archive.shards import TGZ_SPACING
+from tests.support.attacks import SMALL, raw_moss, write_bomb
+from tests.support.procstat import cpu_seconds, rss_bytes
 from tests.support.processes import ServerProcess
 
 MiB = 1024 * 1024
 BOMB_MIB = 256
-SMALL = b"hello world\n" * 10
-
-
-def write_bomb(path: Path, mib: int) -> None:
-    """TAR of ``mib`` MiB of zeros ('zeros.bin') then 'small.txt', gzip level 9, streamed."""
-    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    with open(path, "wb") as f:
-        def header(name: str, size: int) -> bytes:
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = size, 0o644, 0
-            return ti.tobuf(tarfile.USTAR_FORMAT)
-        f.write(z.compress(header("zeros.bin", mib * MiB)))
-        block = bytes(MiB)
-        for _ in range(mib):
-            f.write(z.compress(block))
-        f.write(z.compress(header("small.txt", len(SMALL)) + SMALL + bytes(-len(SMALL) % 512) + bytes(1024)))
-        f.write(z.flush())
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +58,6 @@ def big_bomb(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def new_bucket(url: str) -> str:
     name = "a" + uuid.uuid4().hex[:10]
     httpx.post(f"{url}/v1/buckets/{name}", json={"action": "create-bck"}, timeout=30).raise_for_status()
@@ -106,17 +75,6 @@ def moss(url: str, bucket: str, entries: list[dict], strm: bool = False, timeout
 def members(tar_bytes: bytes) -> dict[str, bytes]:
     with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tf:
         return {ti.name: tf.extractfile(ti).read() for ti in tf}
-
-
-def raw_moss(url: str, bucket: str, entries: list[dict]) -> socket.socket:
-    """A streamed GetBatch on a raw socket whose reply is never read."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"in": entries, "strm": True}).encode()
-    s = socket.create_connection((host, int(port)))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.sendall(f"GET /v1/ml/moss/{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    return s
 
 
 def health_seconds(url: str) -> float:

@@ -486,6 +486,7 @@ def _fuse_available() -> bool:
     return os.path.exists("/dev/fuse") and subprocess.run(["which", "fusermount3"], capture_output=True).returncode == 0
 
 
+@pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fuse and fusermount3")
 def test_mount_with_token_file(full, tmp_path):
     ensure_object(full)
@@ -524,6 +525,7 @@ def test_mount_with_token_file(full, tmp_path):
         assert run_batchfs("umount", str(mnt)).returncode == 0
 
 
+@pytest.mark.fuse
 @pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fuse and fusermount3")
 def test_mount_reads_fail_with_eacces_once_the_token_is_rotated_out(tmp_path):
     srv = start(tmp_path, "--auth-token-file", str(token_file(tmp_path / "old", TOKEN)))

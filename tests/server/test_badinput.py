@@ -12,7 +12,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.processes import ServerProcess
 
 

@@ -35,7 +35,7 @@ from batchfs.errors import BatchfsError
 from batchfs.control.manifest import Limits
 from batchfs.control.plans import PlanConfig
 from batchfs.control.tarview import PIECE, BatchIOError, ViewConfig
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.processes import ServerProcess
 
 MP = "/mnt/t"
@@ -84,7 +84,8 @@ def memory_client(n: int = 20) -> tuple[MemoryClient, dict[str, bytes]]:
     return client, objs
 
 
-def test_states_and_errors_over_memory_client():
+@pytest.mark.trio
+async def test_states_and_errors_over_memory_client():
     client, objs = memory_client()
 
     async def body(mgr):
@@ -119,10 +120,11 @@ def test_states_and_errors_over_memory_client():
             mgr.lookup("b")
         assert e.value.errno == errno.ENOENT
 
-    trio.run(with_manager, EmulatedBatchSource(client), body)
+    await with_manager(EmulatedBatchSource(client), body)
 
 
-def test_limits_expiry_and_missing_entries():
+@pytest.mark.trio
+async def test_limits_expiry_and_missing_entries():
     client, objs = memory_client()
 
     async def body(mgr):
@@ -148,11 +150,12 @@ def test_limits_expiry_and_missing_entries():
         strict.activity -= 1000
         assert mgr.expire() == ["s"]
 
-    trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, "bk", limits=Limits(max_bytes=100), max_batches=3,
-             idle_seconds=10))
+    await with_manager(EmulatedBatchSource(client), body, "bk", limits=Limits(max_bytes=100),
+                       max_batches=3, idle_seconds=10)
 
 
-def test_control_files_belong_to_their_creator_without_the_kernels_help():
+@pytest.mark.trio
+async def test_control_files_belong_to_their_creator_without_the_kernels_help():
     """BatchControl's own checks (the mount also has the kernel's default_permissions; these
     hold without it), with the callers a FUSE request would carry."""
     client, objs = memory_client()
@@ -221,10 +224,11 @@ def test_control_files_belong_to_their_creator_without_the_kernels_help():
         ctl.unlink(DIR_INO, "a", alice)
         assert await listing(root) == []
 
-    trio.run(with_manager, EmulatedBatchSource(client), body)
+    await with_manager(EmulatedBatchSource(client), body)
 
 
-def test_other_users_cannot_use_up_the_batch_files():
+@pytest.mark.trio
+async def test_other_users_cannot_use_up_the_batch_files():
     client, _ = memory_client()
 
     async def body(mgr):
@@ -250,7 +254,7 @@ def test_other_users_cannot_use_up_the_batch_files():
         ctl.unlink(DIR_INO, "a0", alice)
         create("a3", alice)
 
-    trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, max_batches=8, max_batches_per_user=3))
+    await with_manager(EmulatedBatchSource(client), body, max_batches=8, max_batches_per_user=3)
 
 
 class _Reader:
@@ -261,7 +265,8 @@ class _Reader:
         return await self.ctl.read(self.fh, off, size)
 
 
-def test_view_memory_is_bounded_and_streams_before_completion():
+@pytest.mark.trio
+async def test_view_memory_is_bounded_and_streams_before_completion():
     client = MemoryClient()
     for i in range(400):
         client.put("bk", f"o{i}", bytes([i % 256]) * 5000)
@@ -286,7 +291,7 @@ def test_view_memory_is_bounded_and_streams_before_completion():
         assert [n for n, _ in got] == [f"o{i}" for i in range(400)]
         assert all(d == bytes([i % 256]) * 5000 for i, (_, d) in enumerate(got))
 
-    trio.run(functools.partial(with_manager, EmulatedBatchSource(client, BatchClientConfig(parallel=4)), body, "bk", view=view_cfg))
+    await with_manager(EmulatedBatchSource(client, BatchClientConfig(parallel=4)), body, "bk", view=view_cfg)
 
 
 _op = st.one_of(
@@ -300,7 +305,8 @@ _op = st.one_of(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["f", "g", "h.plan"]), _op), max_size=25))
-def test_fuzz_state_machine(ops):
+@pytest.mark.trio
+async def test_fuzz_state_machine(ops):
     client, _ = memory_client(5)
 
     async def body(mgr):
@@ -326,8 +332,8 @@ def test_fuzz_state_machine(ops):
                 assert len(f.buf) <= 1000
                 assert f.view is None or f.view.buffered <= 4096 + PIECE
 
-    trio.run(functools.partial(with_manager, EmulatedBatchSource(client), body, "bk", limits=Limits(max_bytes=1000),
-             view=ViewConfig(buffer_bytes=4096, keep_behind_bytes=1024, read_timeout_seconds=5)))
+    await with_manager(EmulatedBatchSource(client), body, "bk", limits=Limits(max_bytes=1000),
+                       view=ViewConfig(buffer_bytes=4096, keep_behind_bytes=1024, read_timeout_seconds=5))
 
 
 # -- TAR views and plans over GetBatch, against the real server ------------------------------------

@@ -260,6 +260,7 @@ def test_getbatch_corrupt_item_is_a_hard_error_even_under_coer(stored, entry, st
     assert r.status_code == 500 and "fails its checksum" in r.text
 
 
+@pytest.mark.fuse
 def test_mount_reads_and_tar_views_get_eio(stored, tmp_path):
     s = stored
     m = MountProcess({"kind": "ais", "endpoint": s.srv.url, "bucket": s.bucket}, tmp_path / "mnt").start()

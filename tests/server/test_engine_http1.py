@@ -83,130 +83,122 @@ def _ok(body: bytes, status: str = "206 Partial Content", extra: str = "") -> by
 
 
 @DRIVERS
-def test_reuse_stale_connection_retry_and_other_framings(threshold):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            replies = [
-                (_ok(b"abcd"), False),  # 1: read into the buffer
-                (_ok(b"efgh"), True),  # 2: same connection; the server then closes it
-                (_ok(b"ijkl"), False),  # 3: the pool's idle connection is stale -> new one
-                (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", False),  # 4
-                (_ok(b"nope", "404 Not Found"), False),  # 5: another status: body as bytes
-            ]
-            port, accepted = await scripted_server(nursery, replies)
-            pool = _pool(port, threshold)
-            for want in (b"abcd", b"efgh", b"ijkl"):
-                buf = bytearray(4)
-                r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
-                assert r.status == 206 and r.body is buf and bytes(buf) == want
-                # a thread's blocking duplicate must leave the pooled socket non-blocking for trio
-                assert all(_nonblocking(c.sock) for c in pool._idle)
-            assert len(accepted) == 2  # requests 1-2 shared a connection; 3 retried on a new one
-            r = await pool.request("GET", "/o", [], bytearray(3))
-            assert r.status == 200 and r.body == b"xyz"
-            assert not pool._idle  # unknown length framing: not reused
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert r.status == 404 and r.body == b"nope" and pool._idle
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-
-
-@DRIVERS
-def test_informational_heads_head_requests_and_malformed_replies(threshold):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            replies = [
-                (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(b"wxyz"), False),  # a 1xx head is skipped
-                (b"HTTP/1.1 200 OK\r\nContent-Length: 12345\r\nAis-Version: 7\r\n\r\n", False),  # HEAD: no body
-                (_ok(b"abcd"), False),  # the HEAD's connection is reused for this one
-                (b"HTTP/1.1 2OO OK\r\nContent-Length: 4\r\n\r\nabcd", True),  # malformed status line
-            ]
-            port, accepted = await scripted_server(nursery, replies)
-            pool = _pool(port, threshold)
-            buf = bytearray(4)
-            r = await pool.request("GET", "/o", [], buf)
-            assert r.status == 206 and bytes(buf) == b"wxyz"
-            r = await pool.request("HEAD", "/o", [])
-            assert r.status == 200 and r.body == b"" and r.headers["ais-version"] == "7" and pool._idle
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert bytes(r.body) == b"abcd" and len(accepted) == 1
-            with pytest.raises(ConnectionFailed):
-                await pool.request("GET", "/o", [], bytearray(4))
-            assert not pool._idle
-            with pytest.raises(ValueError, match="malformed"):  # header injection is refused
-                await pool.request("GET", "/o", [("Range", "bytes=0-3\r\nX-Evil: 1")], bytearray(4))
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-
-
-@DRIVERS
-def test_replies_split_across_reads_servers_ignoring_range_and_close_delimited_bodies(threshold):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            replies = [
-                # 1: head split inside a header name, a header value and the body
-                ([b"HTTP/1.1 206 Partial Content\r\nContent-Le", b"ngth: 8\r\nX-A: b", b"c\r\n\r\nab", b"cdef", b"gh"], False),
-                # 2: a server ignoring Range: the whole object, as bytes; the connection stays usable
-                (_ok(b"0123456789", "200 OK"), False),
-                # 3: a 206 of another length than asked: as bytes, not in the buffer
-                (_ok(b"abc"), False),
-                # 4: the server says it will close: not reused
-                (_ok(b"wxyz", extra="Connection: close\r\n"), True),
-                # 5: HTTP/1.0: not reused
-                (b"HTTP/1.0 206 Partial Content\r\nContent-Length: 4\r\n\r\nklmn", True),
-                # 6: a body delimited by the connection's close, in pieces
-                ([b"HTTP/1.1 200 OK\r\n\r\nclo", b"se-", b"delimited"], True),
-            ]
-            port, accepted = await scripted_server(nursery, replies)
-            pool = _pool(port, threshold)
-            buf = bytearray(8)
-            r = await pool.request("GET", "/o", [("Range", "bytes=0-7")], buf)
-            assert r.body is buf and bytes(buf) == b"abcdefgh" and r.headers["x-a"] == "bc" and pool._idle
+@pytest.mark.trio
+async def test_reuse_stale_connection_retry_and_other_framings(threshold):
+    async with trio.open_nursery() as nursery:
+        replies = [
+            (_ok(b"abcd"), False),  # 1: read into the buffer
+            (_ok(b"efgh"), True),  # 2: same connection; the server then closes it
+            (_ok(b"ijkl"), False),  # 3: the pool's idle connection is stale -> new one
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", False),  # 4
+            (_ok(b"nope", "404 Not Found"), False),  # 5: another status: body as bytes
+        ]
+        port, accepted = await scripted_server(nursery, replies)
+        pool = _pool(port, threshold)
+        for want in (b"abcd", b"efgh", b"ijkl"):
             buf = bytearray(4)
             r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
-            assert r.status == 200 and r.body == b"0123456789" and r.body is not buf and pool._idle
-            r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
-            assert r.status == 206 and r.body == b"abc" and r.body is not buf and pool._idle
-            assert len(accepted) == 1
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert bytes(r.body) == b"wxyz" and not pool._idle
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert bytes(r.body) == b"klmn" and not pool._idle
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert r.status == 200 and r.body == b"close-delimited" and not pool._idle
-            assert len(accepted) == 3 and not replies  # 1-4 on one connection, then one each
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+            assert r.status == 206 and r.body is buf and bytes(buf) == want
+            # a thread's blocking duplicate must leave the pooled socket non-blocking for trio
+            assert all(_nonblocking(c.sock) for c in pool._idle)
+        assert len(accepted) == 2  # requests 1-2 shared a connection; 3 retried on a new one
+        r = await pool.request("GET", "/o", [], bytearray(3))
+        assert r.status == 200 and r.body == b"xyz"
+        assert not pool._idle  # unknown length framing: not reused
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert r.status == 404 and r.body == b"nope" and pool._idle
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
 
 
 @DRIVERS
-def test_bytes_after_the_end_of_a_reply_and_upgrades_fail_the_request(threshold):
+@pytest.mark.trio
+async def test_informational_heads_head_requests_and_malformed_replies(threshold):
+    async with trio.open_nursery() as nursery:
+        replies = [
+            (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(b"wxyz"), False),  # a 1xx head is skipped
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 12345\r\nAis-Version: 7\r\n\r\n", False),  # HEAD: no body
+            (_ok(b"abcd"), False),  # the HEAD's connection is reused for this one
+            (b"HTTP/1.1 2OO OK\r\nContent-Length: 4\r\n\r\nabcd", True),  # malformed status line
+        ]
+        port, accepted = await scripted_server(nursery, replies)
+        pool = _pool(port, threshold)
+        buf = bytearray(4)
+        r = await pool.request("GET", "/o", [], buf)
+        assert r.status == 206 and bytes(buf) == b"wxyz"
+        r = await pool.request("HEAD", "/o", [])
+        assert r.status == 200 and r.body == b"" and r.headers["ais-version"] == "7" and pool._idle
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert bytes(r.body) == b"abcd" and len(accepted) == 1
+        with pytest.raises(ConnectionFailed):
+            await pool.request("GET", "/o", [], bytearray(4))
+        assert not pool._idle
+        with pytest.raises(ValueError, match="malformed"):  # header injection is refused
+            await pool.request("GET", "/o", [("Range", "bytes=0-3\r\nX-Evil: 1")], bytearray(4))
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+@DRIVERS
+@pytest.mark.trio
+async def test_replies_split_across_reads_servers_ignoring_range_and_close_delimited_bodies(threshold):
+    async with trio.open_nursery() as nursery:
+        replies = [
+            # 1: head split inside a header name, a header value and the body
+            ([b"HTTP/1.1 206 Partial Content\r\nContent-Le", b"ngth: 8\r\nX-A: b", b"c\r\n\r\nab", b"cdef", b"gh"], False),
+            # 2: a server ignoring Range: the whole object, as bytes; the connection stays usable
+            (_ok(b"0123456789", "200 OK"), False),
+            # 3: a 206 of another length than asked: as bytes, not in the buffer
+            (_ok(b"abc"), False),
+            # 4: the server says it will close: not reused
+            (_ok(b"wxyz", extra="Connection: close\r\n"), True),
+            # 5: HTTP/1.0: not reused
+            (b"HTTP/1.0 206 Partial Content\r\nContent-Length: 4\r\n\r\nklmn", True),
+            # 6: a body delimited by the connection's close, in pieces
+            ([b"HTTP/1.1 200 OK\r\n\r\nclo", b"se-", b"delimited"], True),
+        ]
+        port, accepted = await scripted_server(nursery, replies)
+        pool = _pool(port, threshold)
+        buf = bytearray(8)
+        r = await pool.request("GET", "/o", [("Range", "bytes=0-7")], buf)
+        assert r.body is buf and bytes(buf) == b"abcdefgh" and r.headers["x-a"] == "bc" and pool._idle
+        buf = bytearray(4)
+        r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
+        assert r.status == 200 and r.body == b"0123456789" and r.body is not buf and pool._idle
+        r = await pool.request("GET", "/o", [("Range", "bytes=0-3")], buf)
+        assert r.status == 206 and r.body == b"abc" and r.body is not buf and pool._idle
+        assert len(accepted) == 1
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert bytes(r.body) == b"wxyz" and not pool._idle
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert bytes(r.body) == b"klmn" and not pool._idle
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert r.status == 200 and r.body == b"close-delimited" and not pool._idle
+        assert len(accepted) == 3 and not replies  # 1-4 on one connection, then one each
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+@DRIVERS
+@pytest.mark.trio
+async def test_bytes_after_the_end_of_a_reply_and_upgrades_fail_the_request(threshold):
     """A second response (or junk) after a complete one means the framing is lost: taking
     either as the answer, or keeping the connection, would answer later requests wrongly."""
-    async def main():
-        async with trio.open_nursery() as nursery:
-            replies = [
-                (_ok(b"abcd") + b"HTTP/1.1 204 No Content\r\n\r\n", True),
-                (_ok(b"abcd") + b"junk", True),
-                (b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n", True),
-                (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", True),
-            ]
-            port, _ = await scripted_server(nursery, replies)
-            pool = _pool(port, threshold)
-            for match in ("after the end", "after the end", "Upgrade", "Transfer-Encoding"):
-                with pytest.raises(ConnectionFailed, match=match):
-                    await pool.request("GET", "/o", [], bytearray(4))
-                assert not pool._idle
-            assert not replies
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        replies = [
+            (_ok(b"abcd") + b"HTTP/1.1 204 No Content\r\n\r\n", True),
+            (_ok(b"abcd") + b"junk", True),
+            (b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n", True),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\n\r\n", True),
+        ]
+        port, _ = await scripted_server(nursery, replies)
+        pool = _pool(port, threshold)
+        for match in ("after the end", "after the end", "Upgrade", "Transfer-Encoding"):
+            with pytest.raises(ConnectionFailed, match=match):
+                await pool.request("GET", "/o", [], bytearray(4))
+            assert not pool._idle
+        assert not replies
+        nursery.cancel_scope.cancel()
 
 
 class _Buffer(bytearray):  # a bytearray that can be weakly referenced
@@ -220,60 +212,56 @@ async def _freed(alive: weakref.ref) -> None:
 
 
 @DRIVERS
-def test_a_body_buffer_is_freed_as_soon_as_the_caller_drops_it(threshold):
+@pytest.mark.trio
+async def test_a_body_buffer_is_freed_as_soon_as_the_caller_drops_it(threshold):
     """No reference cycle may hold the (8 MiB, in the mount) body buffer until a garbage
     collection: streaming 4 GiB once grew the daemon to 900 MiB that way. Likewise after a
     failed or a cancelled read (a cancelled read-ahead is routine): an exception raised out
     of a worker thread sits in a cycle inside trio, with the buffer in its frames."""
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False), (_ok(b"nope", "404 Not Found"), False),
-                                                      (b"HTTP/1.1 2OO OK\r\n\r\n", True)])
-            stall_port, _ = await stalling_server(nursery, STALL)
-            pool = _pool(port, threshold)
-            stalled = _pool(stall_port, threshold if threshold == 1 else 1 << 30, read_timeout_seconds=60.0)
-            gc.disable()
-            try:
-                for status in (206, 404, None):
-                    buf = _Buffer(4)
-                    alive = weakref.ref(buf)
-                    if status is None:
-                        with pytest.raises(ConnectionFailed):
-                            await pool.request("GET", "/o", [], buf)
-                    else:
-                        r = await pool.request("GET", "/o", [], buf)
-                        assert r.status == status
-                        del r
-                    del buf
-                    await _freed(alive)
-                buf = _Buffer(4000000)
+    async with trio.open_nursery() as nursery:
+        port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False), (_ok(b"nope", "404 Not Found"), False),
+                                                  (b"HTTP/1.1 2OO OK\r\n\r\n", True)])
+        stall_port, _ = await stalling_server(nursery, STALL)
+        pool = _pool(port, threshold)
+        stalled = _pool(stall_port, threshold if threshold == 1 else 1 << 30, read_timeout_seconds=60.0)
+        gc.disable()
+        try:
+            for status in (206, 404, None):
+                buf = _Buffer(4)
                 alive = weakref.ref(buf)
-                with trio.move_on_after(0.2) as scope:
-                    await stalled.request("GET", "/o", [], buf)
-                assert scope.cancelled_caught
+                if status is None:
+                    with pytest.raises(ConnectionFailed):
+                        await pool.request("GET", "/o", [], buf)
+                else:
+                    r = await pool.request("GET", "/o", [], buf)
+                    assert r.status == status
+                    del r
                 del buf
                 await _freed(alive)
-            finally:
-                gc.enable()
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+            buf = _Buffer(4000000)
+            alive = weakref.ref(buf)
+            with trio.move_on_after(0.2) as scope:
+                await stalled.request("GET", "/o", [], buf)
+            assert scope.cancelled_caught
+            del buf
+            await _freed(alive)
+        finally:
+            gc.enable()
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
 
 
 @DRIVERS
-def test_cut_body_fails_and_the_connection_is_not_reused(threshold):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            cut = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
-            port, _ = await scripted_server(nursery, [(cut, True)])
-            pool = _pool(port, threshold)
-            with pytest.raises(ConnectionFailed, match="90 bytes before"):
-                await pool.request("GET", "/o", [], bytearray(100))
-            assert not pool._idle
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+@pytest.mark.trio
+async def test_cut_body_fails_and_the_connection_is_not_reused(threshold):
+    async with trio.open_nursery() as nursery:
+        cut = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
+        port, _ = await scripted_server(nursery, [(cut, True)])
+        pool = _pool(port, threshold)
+        with pytest.raises(ConnectionFailed, match="90 bytes before"):
+            await pool.request("GET", "/o", [], bytearray(100))
+        assert not pool._idle
+        nursery.cancel_scope.cancel()
 
 
 async def stalling_server(nursery: trio.Nursery, sent: bytes) -> tuple[int, list]:
@@ -296,123 +284,111 @@ async def stalling_server(nursery: trio.Nursery, sent: bytes) -> tuple[int, list
 STALL = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4000000\r\n\r\n" + b"x" * 1000
 
 
-def test_cancelling_a_threaded_read_ends_the_thread_at_once():
+@pytest.mark.trio
+async def test_cancelling_a_threaded_read_ends_the_thread_at_once():
     """A cancelled read on a worker thread returns at once, its connection is shut down (so
     the blocked thread wakes and exits), and nothing goes back to the pool."""
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port, events = await stalling_server(nursery, STALL)
-            pool = _pool(port, 1, read_timeout_seconds=60.0)
-            t0 = time.monotonic()
-            with trio.move_on_after(0.3) as scope:
-                await pool.request("GET", "/o", [], bytearray(4000000))
-            assert scope.cancelled_caught and time.monotonic() - t0 < 2.0
-            with trio.fail_after(5):  # the server sees the connection end: the thread let go of it
-                while not events:
-                    await trio.sleep(0.01)
-            assert not pool._idle
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port, events = await stalling_server(nursery, STALL)
+        pool = _pool(port, 1, read_timeout_seconds=60.0)
+        t0 = time.monotonic()
+        with trio.move_on_after(0.3) as scope:
+            await pool.request("GET", "/o", [], bytearray(4000000))
+        assert scope.cancelled_caught and time.monotonic() - t0 < 2.0
+        with trio.fail_after(5):  # the server sees the connection end: the thread let go of it
+            while not events:
+                await trio.sleep(0.01)
+        assert not pool._idle
+        nursery.cancel_scope.cancel()
 
 
-def test_a_stalled_server_fails_a_threaded_read_within_the_read_timeout():
+@pytest.mark.trio
+async def test_a_stalled_server_fails_a_threaded_read_within_the_read_timeout():
     """Without any cancellation, SO_RCVTIMEO bounds each blocking receive of a worker thread."""
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port, _ = await stalling_server(nursery, STALL)
-            pool = _pool(port, 1, read_timeout_seconds=0.3)
-            t0 = time.monotonic()
-            with pytest.raises(ConnectionFailed):
-                await pool.request("GET", "/o", [], bytearray(4000000))
-            assert time.monotonic() - t0 < 3.0 and not pool._idle
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port, _ = await stalling_server(nursery, STALL)
+        pool = _pool(port, 1, read_timeout_seconds=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionFailed):
+            await pool.request("GET", "/o", [], bytearray(4000000))
+        assert time.monotonic() - t0 < 3.0 and not pool._idle
+        nursery.cancel_scope.cancel()
 
 
-def test_a_slow_reply_on_a_reused_connection_is_not_taken_for_a_stale_one():
+@pytest.mark.trio
+async def test_a_slow_reply_on_a_reused_connection_is_not_taken_for_a_stale_one():
     """The read timeout expiring before a reply's first byte is a slow server, not one that
     closed the idle connection: the request fails once instead of going out again at once."""
-    async def main():
-        accepted: list[int] = []
+    accepted: list[int] = []
 
-        async def handler(stream: trio.SocketStream) -> None:
-            accepted.append(1)
-            async with stream:
-                if await _read_head(stream):
-                    await stream.send_all(_ok(b"abcd"))
-                while await stream.receive_some(65536):  # the next request is never answered
-                    pass
+    async def handler(stream: trio.SocketStream) -> None:
+        accepted.append(1)
+        async with stream:
+            if await _read_head(stream):
+                await stream.send_all(_ok(b"abcd"))
+            while await stream.receive_some(65536):  # the next request is never answered
+                pass
 
-        async with trio.open_nursery() as nursery:
-            port = (await nursery.start(trio.serve_tcp, handler, 0))[0].socket.getsockname()[1]
-            pool = _pool(port, 1, read_timeout_seconds=0.3)
+    async with trio.open_nursery() as nursery:
+        port = (await nursery.start(trio.serve_tcp, handler, 0))[0].socket.getsockname()[1]
+        pool = _pool(port, 1, read_timeout_seconds=0.3)
+        await pool.request("GET", "/o", [], bytearray(4))
+        assert pool._idle
+        with pytest.raises(ConnectionFailed, match="read timeout"):
             await pool.request("GET", "/o", [], bytearray(4))
-            assert pool._idle
-            with pytest.raises(ConnectionFailed, match="read timeout"):
-                await pool.request("GET", "/o", [], bytearray(4))
-            assert len(accepted) == 1 and not pool._idle
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+        assert len(accepted) == 1 and not pool._idle
+        nursery.cancel_scope.cancel()
 
 
-def test_a_read_cancelled_before_its_worker_thread_starts_closes_the_socket_duplicate():
+@pytest.mark.trio
+async def test_a_read_cancelled_before_its_worker_thread_starts_closes_the_socket_duplicate():
     """The blocking duplicate belongs to the worker thread once it starts; a read cancelled
     while waiting for a thread must close it itself (else: an fd open until the garbage
     collector finds it, and a ResourceWarning)."""
-    async def main():
-        async with trio.open_nursery() as nursery:
-            port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False)])
-            pool = _pool(port, 1)
-            tokens = [object() for _ in range(pool._threads.total_tokens)]
-            for token in tokens:  # every worker thread busy
-                await pool._threads.acquire_on_behalf_of(token)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ResourceWarning)
-                with trio.move_on_after(0.2) as scope:
-                    await pool.request("GET", "/o", [], bytearray(4))
-                gc.collect()
-            assert scope.cancelled_caught
-            assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
-            assert not pool._idle
-            for token in tokens:
-                pool._threads.release_on_behalf_of(token)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        port, _ = await scripted_server(nursery, [(_ok(b"abcd"), False)])
+        pool = _pool(port, 1)
+        tokens = [object() for _ in range(pool._threads.total_tokens)]
+        for token in tokens:  # every worker thread busy
+            await pool._threads.acquire_on_behalf_of(token)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            with trio.move_on_after(0.2) as scope:
+                await pool.request("GET", "/o", [], bytearray(4))
+            gc.collect()
+        assert scope.cancelled_caught
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert not pool._idle
+        for token in tokens:
+            pool._threads.release_on_behalf_of(token)
+        nursery.cancel_scope.cancel()
 
 
-def test_refused_connection_is_a_retryable_failure():
-    async def main():
-        with trio.socket.socket() as s:  # a port nobody listens on
-            await s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with pytest.raises(ConnectionFailed):
-            await _pool(port).request("GET", "/o", [], None)
-
-    trio.run(main)
+@pytest.mark.trio
+async def test_refused_connection_is_a_retryable_failure():
+    with trio.socket.socket() as s:  # a port nobody listens on
+        await s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionFailed):
+        await _pool(port).request("GET", "/o", [], None)
 
 
-def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections_over_http1():
-    async def main():
-        async with trio.open_nursery() as nursery:
-            v = "Ais-Checksum-Value: c\r\nAis-Version: 1\r\n"
-            replies = [(_ok(b"", "307 Temporary Redirect", "Location: /v1/objects/b/o?provider=ais&target=1\r\n"), False),
-                       (_ok(b"busy", "503 Service Unavailable"), False),
-                       (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab", True),
-                       (_ok(b"abcd", extra=v), False)]
-            port, accepted = await scripted_server(nursery, replies)
-            c = AisClient(MountConfig(Source("ais", f"http://127.0.0.1:{port}", "b"), Path("/x"), retries=3).client)
-            try:
-                assert bytes(await c.get("b", "o", 0, 4, "c:1")) == b"abcd"
-            finally:
-                await c.aclose()
-            assert not replies and len(accepted) == 2
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+@pytest.mark.trio
+async def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections_over_http1():
+    async with trio.open_nursery() as nursery:
+        v = "Ais-Checksum-Value: c\r\nAis-Version: 1\r\n"
+        replies = [(_ok(b"", "307 Temporary Redirect", "Location: /v1/objects/b/o?provider=ais&target=1\r\n"), False),
+                   (_ok(b"busy", "503 Service Unavailable"), False),
+                   (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab", True),
+                   (_ok(b"abcd", extra=v), False)]
+        port, accepted = await scripted_server(nursery, replies)
+        c = AisClient(MountConfig(Source("ais", f"http://127.0.0.1:{port}", "b"), Path("/x"), retries=3).client)
+        try:
+            assert bytes(await c.get("b", "o", 0, 4, "c:1")) == b"abcd"
+        finally:
+            await c.aclose()
+        assert not replies and len(accepted) == 2
+        nursery.cancel_scope.cancel()
 
 
 def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
@@ -442,7 +418,8 @@ def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
 
 
 @DRIVERS
-def test_bodies_outside_the_buffer_are_bounded(threshold, monkeypatch):
+@pytest.mark.trio
+async def test_bodies_outside_the_buffer_are_bounded(threshold, monkeypatch):
     """A body that does not go into the caller's buffer is held in memory, so it is bounded:
     an oversized 2xx (a server ignoring Range on a big object, or chunked) is refused with a
     clear, non-retryable error; an oversized error page is truncated and its connection
@@ -450,22 +427,19 @@ def test_bodies_outside_the_buffer_are_bounded(threshold, monkeypatch):
     monkeypatch.setattr(http1exchange, "BODY_MAX_BYTES", 100)
     monkeypatch.setattr(http1exchange, "ERROR_BODY_KEEP_BYTES", 100)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n" + b"c" * 100 + b"\r\n"
-            replies = [(_ok(b"x" * 1000, "200 OK"), False), (_ok(b"e" * 1000, "404 Not Found"), False),
-                       (chunked + b"1\r\nc\r\n0\r\n\r\n", False), (_ok(b"y" * 100, "200 OK"), False)]
-            port, _ = await scripted_server(nursery, replies)
-            pool = _pool(port, threshold)
-            with pytest.raises(BackendError, match="more than 100 bytes.*ignore Range"):
-                await pool.request("GET", "/o", [("Range", "bytes=0-3")], bytearray(4))
-            r = await pool.request("GET", "/o", [], bytearray(4))
-            assert r.status == 404 and r.body == b"e" * 100 and not pool._idle
-            with pytest.raises(BackendError, match="more than 100 bytes"):
-                await pool.request("GET", "/o", [], bytearray(4))
-            r = await pool.request("GET", "/o", [], bytearray(4))  # at the limit: accepted
-            assert r.status == 200 and r.body == b"y" * 100
-            await pool.aclose()
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    async with trio.open_nursery() as nursery:
+        chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n" + b"c" * 100 + b"\r\n"
+        replies = [(_ok(b"x" * 1000, "200 OK"), False), (_ok(b"e" * 1000, "404 Not Found"), False),
+                   (chunked + b"1\r\nc\r\n0\r\n\r\n", False), (_ok(b"y" * 100, "200 OK"), False)]
+        port, _ = await scripted_server(nursery, replies)
+        pool = _pool(port, threshold)
+        with pytest.raises(BackendError, match="more than 100 bytes.*ignore Range"):
+            await pool.request("GET", "/o", [("Range", "bytes=0-3")], bytearray(4))
+        r = await pool.request("GET", "/o", [], bytearray(4))
+        assert r.status == 404 and r.body == b"e" * 100 and not pool._idle
+        with pytest.raises(BackendError, match="more than 100 bytes"):
+            await pool.request("GET", "/o", [], bytearray(4))
+        r = await pool.request("GET", "/o", [], bytearray(4))  # at the limit: accepted
+        assert r.status == 200 and r.body == b"y" * 100
+        await pool.aclose()
+        nursery.cancel_scope.cancel()

@@ -30,7 +30,7 @@ from server.archive.writers import TarWriter
 from server.errors import BadRequest
 from server.api.getbatch import PRECHECK_ENTRIES
 from server.validate import check_objname, explain_objname
-from tests.conftest import put
+from tests.support.objects import put
 from tests.support.processes import ServerProcess
 
 FORMATS = [".tar", ".tgz", ".tar.gz", ".zip"]

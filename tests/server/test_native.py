@@ -20,7 +20,7 @@ from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 
 from server.store.store import hrw
-from tests.conftest import CHUNK, put
+from tests.support.objects import CHUNK, put
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from aistore.sdk import Client
 
 from batchfs.put import PutConfig, parse_target, put_tree
-from tests.conftest import CHUNK
+from tests.support.objects import CHUNK
 from tests.support.processes import BIN
 
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from server.api import s3_listing
 from server.api.s3_listing import list_objects
 from server.store.store import Store
-from tests.conftest import CHUNK, put
+from tests.support.objects import CHUNK, put
 from tests.support.processes import ServerProcess
 
 NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
@@ -582,6 +582,7 @@ def _mount_cmd(tool: str, url: str, bucket: str, mnt: Path, tmp: Path, access: s
             "--config", str(tmp / "rclone.conf"), "--cache-dir", str(tmp / "rclone-cache")], env
 
 
+@pytest.mark.fuse
 @pytest.mark.parametrize("keys", ["keyed", "open"])
 @pytest.mark.parametrize("tool", ["s3fs", "rclone"])
 def test_mount_reads_bucket_byte_exact(tool, keys, request, tmp_path):
@@ -634,6 +635,7 @@ def test_conditional_reads(server, s3, bucket):
     assert httpx.get(f"{server.url}/{bucket}/c", params={"versionId": "3"}).status_code == 501
 
 
+@pytest.mark.fuse
 @pytest.mark.parametrize("tool", ["s3fs", "rclone"])
 def test_tools_write_small_files(tool, server, tmp_path):
     """What s3fs (through its mount) and rclone (copyto, as users upload) send on a write —

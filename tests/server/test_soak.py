@@ -1,7 +1,7 @@
 """Soak: clients mixing PUT, GET, range GET, GetBatch, list and DELETE against a real server
 that is ``kill -9``'d and restarted several times (issue 9). Not in the default run:
 
-    pytest -m soak tests/test_soak.py [--soak-seconds 120] [--soak-seed 9]
+    pytest -m soak tests/server/test_soak.py [--soak-seconds 120] [--soak-seed 9]
 
 Each client owns its names (so the expected state of a name is a function of that client's
 history, whatever the timing) and draws its operations from ``random.Random(seed + client)``.

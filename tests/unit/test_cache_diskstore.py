@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import trio
 import xxhash
 
@@ -23,117 +24,107 @@ async def _drain(cache: DiskStore) -> None:
         cache.close_writes()
 
 
-def test_quota_is_never_exceeded_and_nothing_is_evicted(tmp_path: Path):
+@pytest.mark.trio
+async def test_quota_is_never_exceeded_and_nothing_is_evicted(tmp_path: Path):
     quota = 8 * MiB
 
-    async def main():
-        cache = await DiskStore.open(tmp_path / "c", quota)
-        blobs = {f"k{i}": os.urandom(256 * KiB) for i in range(60)}  # 15 MiB offered
-        accepted = [k for k, v in blobs.items() if cache.put(k, v)]
-        await _drain(cache)
-        assert 0 < len(accepted) < len(blobs) and cache.full
-        assert du(tmp_path / "c") <= quota
-        for k in accepted:  # what got in stays in: fill, then read through
-            assert await cache.get(k) == blobs[k]
-        assert await cache.get("k59") is None
+    cache = await DiskStore.open(tmp_path / "c", quota)
+    blobs = {f"k{i}": os.urandom(256 * KiB) for i in range(60)}  # 15 MiB offered
+    accepted = [k for k, v in blobs.items() if cache.put(k, v)]
+    await _drain(cache)
+    assert 0 < len(accepted) < len(blobs) and cache.full
+    assert du(tmp_path / "c") <= quota
+    for k in accepted:  # what got in stays in: fill, then read through
+        assert await cache.get(k) == blobs[k]
+    assert await cache.get("k59") is None
+    cache.close()
+    # persisted: a new instance sees the same entries and the same usage
+    again = await DiskStore.open(tmp_path / "c", quota)
+    assert again.used_bytes >= du(tmp_path / "c") - 64 * KiB  # measured at open
+    assert await again.get(accepted[0]) == blobs[accepted[0]]
+    assert not again.put("more", b"x" * 256 * KiB)
+    again.close()
+    assert du(tmp_path / "c") <= quota
+
+
+@pytest.mark.trio
+async def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    a, b = os.urandom(200 * KiB), os.urandom(200 * KiB)
+    cache.put("a", a)
+    cache.put("b", b)
+    await _drain(cache)
+    files = sorted(p for p in (tmp_path / "c").rglob("*.val"))
+    assert len(files) == 2
+    with open(files[0], "r+b") as f:  # truncate one
+        f.truncate(1000)
+    with open(files[1], "r+b") as f:  # flip a byte in the other
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert await cache.get("a") is None
+    assert await cache.get("b") is None
+    assert cache.corrupt == 2
+    assert not any(p.exists() for p in files)  # corrupt entries were dropped
+    cache._send, cache._recv = trio.open_memory_channel(float("inf"))  # a fresh queue
+    cache.put("c", a)
+    await _drain(cache)
+    (vanished,) = list((tmp_path / "c").rglob("*.val"))
+    os.unlink(vanished)  # a vanished file is a miss too
+    assert await cache.get("c") is None
+    cache.close()
+
+
+@pytest.mark.trio
+async def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    real_get = cache._cache.get
+
+    def no_disk(*a, **k):
+        raise AssertionError("a miss looked at the disk")
+
+    cache._cache.get = no_disk
+    assert await cache.get("never-written") is None
+    cache._cache.get = real_get
+    cache.put("small", b"s" * 100)
+    cache.put("big", b"b" * 100_000)
+    await _drain(cache)
+    assert await cache.get("small") == b"s" * 100
+    assert os.getpriority(os.PRIO_PROCESS, cache._idle.tid) == 19  # writes take only spare CPU,
+    assert os.sched_getscheduler(cache._idle.tid) == os.SCHED_IDLE  # and yield to any wakeup
+    cache.close()
+    again = await DiskStore.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
+    assert await again.get("big") == b"b" * 100_000 and await again.get("small") == b"s" * 100
+    again._cache.get = no_disk
+    assert await again.get("other") is None
+    again.close()
+
+
+@pytest.mark.trio
+async def test_entries_written_with_xxh64_stay_valid(tmp_path: Path):
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    for key, data in (("small", os.urandom(100)), ("big", os.urandom(300 * KiB))):
+        cache._cache.set(key, HEADER.pack(len(data), xxhash.xxh64_intdigest(data)) + data)  # the old format
         cache.close()
-        # persisted: a new instance sees the same entries and the same usage
-        again = await DiskStore.open(tmp_path / "c", quota)
-        assert again.used_bytes >= du(tmp_path / "c") - 64 * KiB  # measured at open
-        assert await again.get(accepted[0]) == blobs[accepted[0]]
-        assert not again.put("more", b"x" * 256 * KiB)
-        again.close()
-        assert du(tmp_path / "c") <= quota
-
-    trio.run(main)
-
-
-def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
-    async def main():
         cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
-        a, b = os.urandom(200 * KiB), os.urandom(200 * KiB)
-        cache.put("a", a)
-        cache.put("b", b)
-        await _drain(cache)
-        files = sorted(p for p in (tmp_path / "c").rglob("*.val"))
-        assert len(files) == 2
-        with open(files[0], "r+b") as f:  # truncate one
-            f.truncate(1000)
-        with open(files[1], "r+b") as f:  # flip a byte in the other
-            f.seek(5000)
-            byte = f.read(1)
-            f.seek(5000)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        assert await cache.get("a") is None
-        assert await cache.get("b") is None
-        assert cache.corrupt == 2
-        assert not any(p.exists() for p in files)  # corrupt entries were dropped
-        cache._send, cache._recv = trio.open_memory_channel(float("inf"))  # a fresh queue
-        cache.put("c", a)
-        await _drain(cache)
-        (vanished,) = list((tmp_path / "c").rglob("*.val"))
-        os.unlink(vanished)  # a vanished file is a miss too
-        assert await cache.get("c") is None
-        cache.close()
-
-    trio.run(main)
+        assert await cache.get(key) == data
+    cache.close()
 
 
-def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
-    async def main():
-        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
-        real_get = cache._cache.get
+@pytest.mark.trio
+async def test_write_failure_means_read_through(tmp_path: Path):
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
 
-        def no_disk(*a, **k):
-            raise AssertionError("a miss looked at the disk")
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
 
-        cache._cache.get = no_disk
-        assert await cache.get("never-written") is None
-        cache._cache.get = real_get
-        cache.put("small", b"s" * 100)
-        cache.put("big", b"b" * 100_000)
-        await _drain(cache)
-        assert await cache.get("small") == b"s" * 100
-        assert os.getpriority(os.PRIO_PROCESS, cache._idle.tid) == 19  # writes take only spare CPU,
-        assert os.sched_getscheduler(cache._idle.tid) == os.SCHED_IDLE  # and yield to any wakeup
-        cache.close()
-        again = await DiskStore.open(tmp_path / "c", 64 * MiB)  # keys known from the disk
-        assert await again.get("big") == b"b" * 100_000 and await again.get("small") == b"s" * 100
-        again._cache.get = no_disk
-        assert await again.get("other") is None
-        again.close()
-
-    trio.run(main)
-
-
-def test_entries_written_with_xxh64_stay_valid(tmp_path: Path):
-    async def main():
-        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
-        for key, data in (("small", os.urandom(100)), ("big", os.urandom(300 * KiB))):
-            cache._cache.set(key, HEADER.pack(len(data), xxhash.xxh64_intdigest(data)) + data)  # the old format
-            cache.close()
-            cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
-            assert await cache.get(key) == data
-        cache.close()
-
-    trio.run(main)
-
-
-def test_write_failure_means_read_through(tmp_path: Path):
-    async def main():
-        cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
-
-        def disk_full(*a, **k):
-            raise OSError(28, "No space left on device")
-
-        cache._cache.set = disk_full
-        assert cache.put("a", b"x" * 100_000)
-        await _drain(cache)
-        assert cache.full and not cache.put("b", b"y")
-        assert await cache.get("a") is None
-        cache.close()
-
-    trio.run(main)
+    cache._cache.set = disk_full
+    assert cache.put("a", b"x" * 100_000)
+    await _drain(cache)
+    assert cache.full and not cache.put("b", b"y")
+    assert await cache.get("a") is None
+    cache.close()
 
 
 def test_memory_cache_is_bounded_in_bytes():
@@ -146,27 +137,25 @@ def test_memory_cache_is_bounded_in_bytes():
     assert m.get("huge") is None
 
 
-def test_warm_disk_cache_serves_a_new_engine_without_gets(tmp_path: Path):
+@pytest.mark.trio
+async def test_warm_disk_cache_serves_a_new_engine_without_gets(tmp_path: Path):
     client = memory_client(chunk_size=16 * KiB)
     blobs = {"small": os.urandom(10 * KiB), "big": os.urandom(1 * MiB + 5)}
     for k, v in blobs.items():
         client.put("b", k, v)
 
-    async def main():
-        kw = dict(cache_dir=tmp_path / "cache", cache_quota_bytes=64 * MiB)
-        async with engine(client, **kw) as eng:
-            for k, v in blobs.items():
-                assert await read_all(eng, k) == v
-        gets, heads, lists = client.calls["get"], client.calls["head"], client.calls["list"]
-        async with engine(client, **kw) as eng:  # a remount: empty memory, same disk
-            for k, v in blobs.items():
-                assert await read_all(eng, k) == v
-        assert client.calls["get"] == gets  # no data GETs at all
-        assert client.calls["head"] == heads  # no HEAD for geometry, none for lookups
-        assert client.calls["list"] - lists == 1  # the lookups: one listing of the root
-        # a replaced object is never served from the cache
-        client.put("b", "small", b"replaced")
-        async with engine(client, **kw) as eng:
-            assert await read_all(eng, "small") == b"replaced"
-
-    trio.run(main)
+    kw = dict(cache_dir=tmp_path / "cache", cache_quota_bytes=64 * MiB)
+    async with engine(client, **kw) as eng:
+        for k, v in blobs.items():
+            assert await read_all(eng, k) == v
+    gets, heads, lists = client.calls["get"], client.calls["head"], client.calls["list"]
+    async with engine(client, **kw) as eng:  # a remount: empty memory, same disk
+        for k, v in blobs.items():
+            assert await read_all(eng, k) == v
+    assert client.calls["get"] == gets  # no data GETs at all
+    assert client.calls["head"] == heads  # no HEAD for geometry, none for lookups
+    assert client.calls["list"] - lists == 1  # the lookups: one listing of the root
+    # a replaced object is never served from the cache
+    client.put("b", "small", b"replaced")
+    async with engine(client, **kw) as eng:
+        assert await read_all(eng, "small") == b"replaced"

@@ -22,29 +22,28 @@ from tests.support.engine import KiB, engine, memory_client, read_all, resolve
 CHUNK = 64 * KiB
 
 
-def test_hung_server_fails_within_the_request_timeout():
+@pytest.mark.trio
+async def test_hung_server_fails_within_the_request_timeout():
     inner = memory_client()
     inner.put("b", "big", os.urandom(10 * CHUNK))
     inner.put("b", "small", b"abc")
     client = FaultInjectingClient(inner, lambda op, n: trio.sleep_forever if op == "get" else None)
 
-    async def main():
-        async with engine(client, request_timeout_seconds=0.3) as eng:
-            for name in ("small", "big"):
-                ino = await resolve(eng, name)
-                fh = (await eng.open(ino)).fh
-                t = trio.current_time()
-                with pytest.raises(RequestTimeout):
-                    await eng.read(fh, 0, 4096)
-                assert trio.current_time() - t < 0.3 * 3
-                eng.release(fh)
-            # the engine is still alive: metadata still works
-            assert (await eng.getattr(ino)).size == 10 * CHUNK
-
-    trio.run(main)
+    async with engine(client, request_timeout_seconds=0.3) as eng:
+        for name in ("small", "big"):
+            ino = await resolve(eng, name)
+            fh = (await eng.open(ino)).fh
+            t = trio.current_time()
+            with pytest.raises(RequestTimeout):
+                await eng.read(fh, 0, 4096)
+            assert trio.current_time() - t < 0.3 * 3
+            eng.release(fh)
+        # the engine is still alive: metadata still works
+        assert (await eng.getattr(ino)).size == 10 * CHUNK
 
 
-def test_error_mid_stream_fails_that_read_and_a_later_reopen_works():
+@pytest.mark.trio
+async def test_error_mid_stream_fails_that_read_and_a_later_reopen_works():
     inner = memory_client()
     data = os.urandom(12 * CHUNK)
     inner.put("b", "big", data)
@@ -56,64 +55,58 @@ def test_error_mid_stream_fails_that_read_and_a_later_reopen_works():
 
     client = FaultInjectingClient(inner, fault)
 
-    async def main():
-        async with engine(client) as eng:
-            with pytest.raises(BackendError):
-                await read_all(eng, "big")
-            state["fail"] = False
-            assert await read_all(eng, "big") == data
-
-    trio.run(main)
+    async with engine(client) as eng:
+        with pytest.raises(BackendError):
+            await read_all(eng, "big")
+        state["fail"] = False
+        assert await read_all(eng, "big") == data
 
 
-def test_replaced_object_never_mixes_versions_in_one_handle():
+@pytest.mark.trio
+async def test_replaced_object_never_mixes_versions_in_one_handle():
     client = memory_client()
     old, new = os.urandom(10 * CHUNK), os.urandom(10 * CHUNK)
     client.put("b", "obj", old)
 
-    async def main():
-        async with engine(client, parallel_per_file=1) as eng:
-            ino = await resolve(eng, "obj")
-            fh = (await eng.open(ino)).fh
-            first = await eng.read(fh, 0, CHUNK)
-            assert first == old[:CHUNK]
-            client.put("b", "obj", new)  # replaced while the handle is open
-            with pytest.raises(VersionChanged):
-                off = CHUNK
-                while True:  # the window holds at most a chunk or two of the old version
-                    got = await eng.read(fh, off, CHUNK)
-                    assert got == old[off:off + CHUNK]  # never new bytes in this handle
-                    off += CHUNK
-            with pytest.raises(VersionChanged):  # and it stays failed
-                await eng.read(fh, 0, 10)
-            eng.release(fh)
-            # the failure invalidated the metadata: a new open reads the new version
-            assert await read_all(eng, "obj") == new
-
-    trio.run(main)
+    async with engine(client, parallel_per_file=1) as eng:
+        ino = await resolve(eng, "obj")
+        fh = (await eng.open(ino)).fh
+        first = await eng.read(fh, 0, CHUNK)
+        assert first == old[:CHUNK]
+        client.put("b", "obj", new)  # replaced while the handle is open
+        with pytest.raises(VersionChanged):
+            off = CHUNK
+            while True:  # the window holds at most a chunk or two of the old version
+                got = await eng.read(fh, off, CHUNK)
+                assert got == old[off:off + CHUNK]  # never new bytes in this handle
+                off += CHUNK
+        with pytest.raises(VersionChanged):  # and it stays failed
+            await eng.read(fh, 0, 10)
+        eng.release(fh)
+        # the failure invalidated the metadata: a new open reads the new version
+        assert await read_all(eng, "obj") == new
 
 
-def test_replaced_before_the_first_read_restarts_cleanly():
+@pytest.mark.trio
+async def test_replaced_before_the_first_read_restarts_cleanly():
     client = memory_client()
     client.put("b", "small", b"old bytes")
     client.put("b", "big", os.urandom(5 * CHUNK))
 
-    async def main():
-        async with engine(client) as eng:
-            for name, new in (("small", b"new bytes!"), ("big", os.urandom(5 * CHUNK))):
-                fh = (await eng.open(await resolve(eng, name))).fh
-                client.put("b", name, new)
-                out, off = [], 0
-                while chunk := await eng.read(fh, off, 100 * KiB):
-                    out.append(chunk)
-                    off += len(chunk)
-                assert b"".join(out) == new
-                eng.release(fh)
-
-    trio.run(main)
+    async with engine(client) as eng:
+        for name, new in (("small", b"new bytes!"), ("big", os.urandom(5 * CHUNK))):
+            fh = (await eng.open(await resolve(eng, name))).fh
+            client.put("b", name, new)
+            out, off = [], 0
+            while chunk := await eng.read(fh, off, 100 * KiB):
+                out.append(chunk)
+                off += len(chunk)
+            assert b"".join(out) == new
+            eng.release(fh)
 
 
-def test_deleted_object_is_enoent_and_bugs_are_eio():
+@pytest.mark.trio
+async def test_deleted_object_is_enoent_and_bugs_are_eio():
     client = memory_client()
     client.put("b", "gone", b"x" * 10)
 
@@ -121,26 +114,24 @@ def test_deleted_object_is_enoent_and_bugs_are_eio():
         if op == "list":  # a lookup lists the directory
             raise RuntimeError("a bug in a backend")
 
-    async def main():
-        async with engine(client) as eng:
-            fh = (await eng.open(await resolve(eng, "gone"))).fh
-            del client.buckets["b"]["gone"]
-            with pytest.raises(NotFound) as e:
-                await eng.read(fh, 0, 10)
-            assert errno_for(e.value) == errno.ENOENT
-        async with engine(FaultInjectingClient(client, fault)) as eng:
-            with pytest.raises(RuntimeError) as e:
-                await resolve(eng, "x")
-            assert errno_for(e.value) == errno.EIO
-
-    trio.run(main)
+    async with engine(client) as eng:
+        fh = (await eng.open(await resolve(eng, "gone"))).fh
+        del client.buckets["b"]["gone"]
+        with pytest.raises(NotFound) as e:
+            await eng.read(fh, 0, 10)
+        assert errno_for(e.value) == errno.ENOENT
+    async with engine(FaultInjectingClient(client, fault)) as eng:
+        with pytest.raises(RuntimeError) as e:
+            await resolve(eng, "x")
+        assert errno_for(e.value) == errno.EIO
 
 
 def _ais_config(**kw) -> MountConfig:
     return MountConfig(Source("ais", "http://store.invalid", "b"), Path("/x"), **kw)
 
 
-def test_retries_429_5xx_and_resets_with_backoff():
+@pytest.mark.trio
+async def test_retries_429_5xx_and_resets_with_backoff():
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -151,27 +142,22 @@ def test_retries_429_5xx_and_resets_with_backoff():
             return httpx.Response(503 if len(calls) == 2 else 429, text="busy")
         return httpx.Response(206, content=b"abcd", headers={"Ais-Checksum-Value": "c", "Ais-Version": "1"})
 
-    async def main():
-        c = AisClient(_ais_config(retries=4).client)
-        c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        assert await c.get("b", "o", 0, 4, "c:1") == b"abcd"
-        assert len(calls) == 4
-        calls.clear()
-        c2 = AisClient(_ais_config(retries=2).client)
-        c2.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500, text="down")))
-        with pytest.raises(BackendError, match="after 3 attempts"):
-            await c2.get("b", "o", 0, 4, "c:1")
-
-    trio.run(main)
+    c = AisClient(_ais_config(retries=4).client)
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    assert await c.get("b", "o", 0, 4, "c:1") == b"abcd"
+    assert len(calls) == 4
+    calls.clear()
+    c2 = AisClient(_ais_config(retries=2).client)
+    c2.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500, text="down")))
+    with pytest.raises(BackendError, match="after 3 attempts"):
+        await c2.get("b", "o", 0, 4, "c:1")
 
 
-def test_retries_stop_at_the_request_timeout():
-    async def main():
-        c = AisClient(_ais_config(retries=1000, request_timeout_seconds=0.5).client)
-        c.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
-        t = time.monotonic()
-        with pytest.raises(RequestTimeout):
-            await c.get("b", "o", 0, 4, "c:1")
-        assert time.monotonic() - t < 1.5
-
-    trio.run(main)
+@pytest.mark.trio
+async def test_retries_stop_at_the_request_timeout():
+    c = AisClient(_ais_config(retries=1000, request_timeout_seconds=0.5).client)
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    t = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        await c.get("b", "o", 0, 4, "c:1")
+    assert time.monotonic() - t < 1.5

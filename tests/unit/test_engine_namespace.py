@@ -28,36 +28,35 @@ async def listdir(eng_or_ns, ino):
     return {name: node for name, node, _ in [x async for x in ns.readdir(h, 0)]}
 
 
-def test_tree_from_names_and_sizes_from_listing():
+@pytest.mark.trio
+async def test_tree_from_names_and_sizes_from_listing():
     client = memory_client()
     for k, n in {"a.txt": 5, "d/x": 10, "d/e/y": 20, "d/e/z": 0, "shadow": 3, "shadow/inner": 4}.items():
         client.put("b", k, b"x" * n)
 
-    async def main():
-        async with engine(client) as eng:
-            root = await listdir(eng, ROOT_INODE)
-            assert sorted(root) == ["a.txt", "d", "shadow"]
-            assert root["shadow"].is_dir  # a directory hides an object of the same name
-            d = await listdir(eng, root["d"].ino)
-            assert sorted(d) == ["e", "x"]
-            e = await listdir(eng, d["e"].ino)
-            client.calls.clear()
-            # after listing: lookups and stats cost nothing
-            assert (await eng.lookup(ROOT_INODE, "a.txt")).size == 5
-            assert (await eng.getattr(e["y"].ino)).size == 20
-            assert (await eng.lookup(d["e"].ino, "z")).size == 0
-            assert (await eng.lookup(d["e"].ino, "y")).is_dir is False
-            try:
-                await eng.lookup(d["e"].ino, "missing")
-                raise AssertionError("expected NotFound")
-            except NotFound:
-                pass
-            assert sum(client.calls.values()) == 0
-
-    trio.run(main)
+    async with engine(client) as eng:
+        root = await listdir(eng, ROOT_INODE)
+        assert sorted(root) == ["a.txt", "d", "shadow"]
+        assert root["shadow"].is_dir  # a directory hides an object of the same name
+        d = await listdir(eng, root["d"].ino)
+        assert sorted(d) == ["e", "x"]
+        e = await listdir(eng, d["e"].ino)
+        client.calls.clear()
+        # after listing: lookups and stats cost nothing
+        assert (await eng.lookup(ROOT_INODE, "a.txt")).size == 5
+        assert (await eng.getattr(e["y"].ino)).size == 20
+        assert (await eng.lookup(d["e"].ino, "z")).size == 0
+        assert (await eng.lookup(d["e"].ino, "y")).is_dir is False
+        try:
+            await eng.lookup(d["e"].ino, "missing")
+            raise AssertionError("expected NotFound")
+        except NotFound:
+            pass
+        assert sum(client.calls.values()) == 0
 
 
-def test_lookups_are_answered_from_one_listing_of_the_directory():
+@pytest.mark.trio
+async def test_lookups_are_answered_from_one_listing_of_the_directory():
     client = memory_client()
     for i in range(50):
         client.put("b", f"d/f{i:02d}", b"x" * i)
@@ -65,31 +64,29 @@ def test_lookups_are_answered_from_one_listing_of_the_directory():
     clock = FakeClock()
     cfg = config(metadata_ttl_seconds=10, negative_ttl_seconds=2)
 
-    async def main():
-        ns = Namespace(cfg, client, clock=clock)
-        d = (await ns.lookup(ROOT_INODE, "d")).ino
-        client.calls.clear()
-        async with trio.open_nursery() as nursery:  # concurrent lookups share one listing
-            for i in range(0, 50, 7):
-                nursery.start_soon(ns.lookup, d, f"f{i:02d}")
-        assert (await ns.lookup(d, "f49")).size == 49
-        assert (await ns.lookup(d, "sub")).is_dir
-        for _ in range(3):
-            with pytest.raises(NotFound):
-                await ns.lookup(d, "nope")
-        assert dict(client.calls) == {"list": 1}  # no HEAD, no probe: the listing answers
-        client.put("b", "d/nope", b"new")
-        clock.now += 5  # past the negative TTL, within the metadata TTL: still the listing's answer
+    ns = Namespace(cfg, client, clock=clock)
+    d = (await ns.lookup(ROOT_INODE, "d")).ino
+    client.calls.clear()
+    async with trio.open_nursery() as nursery:  # concurrent lookups share one listing
+        for i in range(0, 50, 7):
+            nursery.start_soon(ns.lookup, d, f"f{i:02d}")
+    assert (await ns.lookup(d, "f49")).size == 49
+    assert (await ns.lookup(d, "sub")).is_dir
+    for _ in range(3):
         with pytest.raises(NotFound):
             await ns.lookup(d, "nope")
-        clock.now += 6  # past the metadata TTL: listed again
-        assert (await ns.lookup(d, "nope")).size == 3
-        assert dict(client.calls) == {"list": 2}
+    assert dict(client.calls) == {"list": 1}  # no HEAD, no probe: the listing answers
+    client.put("b", "d/nope", b"new")
+    clock.now += 5  # past the negative TTL, within the metadata TTL: still the listing's answer
+    with pytest.raises(NotFound):
+        await ns.lookup(d, "nope")
+    clock.now += 6  # past the metadata TTL: listed again
+    assert (await ns.lookup(d, "nope")).size == 3
+    assert dict(client.calls) == {"list": 2}
 
-    trio.run(main)
 
-
-def test_large_directory_is_probed_per_name_with_negative_cache_and_ttl():
+@pytest.mark.trio
+async def test_large_directory_is_probed_per_name_with_negative_cache_and_ttl():
     client = memory_client()
     for i in range(LOOKUP_LIST_MAX_PAGES * 3):
         client.put("b", f"n{i:03d}", b"")
@@ -99,33 +96,31 @@ def test_large_directory_is_probed_per_name_with_negative_cache_and_ttl():
     clock = FakeClock()
     cfg = config(metadata_ttl_seconds=10, negative_ttl_seconds=2)
 
-    async def main():
-        ns = Namespace(cfg, client, clock=clock)
-        ns.page_size = 2  # the root is more than LOOKUP_LIST_MAX_PAGES pages
-        for _ in range(3):
-            with pytest.raises(NotFound):
-                await ns.lookup(ROOT_INODE, "nope")
-        assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 1  # one bounded attempt + a probe
-        assert client.calls["head"] == 1  # later probes answered by the negative cache
-        clock.now += 3
+    ns = Namespace(cfg, client, clock=clock)
+    ns.page_size = 2  # the root is more than LOOKUP_LIST_MAX_PAGES pages
+    for _ in range(3):
         with pytest.raises(NotFound):
             await ns.lookup(ROOT_INODE, "nope")
-        assert client.calls["head"] == 2
-        assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 2  # still known as large: no relisting
-        assert (await ns.lookup(ROOT_INODE, "shadow")).is_dir  # the directory wins, as in listings
-        a = await ns.lookup(ROOT_INODE, "f")
-        node = ns.node(a.ino)
-        v1 = node.info.version
-        client.put("b", "f", b"newer!")
-        assert (await ns.current(node)).version == v1  # within the TTL: cached
-        clock.now += 11
-        info = await ns.current(node)
-        assert info.version != v1 and info.size == 6
+    assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 1  # one bounded attempt + a probe
+    assert client.calls["head"] == 1  # later probes answered by the negative cache
+    clock.now += 3
+    with pytest.raises(NotFound):
+        await ns.lookup(ROOT_INODE, "nope")
+    assert client.calls["head"] == 2
+    assert client.calls["list"] == LOOKUP_LIST_MAX_PAGES + 2  # still known as large: no relisting
+    assert (await ns.lookup(ROOT_INODE, "shadow")).is_dir  # the directory wins, as in listings
+    a = await ns.lookup(ROOT_INODE, "f")
+    node = ns.node(a.ino)
+    v1 = node.info.version
+    client.put("b", "f", b"newer!")
+    assert (await ns.current(node)).version == v1  # within the TTL: cached
+    clock.now += 11
+    info = await ns.current(node)
+    assert info.version != v1 and info.size == 6
 
-    trio.run(main)
 
-
-def test_listing_pages_start_small_and_grow():
+@pytest.mark.trio
+async def test_listing_pages_start_small_and_grow():
     """A directory's first listing page is small (an AIStore listing is recursive: it may be
     spent on one subdirectory's objects), and pages grow to the backend's size."""
     client = memory_client()
@@ -133,54 +128,50 @@ def test_listing_pages_start_small_and_grow():
         client.put("b", f"flat/{i:05d}", b"")
     client.put("b", "x", b"1")
 
-    async def main():
-        ns = Namespace(config(), client)
-        assert ns.page_size == 10_000
-        await ns.lookup(ROOT_INODE, "x")
-        assert client.list_page_sizes == [1000]
-        flat = await ns.lookup(ROOT_INODE, "flat")
-        client.list_page_sizes.clear()
-        await ns.lookup(flat.ino, "00042")  # 30,000 names: within the lookup's 50,000 budget
-        assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
-        for i in range(30_000, 60_000):  # now more than the budget: exactly 50,000 entries asked
-            client.put("b", f"flat/{i:05d}", b"")
-        ns._dirs.clear()
-        client.list_page_sizes.clear()
-        await ns.lookup(flat.ino, "00043")
-        assert client.list_page_sizes[:7] == [1000, 4000, 10_000, 10_000, 10_000, 10_000, 5000]
-        assert sum(client.list_page_sizes[:7]) == 50_000 and ns._large.get(("b", "flat/"))
-        fresh = Namespace(config(), client)
-        flat = await fresh.lookup(ROOT_INODE, "flat")
-        client.list_page_sizes.clear()
-        assert len(await listdir(fresh, flat.ino)) == 60_000
-        assert client.list_page_sizes[:2] == [1000, 4000]
-        assert set(client.list_page_sizes[2:]) == {10_000}
-
-    trio.run(main)
+    ns = Namespace(config(), client)
+    assert ns.page_size == 10_000
+    await ns.lookup(ROOT_INODE, "x")
+    assert client.list_page_sizes == [1000]
+    flat = await ns.lookup(ROOT_INODE, "flat")
+    client.list_page_sizes.clear()
+    await ns.lookup(flat.ino, "00042")  # 30,000 names: within the lookup's 50,000 budget
+    assert client.list_page_sizes == [1000, 4000, 10_000, 10_000, 10_000]
+    for i in range(30_000, 60_000):  # now more than the budget: exactly 50,000 entries asked
+        client.put("b", f"flat/{i:05d}", b"")
+    ns._dirs.clear()
+    client.list_page_sizes.clear()
+    await ns.lookup(flat.ino, "00043")
+    assert client.list_page_sizes[:7] == [1000, 4000, 10_000, 10_000, 10_000, 10_000, 5000]
+    assert sum(client.list_page_sizes[:7]) == 50_000 and ns._large.get(("b", "flat/"))
+    fresh = Namespace(config(), client)
+    flat = await fresh.lookup(ROOT_INODE, "flat")
+    client.list_page_sizes.clear()
+    assert len(await listdir(fresh, flat.ino)) == 60_000
+    assert client.list_page_sizes[:2] == [1000, 4000]
+    assert set(client.list_page_sizes[2:]) == {10_000}
 
 
-def test_all_buckets_and_prefix_sources():
+@pytest.mark.trio
+async def test_all_buckets_and_prefix_sources():
     client = memory_client()
     client.buckets["other"] = {}
     client.put("b", "p/q/r", b"1")
     client.put("b", "p/s", b"22")
     client.put("other", "t", b"333")
 
-    async def main():
-        async with engine(client, source=Source("ais", "mem://", None)) as eng:
-            root = await listdir(eng, ROOT_INODE)
-            assert sorted(root) == ["b", "other"]
-            assert await read_all(eng, "other/t") == b"333"
-            assert await read_all(eng, "b/p/q/r") == b"1"
-        async with engine(client, source=Source("ais", "mem://", "b", "p/")) as eng:
-            root = await listdir(eng, ROOT_INODE)
-            assert sorted(root) == ["q", "s"]
-            assert await read_all(eng, "s") == b"22"
-
-    trio.run(main)
+    async with engine(client, source=Source("ais", "mem://", None)) as eng:
+        root = await listdir(eng, ROOT_INODE)
+        assert sorted(root) == ["b", "other"]
+        assert await read_all(eng, "other/t") == b"333"
+        assert await read_all(eng, "b/p/q/r") == b"1"
+    async with engine(client, source=Source("ais", "mem://", "b", "p/")) as eng:
+        root = await listdir(eng, ROOT_INODE)
+        assert sorted(root) == ["q", "s"]
+        assert await read_all(eng, "s") == b"22"
 
 
-def test_find_over_100k_objects_is_not_one_request_per_object():
+@pytest.mark.trio
+async def test_find_over_100k_objects_is_not_one_request_per_object():
     client = memory_client()
     n = 0
     for top in range(10):
@@ -190,23 +181,20 @@ def test_find_over_100k_objects_is_not_one_request_per_object():
                 n += 1
     assert n == 100_000
 
-    async def main():
-        async with engine(client) as eng:
-            seen = 0
+    async with engine(client) as eng:
+        seen = 0
 
-            async def walk(ino):
-                nonlocal seen
-                for name, node in (await listdir(eng, ino)).items():
-                    if node.is_dir:
-                        await walk(node.ino)
-                    else:
-                        assert (await eng.getattr(node.ino)).size == 0
-                        seen += 1
+        async def walk(ino):
+            nonlocal seen
+            for name, node in (await listdir(eng, ino)).items():
+                if node.is_dir:
+                    await walk(node.ino)
+                else:
+                    assert (await eng.getattr(node.ino)).size == 0
+                    seen += 1
 
-            await walk(ROOT_INODE)
-            assert seen == n
-        total = sum(client.calls.values())
-        assert total <= 1_100 + 100, client.calls  # about one listing per directory
-        assert client.calls["head"] == 0 and client.calls["get"] == 0
-
-    trio.run(main)
+        await walk(ROOT_INODE)
+        assert seen == n
+    total = sum(client.calls.values())
+    assert total <= 1_100 + 100, client.calls  # about one listing per directory
+    assert client.calls["head"] == 0 and client.calls["get"] == 0

@@ -16,6 +16,7 @@ import pytest
 
 from server.store.store import Store
 from tests.support.processes import ServerProcess
+from tests.support.store import bulk_clone as _bulk_clone
 
 MiB = 1 << 20
 
@@ -45,28 +46,6 @@ def _list_all(url: str, bucket: str, page: int, prefix: str = "") -> list[str]:
             return names
 
 
-def _bulk_clone(store: Store, bucket: str, names: list[str]) -> None:
-    """Fill a bucket fast: PUT one object the normal way, then clone its catalog row under
-    every other name (one transaction per mountpath) with hard links to its data file.
-    Going through put_bytes 20,000 times would spend ~30 s in fsync."""
-    template = store.put_bytes(bucket, names[0], b"same bytes")
-    src = store.chunk_files(template)[0][0]
-    row = store.home(bucket, names[0]).reader().execute(
-        "SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, names[0])).fetchone()
-    by_home: dict = {}
-    for name in names[1:]:
-        by_home.setdefault(store.home(bucket, name), []).append(name)
-    for mp, batch in by_home.items():
-        chunks = row[8].replace(template.chunks[0].mp, mp.id)
-        with mp.writer() as db:
-            db.executemany("INSERT INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
-                           [(bucket, n, *row[2:8], chunks) for n in batch])
-        for n in batch:
-            dst = mp.data_path(bucket, n, template.tag, 0)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.link(src, dst)
-
-
 def test_list_20000_objects_in_pages(tmp_path):
     dirs = [tmp_path / "d1", tmp_path / "d2", tmp_path / "d3"]
     store = Store(dirs, 1 * MiB)
@@ -84,25 +63,6 @@ def test_list_20000_objects_in_pages(tmp_path):
         entries = bucket.list_all_objects(prefix="val/09", page_size=100)
         assert [e.name for e in entries] == [f"val/{i:05d}" for i in range(9000, 10_000)]
         assert bucket.object("val/04242").get_reader().read_all() == b"same bytes"
-
-
-def test_store_listing_spans_mountpaths(tmp_path):
-    """Every page merges all mountpaths in name order, however names are spread."""
-    store = Store([tmp_path / "a", tmp_path / "b", tmp_path / "c"], 1 * MiB)
-    store.create_bucket("b")
-    names = sorted(f"n{i:04d}" for i in range(300))
-    _bulk_clone(store, "b", names)
-    homes = {store.home("b", n).id for n in names}
-    assert len(homes) == 3
-    for limit in (1, 2, 3, 50, 299, 300, 1000):
-        # pages of 1 exercise the token landing on each mountpath in turn
-        got, token = [], ""
-        while True:
-            page, token = store.list_page("b", "", token, limit)
-            got += [m.name for m in page]
-            if not token:
-                break
-        assert got == names, limit
 
 
 def _start_slow_put(url: str, path: str, total: int, first: bytes) -> socket.socket:
@@ -213,56 +173,3 @@ def test_range_get_opens_only_its_chunks(tmp_path):
         for whole in (httpx.get(f"{srv.url}/v1/objects/b/big"),
                       httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={3 * MiB}-"})):
             assert whole.status_code == 500 and "wrong size" in whole.json()["message"]
-
-
-def test_open_span_opens_only_overlapping_chunks(tmp_path):
-    store = Store([tmp_path / "d"], 1 * MiB)
-    store.create_bucket("b")
-    data = os.urandom(5 * MiB + 7)
-    store.put_bytes("b", "o", data)
-    with store.open("b", "o", lambda meta: (MiB + MiB // 2, 3 * MiB)) as obj:
-        assert [fd >= 0 for fd, _ in obj.files] == [False, True, True, False, False, False]
-        store.put_bytes("b", "o", b"replaced")  # open descriptors keep the old version readable
-        assert obj.pread(MiB, 3 * MiB) == data[MiB:3 * MiB]
-        with pytest.raises(ValueError, match="chunk 3 was not opened"):
-            obj.pread(2 * MiB, 3 * MiB + 1)
-    with store.open("b", "o", lambda meta: (0, 0)) as obj:
-        assert all(fd < 0 for fd, _ in obj.files)
-    store.put_bytes("b", "empty", b"")
-    with store.open("b", "empty") as obj:  # its one empty chunk file is opened (and checked)
-        assert [fd >= 0 for fd, _ in obj.files] == [True] and obj.pread() == b""
-
-
-def test_listing_rows_match_the_objects(tmp_path):
-    """Listings read only the columns they show (no chunk tables): the same name, size,
-    ETag and Last-Modified as the object itself."""
-    store = Store([tmp_path / "d"], 1 * MiB)
-    store.create_bucket("b")
-    metas = [store.put_bytes("b", f"o{i}", os.urandom(i * 300_000)) for i in range(5)]
-    page, token = store.list_page("b", "", "", 10)
-    assert token == "" and [m.name for m in page] == [m.name for m in metas]
-    for listed, meta in zip(page, metas):
-        assert (listed.size, listed.etag, listed.last_modified, listed.atime_ns) == \
-            (meta.size, meta.etag, meta.last_modified, meta.atime_ns)
-    assert page[0].last_modified.endswith(" GMT") and time.strptime(page[0].last_modified, "%a, %d %b %Y %H:%M:%S GMT")
-
-
-def test_meta_cache_never_keeps_a_row_read_before_a_commit(tmp_path):
-    store = Store([tmp_path / "d"], 1 * MiB, meta_cache_entries=2)
-    store.create_bucket("b")
-    v1 = store.put_bytes("b", "o", b"one")
-    # a reader that looked the row up before a concurrent commit must not cache it after
-    gen = store.meta_cache.generation()
-    v2 = store.put_bytes("b", "o", b"two")
-    store.meta_cache.fill(("b", "o"), v1, gen)
-    assert store.lookup("b", "o") == v2
-    with store.open("b", "o") as obj:
-        assert obj.pread() == b"two"
-    # bounded: least recently used entries go first
-    for n in ("x", "y", "z"):
-        store.put_bytes("b", n, n.encode())
-        store.lookup("b", n)
-    assert len(store.meta_cache) == 2 and store.meta_cache.get(("b", "x")) is None
-    store.delete("b", "z")
-    with pytest.raises(Exception, match="does not exist"):
-        store.lookup("b", "z")
