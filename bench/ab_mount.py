@@ -7,8 +7,8 @@ gives a fresh, empty cache directory per mount; ``"env": {...}`` sets the daemon
 variant; rounds alternate the order of the variants, and every measurement is a fresh mount
 with the kernel caches dropped (cold).
 
-    python bench/ab_mount.py --test seq --rounds 4 base=/tmp/base new=.
-    python bench/ab_mount.py --test loader new=. 'cache=.?{"cache_dir": "fresh"}'
+    python -m bench.ab_mount --test seq --rounds 4 base=/tmp/base new=.
+    python -m bench.ab_mount --test loader new=. 'cache=.?{"cache_dir": "fresh"}'
 
 Reported per variant (medians): the rate; the daemon's CPU (all threads) and its main
 thread's alone (the trio thread that answers FUSE requests), per GiB or per file; the
@@ -25,24 +25,19 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from server.store.store import Store  # noqa: E402
-from tests.support.mounts import MountProcess  # noqa: E402
-from tests.support.processes import ServerProcess  # noqa: E402
+from server.store.store import Store
+from tests.support.procstat import cpu_seconds
+from tests.support.mounts import MountProcess
+from tests.support.processes import ServerProcess
 
-TICKS = os.sysconf("SC_CLK_TCK")
 SEQ_BYTES = 1 << 30
 SMALL_FILES, SMALL_BYTES, LOADER_READS = 10_000, 10 * 1024, 2_000
 
 
-def cpu_seconds(path: str) -> float:
-    fields = open(path).read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def run_delay_seconds(pid: int) -> float:

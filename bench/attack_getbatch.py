@@ -1,6 +1,6 @@
 """GetBatch attacks of issue 9 (points 9 and 10), measured the same way on any tree.
 
-    python bench/attack_getbatch.py [--tree DIR] [--bomb-mib 512] [--only bomb,starve,leave,noread]
+    python -m bench.attack_getbatch [--tree DIR] [--bomb-mib 512] [--only bomb,starve,leave,noread]
 
 ``--tree`` is the source tree whose ``server`` package the ``batchfs-server`` process imports
 (PYTHONPATH); compare ``git archive bea30ee server | tar -x -C /tmp/main-bea30ee`` with this
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,9 +31,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.server.test_attacks_getbatch import cpu_seconds, raw_moss, write_bomb  # noqa: E402
-from tests.support.processes import BIN, ServerProcess  # noqa: E402
+from tests.support.attacks import raw_moss, write_bomb
+from tests.support.procstat import cpu_seconds, rss_bytes
+from tests.support.processes import BIN, ServerProcess
 
 MiB = 1024 * 1024
 
@@ -46,10 +45,7 @@ def make_bomb(path: Path, mib: int) -> None:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return rss_bytes(pid) / (1024 * 1024)
 
 
 def supported(tree: Path) -> str:

@@ -17,7 +17,7 @@ the server's own files stay in the page cache, alike for every side); rounds rot
 of the sides. Reported: medians over ``--runs`` rounds, ratios of medians, the daemon's CPU per
 sample, the server's requests per sample (from /metrics), and the load average.
 
-    python bench/bench_batch.py [--runs 3] [--sides plans,noplans,s3fs,rclone,local,floor]
+    python -m bench.bench_batch [--runs 3] [--sides plans,noplans,s3fs,rclone,local,floor]
 
 Run as root (FUSE mounts). Data is written straight into the server's store before it starts.
 """
@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from batchfs.sampler import EpochSampler, PlanSampler  # noqa: E402
-from bench.bench_mount import mount_side, request_counts  # noqa: E402
-from server.store.store import Store  # noqa: E402
-from tests.support.processes import ServerProcess  # noqa: E402
+from batchfs.sampler import EpochSampler, PlanSampler
+from bench.bench_mount import mount_side, request_counts
+from server.store.store import Store
+from tests.support.procstat import cpu_seconds
+from tests.support.processes import ServerProcess
 
 KiB, MiB = 1024, 1 << 20
 BUCKET = "bb"
@@ -71,10 +71,6 @@ def load(data_dir: Path, sets: dict[str, tuple[int, int]]) -> None:
             store.put_bytes(BUCKET, name, rng.randbytes(size))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far: what a side costs, whatever the machine's load."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- (a) TAR views

@@ -1,6 +1,6 @@
 """GetBatch benchmark: the paper's Table 1 on this machine, time to first byte, and memory.
 
-    python bench/bench_getbatch.py [--runs 3] [--seconds 2] [--threads 1,4,8] [--skip-rss]
+    python -m bench.bench_getbatch [--runs 3] [--seconds 2] [--threads 1,4,8] [--skip-rss]
 
 1. Throughput of individual GETs vs GetBatch (batch 32/64/128) for 10 KiB, 100 KiB and 1 MiB
    objects (``BENCH_SIZES=10240,262144`` picks other sizes, in bytes). Same client for both
@@ -34,8 +34,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.processes import ServerProcess  # noqa: E402
+from tests.support.processes import ServerProcess
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -233,7 +232,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-getbatch-") as tmpdir:
         tmp = Path(tmpdir)
         thread_counts = [int(t) for t in args.threads.split(",")]
-        out = [f"BENCH_SIZES={','.join(str(s) for s, _, _ in SIZES)} python bench/bench_getbatch.py --runs {args.runs} "
+        out = [f"BENCH_SIZES={','.join(str(s) for s, _, _ in SIZES)} python -m bench.bench_getbatch --runs {args.runs} "
                f"--seconds {args.seconds} --threads {args.threads}", ""]
         if args.only in (None, "table", "ttfb"):
             srv = ServerProcess([tmp / "d1", tmp / "d2"])

@@ -14,7 +14,7 @@ of the picture for every side alike; ``--keep`` keeps it for later runs with the
 Rounds rotate the order of the sides. ``--profile DIR`` records the batchfs daemon with
 py-spy (raw collapsed stacks, one file per test) to see where its time goes.
 
-Run as root (FUSE mounts, drop_caches):  python bench/bench_mount.py [--runs 3]
+Run as root (FUSE mounts, drop_caches):  python -m bench.bench_mount [--runs 3]
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from batchfs.mount.daemon import is_mounted  # noqa: E402
-from server.store.store import Store  # noqa: E402
-from tests.support.processes import ServerProcess  # noqa: E402
+from batchfs.mount.daemon import is_mounted
+from server.store.store import Store
+from tests.support.procstat import cpu_seconds
+from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -183,10 +183,6 @@ def request_counts(before: dict[str, float], after: dict[str, float]) -> dict[st
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (load-independent, unlike wall time)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drop_caches() -> None:
@@ -226,8 +222,8 @@ _PROFILE_RULES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
      and any(m in st for m in ("httpx", "httpcore", "h11"))),
     ("read: engine (reader, caches)", lambda st, leaf: "reader.py" in st or "engine.py" in st or "batchfs/cache/" in st),
     ("other httpx/httpcore (pool, response close)", lambda st, leaf: any(m in st for m in ("httpx", "httpcore", "h11"))),
-    ("FUSE handlers (pyfuse3 glue, fs.py, namespace)", lambda st, leaf: any(
-        m in st for m in ("pyfuse3", "batchfs/fs.py", "namespace.py"))),
+    ("FUSE handlers (pyfuse3 glue, mount/adapter.py, namespace)", lambda st, leaf: any(
+        m in st for m in ("pyfuse3", "batchfs/mount/adapter.py", "namespace.py"))),
     ("trio scheduler and the rest", lambda st, leaf: True),
 )
 

@@ -6,7 +6,7 @@
 (c) the server's resident memory (VmRSS from /proc/PID/status) sampled every 50 ms while it
     serves (a) and (b): peak and at rest.
 
-Usage: python bench/bench_server.py [--large-mib 1024] [--runs 3] [--data-dir DIR]
+Usage: python -m bench.bench_server [--large-mib 1024] [--runs 3] [--data-dir DIR]
 Prints a markdown table and the exact commands. The server runs as a real process on a free
 port with its default configuration (8 MiB chunks, so the large object is chunked).
 """
@@ -22,13 +22,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.processes import ServerProcess  # noqa: E402
+from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
 

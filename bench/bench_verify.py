@@ -11,7 +11,7 @@ page cache: this measures the CPU cost of verifying, not the disk). With ``--bas
 a second server runs the code of another checkout and the runs alternate between the two,
 so both see the same machine load.
 
-Usage: python bench/bench_verify.py [--large-mib 1024] [--runs 5] [--baseline-tree DIR]
+Usage: python -m bench.bench_verify [--large-mib 1024] [--runs 5] [--baseline-tree DIR]
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.processes import ServerProcess  # noqa: E402
+from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
 

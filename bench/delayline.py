@@ -25,7 +25,7 @@ Design (one line per connection, two directions each):
 - Zero delay and no rate: ``splice`` moves the bytes through a pipe inside the kernel, no
   copy into Python (``--selftest`` compares it with direct loopback).
 
-Run it as its own process (``python bench/delayline.py --upstream HOST:PORT --rtt-ms 5``), so
+Run it as its own process (``python -m bench.delayline --upstream HOST:PORT --rtt-ms 5``), so
 its CPU shows apart from the measured processes; it prints ``delayline: listening on
 http://HOST:PORT`` when ready. Loopback addresses only: it refuses any other upstream.
 """

@@ -5,7 +5,7 @@ network, no server, no engine), read with ``dd bs=1M`` like ``bench_mount.py``'s
 test. It says what one Python FUSE thread can deliver here at best, so the mount's own
 figure can be read against it (docs/mount-bench.md, "Where the time goes").
 
-    python bench/fuse_floor.py [--size-mib 1024] [--runs 5]
+    python -m bench.fuse_floor [--size-mib 1024] [--runs 5]
 
 Three sources, all with direct_io (1 MiB FUSE reads), as the mount opens large files:
 ``hot`` repeats an 8 MiB buffer (it stays in the CPU caches); ``cold`` a 512 MiB one (every
@@ -27,9 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from server.store.store import Store  # noqa: E402
-from tests.support.processes import ServerProcess  # noqa: E402
+from server.store.store import Store
+from tests.support.processes import ServerProcess
 
 _FS = r'''
 import errno, http.client, os, queue, stat, sys, threading

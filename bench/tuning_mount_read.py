@@ -5,7 +5,7 @@ CPU per GiB is the figure to compare on a shared machine: the read path is CPU-b
 Python thread, so it is stable under load where wall-clock rates are not. Results and the
 decisions taken from them are in docs/mount.md.
 
-    python bench/tuning_mount_read.py [--size-mib 1024] [--runs 3] 'dict()' 'dict(http_read_bytes=64<<10)' ...
+    python -m bench.tuning_mount_read [--size-mib 1024] [--runs 3] 'dict()' 'dict(http_read_bytes=64<<10)' ...
 
 Each argument is a Python expression for MountConfig overrides (``env=`` sets the daemon's
 environment).
@@ -18,23 +18,18 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.mounts import MountProcess  # noqa: E402
-from tests.support.processes import ServerProcess  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
+from tests.support.procstat import cpu_seconds
+from tests.support.mounts import MountProcess
+from tests.support.processes import ServerProcess
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+
 
 
 def main() -> None:
