@@ -65,13 +65,13 @@ class ServerConfig:
     s3_access_key: str | None = dataclasses.field(default=None, repr=False)
     s3_secret_key: str | None = dataclasses.field(default=None, repr=False)
     # Native API and GetBatch: a file of bearer tokens (one a line, not accessible by other
-    # users); when set, every route but /v1/health wants one (server/auth.py has the table).
+    # users); when set, every route but /v1/health wants one (server/api/auth.py has the table).
     # Only the tokens' SHA-256 digests are kept, loaded from the file when the config is built.
     auth_token_file: Path | None = None
     auth_token_digests: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
     # /metrics: "token" wants the bearer token when one is configured; "none" leaves it open.
     metrics_auth: str = "token"
-    # Connection limits (server/connlimits.py). Client connections served at once; 0 = auto:
+    # Connection limits (server/api/connlimits.py). Client connections served at once; 0 = auto:
     # half the descriptors RLIMIT_NOFILE leaves after a floor and the reserve (the other half
     # is for the files those connections open). Past it, or past the per-client cap, a
     # connection gets 503 / 429 (health and metrics still answered, from a small reserve).

@@ -67,7 +67,7 @@ class BatchConfig:
 class BatchFile:
     def __init__(self, mgr: "BatchManager", name: str, uid: int = 0, gid: int = 0, mode: int = 0o600):
         self.mgr, self.name = mgr, name
-        # the creator's: fixed for the file's life (truncate keeps them); see batchops
+        # the creator's: fixed for the file's life (truncate keeps them); see control.tree
         self.uid, self.gid, self.mode = uid, gid, mode
         self.state = "empty"
         self.buf = bytearray()

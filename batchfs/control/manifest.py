@@ -288,7 +288,7 @@ def _objname(value, where: str) -> str:
 # One regex match (~0.5 us) instead of the general checks (~3 us): a 10,000-entry manifest is
 # parsed before its batch can start, so this is part of a large batch's time to first byte.
 # (Also kept out: the line breaks str.splitlines() knows beyond the control characters.)
-# tests/test_manifest.py checks that the general path returns such a path unchanged.
+# tests/unit/test_manifest.py checks that the general path returns such a path unchanged.
 _SEG = r"[^\x00-\x1f\x7f\x85\u2028\u2029/\ud800-\udfff]+"
 _PLAIN_PATTERN = r"(?!\.batch(?:/|{end}))(?:(?!\.\.?/){seg}/)*(?!\.\.?{end}){seg}"
 _PLAIN = re.compile(_PLAIN_PATTERN.format(end=r"\Z", seg=_SEG))

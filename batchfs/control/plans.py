@@ -21,7 +21,7 @@ Lookups: before the open comes the kernel's lookup of the name. ``registry.peek(
 key)`` answers it from the same entry (waiting for its batch the same way) WITHOUT consuming
 it: the fetched member's size and mtime are what the object is now, so a planned path costs
 no metadata request (a HEAD and a listing otherwise). The planned bytes then go into the
-kernel's page cache at ``open`` (``fs.py``: ``notify_store``), so the loader's reads of a
+kernel's page cache at ``open`` (the mount adapter: ``notify_store``), so the loader's reads of a
 planned file never reach the daemon.
 
 Bounds: a plan holds at most ``window`` fetched batches; across all plans, no new batch

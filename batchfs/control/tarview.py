@@ -2,7 +2,7 @@
 
 Design note
 -----------
-``TarView.run()`` is the producer: it drives a batch source (``batchclient``), which calls
+``TarView.run()`` is the producer: it drives a batch source (``objclient.getbatch``), which calls
 this object's ``begin``/``data``/``end`` (the ``MemberSink`` protocol) for member 0, 1, …
 in manifest order. Each member becomes a header (``batchfs.wire.tarheader.tar_header``: the bytes of
 ``tarfile.TarInfo.tobuf`` in pax format, so long and non-ASCII names survive, with a fast path

@@ -209,7 +209,7 @@ def _mount_options(config: MountConfig) -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions
     # no kernel "ro": it would refuse `.batch/` writes; every other write answers EROFS
     # default_permissions always: with allow_other the kernel keeps users out of each other's
-    # `.batch/` files by their owner and mode (batchops); there is no option to drop it
+    # `.batch/` files by their owner and mode (control.tree); there is no option to drop it
     opts.add("default_permissions")
     for o in config.fuse_options:
         opts |= {p for p in o.split(",") if p}

@@ -69,7 +69,7 @@ class AisClient(ObjectClient):
         self.base = config.source.endpoint.rstrip("/")
         self.http = make_http_client(config)
         # Every request carries the token: httpx ones (listings, buckets, GetBatch through
-        # batchclient) take it from the client's headers, object HEADs and GETs (lean_request,
+        # objclient.getbatch) take it from the client's headers, object HEADs and GETs (lean_request,
         # which bypasses those) from ``self.auth``.
         self.auth: dict[str, str] = {}
         if config.auth_token:

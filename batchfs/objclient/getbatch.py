@@ -140,7 +140,7 @@ class GetBatchSource:
         """Send one part's request; retry 429/5xx/connection errors; return it streaming."""
         last, status = "", None
         for n in range(self.config.retries + 1):
-            try:  # the client's headers carry the bearer token, if any (backends.ais)
+            try:  # the client's headers carry the bearer token, if any (objclient.ais)
                 resp = await self.http.send(self._request(targets), stream=True)
             except httpx.TransportError as e:
                 last, status = f"{type(e).__name__}: {e}", None

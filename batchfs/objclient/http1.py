@@ -20,7 +20,7 @@ protocol code is written once, without I/O (``http1exchange.exchange_steps``), a
 either on the trio loop or on a thread.
 
 Invariants:
-- Plain ``http://`` only (``https://`` endpoints use httpcore, see ``http.lean_request``).
+- Plain ``http://`` only (``https://`` endpoints use httpcore, see ``httppool.lean_request``).
 - At most ``max_connections`` requests in flight; idle connections are reused LIFO and
   dropped after ``keepalive_seconds`` idle (servers close idle connections on their own
   timers).
@@ -32,7 +32,7 @@ Invariants:
   idle) is retried once at once on a new connection, as httpcore does (a read timeout there is
   a slow server, not a stale connection: not retried); every other failure, malformed replies
   and upgrades included, is a ``ConnectionFailed`` for the caller's retry policy
-  (``http.with_retries``).
+  (``httppool.with_retries``).
 - Time bounds: connecting is bounded by ``connect_timeout_seconds``; the whole request is
   bounded by the caller (``with_retries`` runs it under ``trio.fail_after``). A request on a
   worker thread is abandoned when cancelled and its connection shut down, which ends the

@@ -7,7 +7,7 @@ otherwise. The table classifies a request by its path:
     /v1/health            open (liveness probes; answers an empty 200, reveals nothing)
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
                           one is configured; "none" leaves it open (labels are operations and
-                          status codes, never bucket or object names: tests/test_auth.py checks)
+                          status codes, never bucket or object names: tests/server/test_auth.py checks)
     /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``
     anything else         the S3 API (``/s3/...`` and the root): SigV4
 

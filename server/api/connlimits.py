@@ -52,7 +52,7 @@ handler is waiting for the next request"; ``_Guarded`` reads four of its attribu
 that: ``_request_count`` (messages parsed), ``_waiter`` (pending while it waits for the next
 request; aiohttp's own keep-alive check uses it the same way), ``_messages`` (parsed requests
 not yet handled, with their body streams) and ``_current_request`` (the request whose handler
-runs). ``ConnectionGuard`` refuses to start if they are gone, and tests/test_attacks_conn.py
+runs). ``ConnectionGuard`` refuses to start if they are gone, and tests/server/test_attacks_conn.py
 fails if their meaning changes. Requests whose header arrives in one piece and that carry no
 body (every GET) arm no timer at all; only a connection's first request does.
 """

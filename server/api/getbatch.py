@@ -4,10 +4,10 @@
 docs/wire.md and docs/getbatch.md). Member *i* of the archive is entry *i*,
 always. This module is the HTTP handler; the work is in:
 
-- ``getbatch_request``: the body and its entries, checked incrementally (400s);
-- ``getbatch_read``: the plan (lookups, shard indexes, 404/416) and entry reads, in threads;
-- ``getbatch_job``: the scheduler and the in-order assembler of one request;
-- ``getbatch_budget``: admission, the global byte budget, the fair reader pool, work bounds.
+- ``getbatch.request``: the body and its entries, checked incrementally (400s);
+- ``getbatch.reads`` (through ``getbatch.items``): the plan (lookups, shard indexes, 404/416) and entry reads, in threads;
+- ``getbatch.job``: the scheduler and the in-order assembler of one request;
+- ``getbatch.budget``: admission, the global byte budget, the fair reader pool, work bounds.
 
 One streamed request (``strm: true``)::
 

@@ -417,7 +417,7 @@ async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Respo
 
 
 # -- objects --------------------------------------------------------------------------------
-# The archive parameters go to server/archget.py (the hook at the top of get_object), which
+# The archive parameters go to server/api/archget.py (the hook at the top of get_object), which
 # serves one member or refuses the rest with a 400.
 GET_OBJECT_PARAMS = ["latest-ver", *archget.ARCH_PARAMS]
 

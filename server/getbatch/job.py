@@ -2,7 +2,7 @@
 
 Design (one request)::
 
-    plan (getbatch_read.plan_chunk)   -- in threads, in request order, a chunk at a time
+    plan (reads.plan_chunk)     -- in threads, in request order, a chunk at a time
     scheduler task: plans ahead, cuts the entries into *runs*, reserves window bytes, and
                     hands each run to a reader thread (at most ``getbatch_workers`` in flight)
     assembler (``assemble``, awaited by the handler): awaits runs in order and writes them

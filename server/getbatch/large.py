@@ -1,6 +1,6 @@
 """GetBatch's large members, sent at their turn rather than read ahead.
 
-The assembler (``getbatch_job``) hands a large entry here when it is the next member to
+The assembler (``job``) hands a large entry here when it is the next member to
 write. Two ways:
 
 - ``stream_in_pieces``: open the entry, then read it in ``STREAM_PIECE`` pieces in a reader

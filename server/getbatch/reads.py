@@ -3,7 +3,7 @@
 - ``plan_chunk`` checks the next raw entries (``MossReq.check_upto``) and looks each one up:
   its object's metadata and, for an archpath entry, the shard's index to find the member. A
   shard whose index is not built yet stops the chunk with ``NeedIndex``: the job has it built
-  on the index lane (``getbatch_budget.ShardIndexer``, not this reader pool) and plans on. It fixes every entry's ``kind`` and planned ``size`` (ranges
+  on the index lane (``budget.ShardIndexer``, not this reader pool) and plans on. It fixes every entry's ``kind`` and planned ``size`` (ranges
   are checked here: 416). Under ``coer`` a missing object or member, or an unreadable shard,
   becomes kind ``missing`` (a placeholder) instead of an error.
 - ``read_run`` reads a *run* of consecutive small entries in one thread call, sharing open

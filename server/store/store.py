@@ -219,7 +219,7 @@ class Mountpath:
                 db.execute("COMMIT")
             except BaseException:
                 # SQLite rolls back by itself after most failed COMMITs (SQLITE_FULL included,
-                # as tests/test_diskfull.py sees), but not after all: one left open would make
+                # as tests/server/test_diskfull.py sees), but not after all: one left open would make
                 # every later BEGIN on this connection fail, so end it if it is still there.
                 if db.in_transaction:
                     db.execute("ROLLBACK")
