@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from batchfs.loader import PathDataset
 from batchfs.sampler import EpochSampler, PlanSampler
 from bench.bench_mount import mount_side, request_counts
 from server.store.store import Store
@@ -119,27 +120,13 @@ def read_each(root: Path, listing: list[str]) -> tuple[float, int]:
 # ---------------------------------------------------------------- (b) the loader
 
 
-class Dataset:
-    """The unmodified map-style Dataset: a path list and open(path).read()."""
-
-    def __init__(self, paths):
-        self.paths = paths
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, i):
-        with open(self.paths[i], "rb") as f:
-            return f.read()
-
-
 def run_loader(paths: list[str], seed: int, size: int, plan_mount: Path | None = None) -> float:
     """Samples/s of one epoch of a DataLoader (2 workers) over ``paths`` in a seeded random order."""
     from torch.utils.data import BatchSampler, DataLoader
 
     bs = BatchSampler(EpochSampler(len(paths), seed=seed), LOADER_BATCH, False)
     sampler = PlanSampler(bs, paths, mount=plan_mount, window=8) if plan_mount else bs
-    dl = DataLoader(Dataset(paths), batch_sampler=sampler, num_workers=2, collate_fn=list)
+    dl = DataLoader(PathDataset(paths), batch_sampler=sampler, num_workers=2, collate_fn=list)
     t = time.perf_counter()
     n = 0
     for batch in dl:

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from batchfs.mount.daemon import is_mounted
 from server.store.store import Store
+from batchfs.loader import PathDataset
 from tests.support.procstat import cpu_seconds
 from tests.support.processes import ServerProcess
 
@@ -259,22 +260,8 @@ def seq_read(path: Path) -> tuple[float, int]:
     return elapsed, copied
 
 
-class Dataset:
-    """The unmodified map-style loader: a path list and open(path).read()."""
-
-    def __init__(self, paths: list[Path]):
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> bytes:
-        with open(self.paths[i], "rb") as f:
-            return f.read()
-
-
 def loader(root: Path, names: list[str]) -> float:
-    ds = Dataset([root / n for n in names])
+    ds = PathDataset([root / n for n in names])
     order = list(range(len(ds)))
     random.Random(2).shuffle(order)  # a sampler's random order
     t = time.perf_counter()

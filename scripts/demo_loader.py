@@ -10,21 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from batchfs.loader import PathDataset
 from batchfs.sampler import EpochSampler, PlanSampler
-
-
-class PathDataset:
-    """The kind of Dataset training code already has: one open().read() per sample."""
-
-    def __init__(self, paths):
-        self.paths = paths
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, i):
-        with open(self.paths[i], "rb") as f:
-            return f.read()
 
 
 def run(label: str, ds: PathDataset, order) -> list[bytes]:

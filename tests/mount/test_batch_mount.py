@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import batchfs
+from tests.support.objects import put_all
 from tests.support.mounts import MountProcess
 
 
@@ -55,11 +56,8 @@ def getbatches(server) -> float:
 
 @pytest.fixture
 def data(server, bucket):
-    objs = {f"train/{i:04d}.jpg": random.Random(i).randbytes(random.Random(-i).randrange(1, 20_000)) for i in range(300)}
-    with httpx.Client() as c:
-        for k, v in objs.items():
-            c.put(f"{server.url}/v1/objects/{bucket}/{k}", content=v).raise_for_status()
-    return objs
+    return put_all(server, bucket, {f"train/{i:04d}.jpg": random.Random(i).randbytes(random.Random(-i).randrange(1, 20_000))
+                                    for i in range(300)})
 
 
 @pytest.fixture

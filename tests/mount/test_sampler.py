@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 
+from batchfs.loader import PathDataset
 from batchfs.sampler import EpochSampler, PlanSampler, epoch_order
 from tests.support.mounts import MountProcess
 
@@ -75,20 +76,6 @@ def test_plan_sampler_yields_exactly_the_inner_order(tmp_path):
 
 # -- a real DataLoader over a real mount ----------------------------------------------------------
 torch_missing = importlib.util.find_spec("torch") is None
-
-
-class PathDataset:
-    """The unchanged map-style Dataset: open(path).read() in __getitem__."""
-
-    def __init__(self, paths):
-        self.paths = paths
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, i):
-        with open(self.paths[i], "rb") as f:
-            return f.read()
 
 
 def _collect(loader) -> list[bytes]:

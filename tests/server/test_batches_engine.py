@@ -35,7 +35,7 @@ from batchfs.errors import BatchfsError
 from batchfs.control.manifest import Limits
 from batchfs.control.plans import PlanConfig
 from batchfs.control.tarview import PIECE, BatchIOError, ViewConfig
-from tests.support.objects import put
+from tests.support.objects import put, put_all
 from tests.support.processes import ServerProcess
 
 MP = "/mnt/t"
@@ -351,11 +351,8 @@ def get_count(server) -> float:
 
 @pytest.fixture
 def dataset(server, bucket):
-    objs = {f"train/{i:04d}.bin": random.Random(i).randbytes(random.Random(-i).randrange(0, 3000)) for i in range(200)}
-    with httpx.Client() as c:
-        for k, v in objs.items():
-            c.put(f"{server.url}/v1/objects/{bucket}/{k}", content=v).raise_for_status()
-    return objs
+    return put_all(server, bucket, {f"train/{i:04d}.bin": random.Random(i).randbytes(random.Random(-i).randrange(0, 3000))
+                                    for i in range(200)})
 
 
 @settings(max_examples=500, deadline=None)

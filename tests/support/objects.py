@@ -21,3 +21,11 @@ def new_bucket(url: str) -> str:
 def put(server, bucket: str, name: str, data: bytes) -> None:
     r = httpx.put(f"{server.url}/v1/objects/{bucket}/{name}", content=data, timeout=60)
     r.raise_for_status()
+
+
+def put_all(server, bucket: str, objects: dict[str, bytes]) -> dict[str, bytes]:
+    """PUT every object over one connection; returns ``objects``."""
+    with httpx.Client(timeout=60) as c:
+        for name, data in objects.items():
+            c.put(f"{server.url}/v1/objects/{bucket}/{name}", content=data).raise_for_status()
+    return objects
