@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from server.errors import BadRequest, TooManyRequests
-from server.store.store import PutWriter
+from server.store.writer import PutWriter
 
 MAX_OPEN = 256  # append handles open at once
 IDLE_SECONDS = 600.0  # a handle untouched this long is dropped

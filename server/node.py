@@ -22,7 +22,10 @@ from pathlib import Path
 
 from server import bucket_ops
 from server.jobs import Job
-from server.store.store import Listed, ObjectMeta, OpenObject, PutWriter, Store
+from server.store.meta import Listed, ObjectMeta
+from server.store.reader import OpenObject
+from server.store.store import Store
+from server.store.writer import PutWriter
 
 
 class LocalNode:

@@ -43,9 +43,10 @@ from aiohttp import web
 
 from server.errors import BadRequest, StoreError
 from server.getbatch.budget import Cancelled, Work
-from server.archive.shards import MemberSource, RangeSource, ShardIndexCache, open_member
+from server.archive.members import MemberSource, RangeSource, open_member
+from server.archive.shards import ShardIndexCache
 from server.api.state import CONFIG, METRICS, NODE, OP_KEY
-from server.store.store import verify_in_thread, verify_pieces
+from server.store.reader import verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
 

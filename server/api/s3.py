@@ -57,7 +57,7 @@ from server.api.s3_xml import (CODE_KEY, REGION, S3Error, default_code, error_re
 from server.api.auth import SIGNED_KEY
 from server.api.sigv4 import aws_chunks, is_aws_chunked
 from server.api.state import API_KEY, METRICS, NODE, OP_KEY
-from server.store.store import ObjectMeta
+from server.store.meta import ObjectMeta
 
 from server.api import s3_multipart  # multipart uploads, copy and multi-delete documents, trailing checksums
 from server.api.s3_xml import (OWNER_ID, copy_result_doc, delete_result_doc, parse_complete_doc, parse_delete_doc,

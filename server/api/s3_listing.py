@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.store.store import ObjectMeta, Store
+from server.store.meta import ObjectMeta
+from server.store.store import Store
 
 MAX_KEYS = 1000  # S3's cap per page
 PAST_ANY_CHAR = "\U0010ffff"  # the greatest code point: C + this sorts after C + anything

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from server.api.s3_xml import S3Error
 from server.node import LocalNode
-from server.store.store import ObjectMeta
+from server.store.meta import ObjectMeta
 
 MIN_PART_BYTES = 5 * 1024**2  # S3's minimum for every part but the last
 MAX_PART_NUMBER = 10_000

@@ -1,4 +1,5 @@
-"""Reading members out of shards (TAR, gzip-compressed TAR, ZIP objects) stored in a bucket.
+"""Indexing shards (TAR, gzip-compressed TAR, ZIP objects) stored in a bucket, so their members
+can be found without scanning them again (reading a member: ``archive.members``).
 
 A shard's member table is an *index*, built once per shard version and kept in a bounded LRU
 (``ShardIndexCache``) keyed by (bucket, name, version, tag), so a new PUT of the shard can
@@ -49,7 +50,9 @@ import zlib
 from typing import NamedTuple, Protocol
 
 from server.errors import BadRequest, NotFound
-from server.store.store import ObjectMeta, ObjectReader, OpenObject, Store
+from server.store.meta import ObjectMeta
+from server.store.reader import ObjectReader, OpenObject
+from server.store.store import Store
 
 
 class WorkBound(Protocol):
@@ -70,7 +73,7 @@ TGZ_SPACING = 4 * 1024 * 1024
 _CHECKPOINT_BYTES = 44 * 1024
 _STEP = 1024 * 1024  # decompressed bytes per zlib call: the work bound is checked between calls
 _WAIT_STEP = 0.25  # seconds between checks while another thread builds the same index
-_CORRUPT = (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, gzip.BadGzipFile,
+CORRUPT_ERRORS = (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, gzip.BadGzipFile,
             ValueError, OSError)
 
 
@@ -90,7 +93,7 @@ def shard_format(name: str, head: bytes) -> str:
     return "tar"
 
 
-def _norm(name: str) -> str:
+def norm_name(name: str) -> str:
     return name[2:] if name.startswith("./") else name
 
 
@@ -115,17 +118,17 @@ class ShardIndex:
         return self.checkpoints[max(i, 0)]
 
     def find(self, meta: ObjectMeta, archpath: str) -> tuple[int, int]:
-        hit = self.members.get(_norm(archpath))
+        hit = self.members.get(norm_name(archpath))
         if hit is None:
             raise NotFound(f"ais://{meta.bucket}/{meta.name}: no member {archpath!r} in the shard")
         return hit
 
 
-def _reader(obj: OpenObject) -> io.BufferedReader:
+def buffered_reader(obj: OpenObject) -> io.BufferedReader:
     return io.BufferedReader(ObjectReader(obj), buffer_size=_READ_BUFFER)
 
 
-def _corrupt(meta: ObjectMeta, kind: str, e: BaseException) -> BadRequest:
+def corrupt_error(meta: ObjectMeta, kind: str, e: BaseException) -> BadRequest:
     return BadRequest(f"shard ais://{meta.bucket}/{meta.name} is not a readable {kind} archive: {e or type(e).__name__}")
 
 
@@ -232,12 +235,12 @@ def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
     members: dict[str, tuple[int, int]] = {}
     try:
         if kind == "tar":
-            with tarfile.open(fileobj=_reader(obj), mode="r:") as tf:
+            with tarfile.open(fileobj=buffered_reader(obj), mode="r:") as tf:
                 for ti in tf:
                     if ti.isreg():
                         if ti.offset_data + ti.size > meta.size:
                             raise tarfile.ReadError(f"member {ti.name!r} runs past the end of the shard")
-                        members[_norm(ti.name)] = (ti.offset_data, ti.size)
+                        members[norm_name(ti.name)] = (ti.offset_data, ti.size)
                     tf.members.clear()  # the index is all we keep; tarfile would keep every TarInfo
         elif kind == "tgz":
             checkpoints: list[_Checkpoint] = []
@@ -245,23 +248,23 @@ def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
             with tarfile.open(fileobj=io.BufferedReader(stream, _READ_BUFFER), mode="r:") as tf:
                 for ti in tf:
                     if ti.isreg():
-                        members[_norm(ti.name)] = (ti.offset_data, ti.size)
+                        members[norm_name(ti.name)] = (ti.offset_data, ti.size)
                     tf.members.clear()
             return ShardIndex(kind, members, tuple(checkpoints))
         else:
             infos: dict[str, zipfile.ZipInfo] = {}
-            with zipfile.ZipFile(_reader(obj)) as zf:
+            with zipfile.ZipFile(buffered_reader(obj)) as zf:
                 for zi in zf.infolist():
                     if not zi.is_dir():
-                        members[_norm(zi.filename)] = (0, zi.file_size)
-                        infos[_norm(zi.filename)] = zi
+                        members[norm_name(zi.filename)] = (0, zi.file_size)
+                        infos[norm_name(zi.filename)] = zi
             return ShardIndex(kind, members, zipinfos=infos)
-    except _CORRUPT as e:
-        raise _corrupt(meta, kind, e) from None
+    except CORRUPT_ERRORS as e:
+        raise corrupt_error(meta, kind, e) from None
     return ShardIndex(kind, members)
 
 
-class _IndexedZip(zipfile.ZipFile):
+class IndexedZip(zipfile.ZipFile):
     """A ``ZipFile`` that does not read the central directory: the member comes from the
     index (``open(zipinfo)``); zipfile still checks its local header, CRC and sizes."""
 
@@ -335,182 +338,3 @@ def open_version(store: Store, meta: ObjectMeta) -> OpenObject:
         return store.open_version(meta)
     except FileNotFoundError:
         raise NotFound(f"ais://{meta.bucket}/{meta.name} changed while being read") from None
-
-
-class MemberSource:
-    """Blocking reader of bytes [start, start + length) of one member; ``read(n)`` returns b''
-    at the end. Holds the shard (or object) open until ``close``."""
-
-    def __init__(self, obj: OpenObject, fileobj, close_obj: bool):
-        self._obj, self._f, self._close_obj = obj, fileobj, close_obj
-
-    def read(self, n: int) -> bytes:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        if self._close_obj:
-            self._obj.close()
-
-
-class RangeSource(MemberSource):
-    """Bytes at a fixed place in an object: a whole object, a range, or a TAR member."""
-
-    def __init__(self, obj: OpenObject, offset: int, length: int, close_obj: bool = True):
-        super().__init__(obj, None, close_obj)
-        self._pos, self._end = offset, offset + length
-
-    def read(self, n: int) -> bytes:
-        end = min(self._end, self._pos + n)
-        if end <= self._pos:
-            return b""
-        data = self._obj.pread(self._pos, end)
-        if len(data) != end - self._pos:
-            raise BadRequest(f"ais://{self._obj.meta.bucket}/{self._obj.meta.name}: shorter than its index says")
-        self._pos = end
-        return data
-
-    def span(self) -> tuple[OpenObject, tuple[int, int]]:
-        """The open object and the object bytes [start, end) not yet read (for sendfile, after
-        ``OpenObject.verify`` of each piece)."""
-        return self._obj, (self._pos, self._end)
-
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(fd, offset in that file, count) pieces of the bytes not yet read, for sendfile;
-        the descriptors stay valid until ``close``."""
-        return [(fd, off, n) for _, fd, off, n in self._obj.segments(self._pos, self._end)]
-
-
-class StreamSource(MemberSource):
-    """A member read through a decompressing file object (ZIP or TGZ), skipping ``start``.
-    Every decompressed byte is charged to ``work`` (skipped bytes deliver nothing); with
-    ``charged`` the file object (a GzStream) charges its own and reads count as delivered."""
-
-    def __init__(self, obj: OpenObject, kind: str, fileobj, start: int, length: int, close_obj: bool = True,
-                 work: WorkBound | None = None, charged: bool = False):
-        super().__init__(obj, fileobj, close_obj)
-        self._kind, self._left, self._work, self._charged = kind, length, work, charged
-        self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
-        try:
-            while start:
-                step = min(start, 1 << 20)
-                if work is not None:
-                    work.charge_decompressed(step, 0, self._what)
-                skipped = len(fileobj.read(step))
-                if not skipped:
-                    raise EOFError("member ends before the requested start")
-                start -= skipped
-        except _CORRUPT as e:
-            self.close()
-            raise _corrupt(obj.meta, kind, e) from None
-        except BaseException:
-            self.close()
-            raise
-
-    def read(self, n: int) -> bytes:
-        n = min(n, self._left)
-        if n <= 0:
-            return b""
-        if self._work is not None:
-            # a GzStream charges what it decompresses itself; count the delivery only
-            self._work.charge_decompressed(0 if self._charged else n, n, self._what)
-        try:
-            data = self._f.read(n)
-        except _CORRUPT as e:
-            raise _corrupt(self._obj.meta, self._kind, e) from None
-        if not data:
-            raise _corrupt(self._obj.meta, self._kind, EOFError("member shorter than its header says"))
-        self._left -= len(data)
-        return data
-
-
-class _KeepOpen(io.RawIOBase):
-    """Hands a shared file object to a consumer whose close() must not close it."""
-
-    def __init__(self, f):
-        super().__init__()
-        self._f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self._f.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-
-class TgzReader:
-    """Random access to the members of one TGZ shard through its checkpoints: one stream,
-    reused by consecutive members of a run (a member at most ``TGZ_SPACING`` past the
-    current position is reached by reading forward, any other from the checkpoint before
-    it). Members are read one at a time."""
-
-    def __init__(self, obj: OpenObject, index: ShardIndex):
-        self.obj, self.index = obj, index
-        self._what = f"ais://{obj.meta.bucket}/{obj.meta.name}"
-        self._stream: GzStream | None = None
-
-    def open_member(self, archpath: str, start: int, length: int, work: WorkBound | None = None) -> StreamSource:
-        offset, _ = self.index.find(self.obj.meta, archpath)
-        target = offset + start
-        s = self._stream
-        if s is None or not 0 <= target - s.pos <= TGZ_SPACING or s._work is not work:
-            s = self._stream = GzStream(self.obj, self.index.checkpoint_before(target), work, self._what)
-        try:
-            s.skip_to(target)
-        except _CORRUPT as e:
-            raise _corrupt(self.obj.meta, "tgz", e) from None
-        return StreamSource(self.obj, "tgz", _KeepOpen(s), 0, length, close_obj=False, work=work, charged=True)
-
-    def close(self) -> None:
-        self._stream = None
-
-
-def open_member(obj: OpenObject, index: ShardIndex, archpath: str, start: int, length: int,
-                close_obj: bool = True, work: WorkBound | None = None) -> MemberSource:
-    """A source of bytes [start, start+length) of member ``archpath`` (TAR, ZIP or TGZ).
-    With ``close_obj``, closing the source closes the shard."""
-    meta = obj.meta
-    if index.kind == "tar":
-        offset, _ = index.find(meta, archpath)
-        return RangeSource(obj, offset + start, length, close_obj)
-    if index.kind == "zip":
-        index.find(meta, archpath)
-        zi = index.zipinfos[_norm(archpath)]
-        try:
-            zf = _IndexedZip(_reader(obj))
-            try:
-                f = zf.open(zi)
-            finally:
-                zf.close()  # the member file keeps its own reference to the reader
-        except _CORRUPT as e:
-            raise _corrupt(meta, "zip", e) from None
-        return StreamSource(obj, "zip", f, start, length, close_obj, work=work)
-    reader = TgzReader(obj, index)
-    try:
-        src = reader.open_member(archpath, start, length, work)
-    except BaseException:
-        reader.close()
-        raise
-    return _TgzOwnedSource(src, reader, close_obj)
-
-
-class _TgzOwnedSource(MemberSource):
-    """A TGZ member source that owns its reader (closed with it)."""
-
-    def __init__(self, src: StreamSource, reader: TgzReader, close_obj: bool):
-        super().__init__(src._obj, None, close_obj)
-        self._src, self._reader = src, reader
-
-    def read(self, n: int) -> bytes:
-        return self._src.read(n)
-
-    def close(self) -> None:
-        self._src.close()
-        self._reader.close()
-        if self._close_obj:
-            self._obj.close()
-            self._close_obj = False

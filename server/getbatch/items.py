@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from server.archive.shards import MemberSource, ShardIndexCache
+from server.archive.members import MemberSource
+from server.archive.shards import ShardIndexCache
 from server.getbatch.budget import ShardIndexer, Work
 from server.getbatch.reads import RunResult, open_source, plan_chunk, read_run, read_run_cached
 from server.getbatch.request import Entry, MossReq
-from server.store.store import ObjectMeta, Store
+from server.store.meta import ObjectMeta
+from server.store.store import Store
 
 
 class ItemSource(Protocol):

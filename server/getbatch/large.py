@@ -32,8 +32,8 @@ from server.getbatch.items import ItemSource
 from server.getbatch.reads import placeholder_name
 from server.getbatch.budget import Work
 from server.getbatch.request import Entry, MossReq
-from server.archive.shards import RangeSource
-from server.store.store import verify_in_thread, verify_pieces
+from server.archive.members import RangeSource
+from server.store.reader import verify_in_thread, verify_pieces
 
 
 class Assembly(Protocol):

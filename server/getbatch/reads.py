@@ -41,8 +41,11 @@ from server.archive.writers import TarWriter
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.getbatch.budget import Work
 from server.getbatch.request import MossReq, Entry, span
-from server.archive.shards import MemberSource, RangeSource, ShardIndexCache, TgzReader, open_member, open_version
-from server.store.store import ObjectMeta, OpenObject, Store
+from server.archive.members import MemberSource, RangeSource, TgzReader, open_member
+from server.archive.shards import ShardIndexCache, open_version
+from server.store.meta import ObjectMeta
+from server.store.reader import OpenObject
+from server.store.store import Store
 
 
 

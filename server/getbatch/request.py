@@ -25,7 +25,7 @@ from server.archive.writers import MIME_TYPES, normalize_mime
 from server.config import ServerConfig
 from server.errors import BadRequest, RangeNotSatisfiable
 from server.validate import check_bucket, check_member_path, check_objname
-from server.store.store import ObjectMeta
+from server.store.meta import ObjectMeta
 
 
 @dataclasses.dataclass(slots=True)

@@ -323,7 +323,8 @@ def test_objects_without_block_sums(tmp_path):
     whole chunk are verified against its chunk checksum; partial reads of a chunk larger than
     a block are not (documented in docs/server.md)."""
     from server.errors import CorruptData
-    from server.store.store import Store, verify_pieces
+    from server.store.reader import verify_pieces
+    from server.store.store import Store
 
     store = Store([tmp_path / "d"], chunk_size=MiB)
     store.create_bucket("b")

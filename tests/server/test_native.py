@@ -19,7 +19,7 @@ from aistore.sdk.errors import AISError, ErrBckAlreadyExists, ErrBckNotFound, Er
 from aistore.sdk.retry_config import RetryConfig
 from tenacity import Retrying, stop_after_attempt
 
-from server.store.store import hrw
+from server.store.placement import hrw
 from tests.support.objects import CHUNK, put
 
 
@@ -215,12 +215,13 @@ def _get(server, bucket, name) -> httpx.Response:
 
 def test_every_native_route_declares_what_it_accepts(tmp_path):
     """The guard covers every native route: each handler was built by ``@accepts``."""
-    from server.api import native
+    from server.api import native, native_buckets
     from server.api.app import build_app
     from server.config import ServerConfig
 
     app = build_app(ServerConfig(data_dirs=(tmp_path,)))  # its own store: never the live server's
-    native_routes = [r for r in app.router.routes() if r.handler.__module__ == native.__name__]
+    modules = {native.__name__, native_buckets.__name__}
+    native_routes = [r for r in app.router.routes() if r.handler.__module__ in modules]
     assert len(native_routes) > 15
     unguarded = [f"{r.method} {r.resource.canonical}" for r in native_routes
                  if not hasattr(r.handler, "accepted_params") and r.handler.__name__ != "refuse"]
