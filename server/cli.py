@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from server.api import connlimits
+from server.api import connlimits, listener
 from server.api.app import build_app
 from batchfs.wire.units import parse_size
 from server.config import ServerConfig, load_toml
@@ -256,7 +256,7 @@ def _conn_limits(config: ServerConfig, log: logging.Logger) -> connlimits.Limits
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     admin = connlimits.ADMIN_MAX_CONNECTIONS if config.admin_listen else 0
     reserve = config.reserve_connections
-    max_conns, why = connlimits.fd_budget(nofile, config.max_connections, reserve, admin)
+    max_conns, why = listener.fd_budget(nofile, config.max_connections, reserve, admin)
     if why.startswith("lowered") or why.startswith("RLIMIT"):
         log.warning("max connections %d (%s)", max_conns, why)
     limits = connlimits.Limits(
@@ -291,8 +291,8 @@ async def serve(config: ServerConfig) -> None:
     # Listener accepts (aiohttp's TCPSite would hand every socket to the app's web.Server).
     guards = [connlimits.ConnectionGuard(runner.server, limits, conn_metrics)]
     # A deep accept queue absorbs bursts (refused connections cost microseconds each, see
-    # connlimits.Listener); net.core.somaxconn caps it.
-    listeners = [connlimits.Listener.bind(guards[0], config.host, config.port, _BACKLOG)]
+    # listener.Listener); net.core.somaxconn caps it.
+    listeners = [listener.Listener.bind(guards[0], config.host, config.port, _BACKLOG)]
     host, port = listeners[0].address
     print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
     if config.admin_listen:
@@ -305,7 +305,7 @@ async def serve(config: ServerConfig) -> None:
             a_host, a_port = _listen(config.admin_listen)
         except argparse.ArgumentTypeError as e:
             raise OSError(f"admin_listen: {e}") from None
-        listeners.append(connlimits.Listener.bind(guards[1], a_host, a_port, 128))
+        listeners.append(listener.Listener.bind(guards[1], a_host, a_port, 128))
         a_host, a_port = listeners[1].address
         print(f"batchfs-server: admin (health, metrics) on http://{a_host}:{a_port}", flush=True)
     stop_scan = threading.Event()
@@ -319,8 +319,8 @@ async def serve(config: ServerConfig) -> None:
     await scan
     inflight = app[INFLIGHT]
     log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
-    for listener in listeners:
-        listener.close()
+    for lst in listeners:
+        lst.close()
     if not await inflight.drain(config.shutdown_timeout_seconds):
         log.warning("shutdown timeout: cutting %d requests still in flight", inflight.count)
     for guard in guards:  # the restricted servers' connections (the app's go in runner.cleanup)

@@ -3,7 +3,8 @@
 aiohttp alone keeps a connection that sends half a request header for its keep-alive timeout
 (3,630 s by default) and accepts connections until ``accept()`` fails with EMFILE, after which
 asyncio stops accepting for a second at a time and every client, ``/v1/health`` included,
-times out. This module sits between the listening socket and aiohttp. ``Listener`` accepts
+times out. This module sits between the listening socket and aiohttp. ``Listener``
+(``server.api.listener``) accepts
 connections itself (rather than ``loop.create_server``, whose accept path costs a Task, a
 transport and a protocol per connection even for one about to be refused) and asks
 ``ConnectionGuard`` where each goes; an admitted connection gets a small ``_Guarded``
@@ -31,9 +32,9 @@ Invariants:
 
 - Open client sockets ≤ ``max_connections + reserve`` (+1 being shed). ``serve()`` sizes
   these from RLIMIT_NOFILE so that ``accept()`` never meets EMFILE from connections alone
-  (see ``fd_budget``); if files opened by requests exhaust descriptors anyway, the listener
+  (see ``listener.fd_budget``); if files opened by requests exhaust descriptors anyway, the listener
   pauses 0.1 s rather than spin.
-- At most ``ACCEPT_BATCH`` accepts per event-loop turn, so a flood of connections interleaves
+- At most ``listener.ACCEPT_BATCH`` accepts per event-loop turn, so a flood of connections interleaves
   with the requests of admitted clients.
 - A request's header must be complete within ``header_timeout`` of the connection's accept
   (first request) or of the first byte of that request (later requests); else the connection
@@ -62,7 +63,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import errno
 import logging
 import socket
 
@@ -77,15 +77,9 @@ ADMIN_PATHS = frozenset({"/v1/health", "/metrics"})
 # Reserve connections carry one small request: they get at most this long for its header,
 # so an attacker holding reserve slots must keep reconnecting.
 RESERVE_HEADER_TIMEOUT_SECONDS = 2.0
-# Descriptors kept outside every connection budget: listening sockets, the event loop's
-# epoll and self-pipe, stdio, the SQLite catalogs (3 per data directory and thread), logs.
-FD_FLOOR = 256
 # A request header still incomplete after this many bytes is refused (431) and the connection
 # closed: aiohttp alone would buffer up to 128 fields of 8 KiB each (1 MiB) per connection.
 MAX_HEADER_BYTES = 64 * 1024
-# Connections accepted per event-loop turn: bounded so a flood of connections cannot hold the
-# loop (and the requests of admitted clients) for long; the kernel queues the rest (backlog).
-ACCEPT_BATCH = 128
 # The admin address (--admin-listen) serves monitoring, not data: a few connections suffice.
 ADMIN_MAX_CONNECTIONS = 64
 ADMIN_MAX_PER_CLIENT = 16
@@ -104,25 +98,6 @@ class Limits:
     header_timeout_seconds: float
     idle_timeout_seconds: float
     body_timeout_seconds: float
-
-
-def fd_budget(nofile: int, max_connections: int, reserve: int, admin_connections: int) -> tuple[int, str]:
-    """Connections to admit given the descriptor limit ``nofile``; returns (count, note).
-
-    Each admitted connection may hold a second descriptor while it is served (the chunk file
-    a GET sends, the temp file a PUT writes, a GetBatch read), so by default half of what is
-    left after ``FD_FLOOR`` and the reserve and admin slots goes to connections and half to
-    the files they open. An explicit ``max_connections`` is honoured up to the descriptors
-    left, never past them: past them ``accept()`` itself would fail.
-    """
-    left = nofile - FD_FLOOR - reserve - admin_connections
-    if left < 2:
-        return 1, f"RLIMIT_NOFILE {nofile} leaves no descriptors for connections"
-    if max_connections <= 0:
-        return max(1, left // 2), f"auto: ({nofile} - {FD_FLOOR} - {reserve + admin_connections}) / 2"
-    if max_connections > left:
-        return left, f"lowered from {max_connections}: RLIMIT_NOFILE {nofile}"
-    return max_connections, "configured"
 
 
 def _error_body(status: int, message: str, method: str = "", path: str = "") -> bytes:
@@ -458,66 +433,3 @@ def _shed(sock: socket.socket, reply: bytes) -> None:
     except OSError:
         pass
     sock.close()
-
-
-class Listener:
-    """A listening socket whose connections go through ``guard.accept``."""
-
-    def __init__(self, guard: ConnectionGuard, sock: socket.socket) -> None:
-        self.guard = guard
-        self.sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._retry: asyncio.TimerHandle | None = None
-        sock.setblocking(False)
-        self._loop.add_reader(sock.fileno(), self._accept)
-
-    @classmethod
-    def bind(cls, guard: ConnectionGuard, host: str, port: int, backlog: int) -> "Listener":
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(backlog)
-        except OSError:
-            sock.close()
-            raise
-        return cls(guard, sock)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.sock.getsockname()[:2]
-
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, address = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors despite the budget (files opened by requests): stop
-                    # accepting for a moment rather than spin; the kernel queues meanwhile.
-                    log.error("accept: %s; pausing accepts for 0.1 s", e.strerror)
-                    self.guard.count_timeout("accept_" + errno.errorcode.get(e.errno, "error").lower())
-                    self._loop.remove_reader(self.sock.fileno())
-                    self._retry = self._loop.call_later(0.1, self._resume)
-                    return
-                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue  # the client left before we accepted
-                log.error("accept: %s", e)
-                return
-            self.guard.accept(conn, address)
-
-    def _resume(self) -> None:
-        self._retry = None
-        if self.sock.fileno() >= 0:
-            self._loop.add_reader(self.sock.fileno(), self._accept)
-
-    def close(self) -> None:
-        """Stop accepting (connections already accepted stay)."""
-        if self._retry is not None:
-            self._retry.cancel()
-        if self.sock.fileno() >= 0:
-            self._loop.remove_reader(self.sock.fileno())
-            self.sock.close()

@@ -20,12 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 450  # "about 400": a module longer than this holds two things
-# Modules still over MAX_LINES, each capped at its size when the cap was set: they may shrink
-# (drop the line when one is split) but never grow, and no new module joins them.
-NOT_YET_SPLIT = {
-    "server/api/s3.py": 835,
-    "server/api/connlimits.py": 523,
-}
 
 
 def _contracts() -> dict[str, dict]:
@@ -73,8 +67,5 @@ def test_every_module_opens_with_its_purpose():
 
 
 def test_modules_stay_readable_in_one_sitting():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules()}
-    long = {m: n for m, n in sizes.items() if n > NOT_YET_SPLIT.get(m, MAX_LINES)}
+    long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split along a real seam): {long}"
-    done = {m for m in NOT_YET_SPLIT if sizes.get(m, 0) <= MAX_LINES}
-    assert not done, f"split already: drop from NOT_YET_SPLIT: {done}"
