@@ -217,7 +217,7 @@ async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) ->
     if total > cap:
         raise PayloadTooLarge(f"moss: buffered (strm false) reply of {total} bytes exceeds the {cap}-byte cap "
                               f"(getbatch_max_buffered_bytes); use strm true to stream it")
-    if not job.try_reserve(total):
+    if not job.window.try_reserve(total):
         job.metrics.gb_rejected_n.inc()
         raise TooManyRequests(f"moss: too busy to buffer {total} more bytes ({budget.used} of {cap} "
                               "in use); retry later")

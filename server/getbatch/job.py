@@ -17,7 +17,7 @@ assembler opens it at its turn and streams it in 1 MiB pieces (one piece read ah
 Content-Length), an object or TAR-shard member of at least ``SENDFILE_MIN_BYTES`` is also a
 run of its own, sent at its turn from its files with ``sendfile``: no copy through memory.
 
-Invariants: read-ahead bytes are reserved by the scheduler, in request order, before a run
+Invariants: read-ahead bytes are reserved (``window.ReadWindow``) by the scheduler, in request order, before a run
 is read (or, for a large member, before its pieces are), first against the request's window
 and then against the app-wide ``ByteBudget``; they are released after the run is written.
 So memory per request is bounded by ``getbatch_window_bytes`` and all requests together by
@@ -45,6 +45,7 @@ from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, Work, WorkBoundExceeded
 from server.getbatch.large import STREAM_PIECE, Output, send_from_files, stream_in_pieces
 from server.getbatch.items import ItemSource
+from server.getbatch.window import ReadWindow
 from server.getbatch.reads import NeedIndex, RunResult, placeholder_name
 from server.getbatch.request import Entry, MossReq
 from server.metrics import Metrics
@@ -97,10 +98,7 @@ class BatchJob:
         self.planned = 0
         self.plan_missing = 0
         self.soft_errs = 0
-        self.reserved = 0  # this request's share of state.budget
         self.work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, metrics)
-        self.window_used = 0
-        self.window_cond = asyncio.Condition()
         self.slots = asyncio.Semaphore(max(1, config.getbatch_workers))
         self.queue: asyncio.Queue = asyncio.Queue()
         self.writer = make_writer(req.mime)
@@ -109,8 +107,7 @@ class BatchJob:
         self.task: asyncio.Task | None = None
         self.sized = False  # set by the handler when the reply carries a Content-Length
         self.first_out = asyncio.Event()  # the first member is on its way to the client
-        # a buffered reply reserves its whole size up front; only streaming counts read-ahead
-        self.count_window = req.strm
+        self.window = ReadWindow(state.budget, config.getbatch_window_bytes, count_window=req.strm)
 
     def run(self, fn, *args) -> asyncio.Future:
         """Blocking ``fn(*args)`` on the fair pool, as this request."""
@@ -118,40 +115,6 @@ class BatchJob:
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         return self.state.pool.submit(self, fn, *args)
-
-    # byte accounting ----------------------------------------------------------------------
-    def try_reserve(self, n: int) -> bool:
-        """Reserve ``n`` budget bytes now, or False (a buffered reply: 429 rather than wait)."""
-        if not self.state.budget.try_acquire(n):
-            return False
-        self.reserved += n
-        return True
-
-    def unreserve(self, n: int) -> None:
-        self.reserved -= n
-        self.state.budget.release(n)
-
-    async def _window_acquire(self, n: int) -> None:
-        cap = self.config.getbatch_window_bytes
-        async with self.window_cond:
-            await self.window_cond.wait_for(lambda: self.window_used == 0 or self.window_used + n <= cap)
-            self.window_used += n
-        if self.count_window and n:
-            try:
-                await self.state.budget.acquire(n)
-            except BaseException:
-                async with self.window_cond:
-                    self.window_used -= n
-                    self.window_cond.notify_all()
-                raise
-            self.reserved += n
-
-    async def _window_release(self, n: int) -> None:
-        async with self.window_cond:
-            self.window_used -= n
-            self.window_cond.notify_all()
-        if self.count_window and n:
-            self.unreserve(n)
 
     # plan ---------------------------------------------------------------------------------
     async def plan_until(self, upto: int, chunk: int = PLAN_CHUNK) -> None:
@@ -235,10 +198,10 @@ class BatchJob:
                     # a streamed member holds one piece being written, one read ahead and
                     # (other formats) its encoded copy; sendfile holds none
                     hold = 0 if sendfile else (2 if encode else 3) * STREAM_PIECE
-                    await self._window_acquire(hold)
+                    await self.window.acquire(hold)
                     await self.queue.put(_Run(run, hold, None, sendfile))
                 else:
-                    await self._window_acquire(nbytes)
+                    await self.window.acquire(nbytes)
                     res = self.items.read_cached(run, encode)
                     if res is not None:
                         fut = self.loop.create_future()
@@ -275,7 +238,7 @@ class BatchJob:
                     await send(self, item.entries[0], out)
                 finally:
                     self.slots.release()
-                    await self._window_release(item.reserved)
+                    await self.window.release(item.reserved)
                 continue
             try:
                 res: RunResult = await item.future
@@ -290,7 +253,7 @@ class BatchJob:
                 self.first_out.set()
             finally:
                 self.slots.release()
-                await self._window_release(item.reserved)
+                await self.window.release(item.reserved)
         for p in self.writer.finish():
             await out.write(p)
 
@@ -346,5 +309,4 @@ class BatchJob:
             item = self.queue.get_nowait()
             if isinstance(item, _Run) and item.future is not None:
                 item.future.cancel()  # a thread already running finishes and closes its files
-        if self.reserved:
-            self.unreserve(self.reserved)
+        self.window.release_all()
