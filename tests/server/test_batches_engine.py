@@ -377,7 +377,8 @@ def test_quick_header_agrees_with_tarfile(name, size, mtime, fmt):
 
 
 @pytest.mark.parametrize("n", [1, 128, 10_000])
-def test_order_with_duplicates_over_getbatch(server, bucket, dataset, n):
+@pytest.mark.trio
+async def test_order_with_duplicates_over_getbatch(server, bucket, dataset, n):
     rng = random.Random(n)
     names = [rng.choice(sorted(dataset)) for _ in range(n)]
     before = getbatch_count(server)
@@ -395,7 +396,7 @@ def test_order_with_duplicates_over_getbatch(server, bucket, dataset, n):
         assert bf.status()["state"] == "done" and bf.size() == len(data)
         return data
 
-    got = members(trio.run(main))
+    got = members(await main())
     assert [m for m, _ in got] == names
     assert all(dataset[m] == d for m, d in got)
     # one request up to 1,024 entries; beyond, parts of 128, 256, … 4,096: never one per entry
@@ -404,7 +405,8 @@ def test_order_with_duplicates_over_getbatch(server, bucket, dataset, n):
     assert getbatch_count(server) - before == len(parts)
 
 
-def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
+@pytest.mark.trio
+async def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
     shard = io.BytesIO()
     with tarfile.open(fileobj=shard, mode="w") as tf:
         for k in ("a/x.jpg", "a/y.cls"):
@@ -429,7 +431,7 @@ def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
     async def body(mgr):
         return await read_all(submit(mgr, "z", json.dumps(doc).encode()))
 
-    data = trio.run(main)
+    data = await main()
     assert data[:2] == b"\x1f\x8b"  # gzip
     assert members(data) == [(f"{bucket}/shards/s0.tar/a/y.cls", b"a/y.cls" * 10),
                              ("train/0007.bin", dataset["train/0007.bin"][5:105]),
@@ -439,7 +441,8 @@ def test_archpath_ranges_coer_and_tgz(server, bucket, dataset):
 
 
 @pytest.mark.parametrize("emulated", [False, True], ids=["getbatch", "ranged-gets"])
-def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emulated):
+@pytest.mark.trio
+async def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emulated):
     """Point 7 on both batch sources: percent escapes are never decoded into another object."""
     for k, v in [("pre/a", b"inside"), ("secret", b"outside the prefix"), ("pre/x/secret", b"deeper")]:
         put(server, bucket, k, v)
@@ -459,12 +462,13 @@ def test_escaped_names_stay_literal_names_under_the_prefix(server, bucket, emula
         finally:
             await client.aclose()
 
-    got = members(trio.run(main))
+    got = members(await main())
     assert got == [("__404__/..%2Fsecret", b""), ("__404__/%2e%2e/secret", b""), ("__404__/x%2Fsecret", b""),
                    ("a", b"inside")]
 
 
-def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):
+@pytest.mark.trio
+async def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):
     paths = sorted(dataset)[:50] + sorted(dataset)[:5]  # duplicates at the end
     before_gb, before_get = getbatch_count(server), get_count(server)
 
@@ -489,12 +493,13 @@ def test_plan_serves_reads_with_one_getbatch_per_batch(server, bucket, dataset):
                                    "errors": 0}
         assert prog["bytes"]["held"] == 0 and mgr.plans.held == 0
 
-    trio.run(main)
+    await main()
     assert getbatch_count(server) - before_gb == 7  # ceil(55 / 8)
     assert get_count(server) == before_get  # no per-object GET
 
 
-def test_server_killed_mid_stream_is_eio_never_a_short_tar(tmp_path):
+@pytest.mark.trio
+async def test_server_killed_mid_stream_is_eio_never_a_short_tar(tmp_path):
     srv = ServerProcess([tmp_path / "d"]).start()
     try:
         httpx.post(f"{srv.url}/v1/buckets/k", json={"action": "create-bck", "name": "", "value": None}).raise_for_status()
@@ -521,6 +526,6 @@ def test_server_killed_mid_stream_is_eio_never_a_short_tar(tmp_path):
                     off += len(b)
             assert bf.status()["reason"]
 
-        trio.run(main)
+        await main()
     finally:
         srv.stop()

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 import xxhash
 
 from tests.support.mounts import MountProcess
@@ -410,7 +409,8 @@ def _lying_server(body: bytes, claimed: str):
     return box, t
 
 
-def test_mount_refuses_a_whole_object_reply_that_fails_its_checksum(caplog):
+@pytest.mark.trio
+async def test_mount_refuses_a_whole_object_reply_that_fails_its_checksum(caplog):
     from batchfs.objclient.ais import AisClient
     from batchfs.engine.config import MountConfig
     from batchfs.objclient.config import Source
@@ -435,7 +435,7 @@ def test_mount_refuses_a_whole_object_reply_that_fails_its_checksum(caplog):
             finally:
                 await client.aclose()
 
-        trio.run(main)
+        await main()
     finally:
         box["stop"]()
         t.join(10)

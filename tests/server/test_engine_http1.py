@@ -391,7 +391,8 @@ async def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections
         nursery.cancel_scope.cancel()
 
 
-def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
+@pytest.mark.trio
+async def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
     store = Store([tmp_path / "d"], 1 << 20)
     store.create_bucket("b")
     data = os.urandom(3 * (1 << 20) + 5)
@@ -412,7 +413,7 @@ def test_ais_backend_over_http1_pins_versions(tmp_path: Path):
             finally:
                 await c.aclose()
 
-        trio.run(main)
+        await main()
     finally:
         server.stop()
 
