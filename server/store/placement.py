@@ -1,8 +1,12 @@
-"""Placement: which of several ids (mountpaths today, targets in a cluster) holds a key.
+"""Placement of objects on the mountpaths of one node (which node owns an object: ``batchfs.wire.hrw``).
 
 Rendezvous (HRW) hashing: every id scores ``xxh64(id/key)`` and the highest wins. Adding or
 removing an id moves only the keys it wins or won; the order ids are given in does not matter.
-This is the one place the rule lives (AIStore picks targets and mountpaths the same way).
+This rule places objects on the mountpaths of one node; it is internal to the node and must
+not change under existing data directories (an object's home decides where its catalog row
+is looked for first). Which *node* owns an object is a different rule with a different
+contract: it must match what AIStore clients compute themselves, so it is AIStore's exact
+scheme, ``batchfs.wire.hrw``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""Which cluster node owns an object: AIStore's rendezvous (HRW) hashing, bit for bit.
+
+AIStore picks an object's target by scoring every target and taking the highest score; the
+official ``aistore`` SDK computes the same thing itself for ``get_reader(direct=True)``
+(``aistore.sdk.types.Smap.get_target_for_object``), so a cluster that speaks AIStore's API must
+place objects exactly this way or direct reads go to the wrong node.
+
+- The object's digest is xxhash64 of its *uname* ``PROVIDER/@UUID#NS/BUCKET/OBJNAME`` (``ais/@#/b/o``
+  for an ais:// bucket without a namespace), seeded with ``XXHASH_SEED`` (Go's ``cos.MLCG32``).
+- A node's digest (``id_digest`` in the cluster map) is xxhash64 of its daemon id, same seed.
+- The score of a node is ``xoshiro256_hash(node_digest ^ object_digest)``; the highest wins.
+  ``ranked`` orders every node by score: the first is the owner, the next ones are where copies go.
+
+Invariants: no I/O, nothing but integer arithmetic on 64-bit values; the same inputs give the
+same owner on every node and every client; removing a node moves only the objects it owned, and
+adding one moves only the objects it now wins. Ties (two 64-bit scores equal) go to the larger
+node id, so the answer never depends on the order nodes are given in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import xxhash
+
+XXHASH_SEED = 1103515245  # AIStore's cos.MLCG32; the SDK's XX_HASH_SEED
+_MASK = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def uname(bucket: str, objname: str, provider: str = "ais", namespace: str = "@#") -> str:
+    """The name AIStore hashes for an object: ``ais/@#/BUCKET/OBJNAME`` by default."""
+    return f"{provider}/{namespace}/{bucket}/{objname}"
+
+
+def digest(text: str) -> int:
+    """xxhash64 of ``text`` (UTF-8) with AIStore's seed: an object's uname or a node's id."""
+    return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogateescape"), seed=XXHASH_SEED)
+
+
+def xoshiro256_hash(seed: int) -> int:
+    """AIStore's ``xoshiro256.Hash``: a splitmix64 step then xoshiro256**'s output scrambler."""
+    z = (seed + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK
+    z = ((z ^ (z >> 31)) + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK
+    z = ((z ^ (z >> 31)) * 5) & _MASK
+    z = ((z << 7) | (z >> 57)) & _MASK
+    return (z * 9) & _MASK
+
+
+def ranked(object_digest: int, nodes: Mapping[str, int] | Iterable[tuple[str, int]]) -> list[str]:
+    """Node ids, highest score first, for an object digest and ``{node id: node digest}``."""
+    items = nodes.items() if isinstance(nodes, Mapping) else nodes
+    scored = [(xoshiro256_hash(nd ^ object_digest), node_id) for node_id, nd in items]
+    scored.sort(reverse=True)
+    return [node_id for _, node_id in scored]
+
+
+def owner(object_digest: int, nodes: Mapping[str, int]) -> str:
+    """The node that owns the object: the highest score (ValueError when there is no node)."""
+    if not nodes:
+        raise ValueError("no nodes to place an object on")
+    return max((xoshiro256_hash(nd ^ object_digest), node_id) for node_id, nd in nodes.items())[1]
