@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import time
 
-import xxhash
 from aiohttp import web
 
+from batchfs.wire import hrw
 from server.errors import BadRequest
 
 NODE_INFO = web.AppKey("node_info", dict)  # this node's identity (id, addresses)
@@ -45,8 +45,8 @@ def smap(request: web.Request) -> dict:
     def snode(kind: str) -> dict:
         return {"public_net": net, "intra_data_net": net, "intra_control_net": net,
                 "daemon_type": kind, "daemon_id": node["id"], "flags": 0,
-                # AIStore's IDDigest is an xxhash64 of the id (selects targets by HRW)
-                "id_digest": xxhash.xxh64_intdigest(node["id"].encode())}
+                # AIStore's IDDigest: xxhash64 of the id with its seed (clients place objects by it)
+                "id_digest": hrw.digest(node["id"])}
 
     proxy = snode("proxy")
     return {"pmap": {node["id"]: proxy}, "proxy_si": proxy, "tmap": {node["id"]: snode("target")},

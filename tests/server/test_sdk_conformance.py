@@ -261,6 +261,8 @@ def _smap(e: Env):
     (tid, tnode), = smap.tmap.items()
     assert smap.proxy_si.daemon_id == tid == next(iter(smap.pmap)) and tnode.daemon_type == "target"
     assert c.get_primary_url() == e.url and c.get_uuid() == smap.uuid != ""
+    from aistore.sdk.utils import get_digest  # the digest the SDK places objects by (direct reads)
+    assert tnode.id_digest == get_digest(tid) and smap.get_target_for_object("ais/@#/b/o") is tnode
     r = httpx.get(f"{e.url}/v1/daemon", params={"what": "smap"}).json()
     assert r["version"] == "1" and r["proxy_si"]["public_net"]["direct_url"] == e.url
 
