@@ -1,0 +1,121 @@
+"""The default transform: one Arrow column of a row group in, the ``.npy`` files that hold it out.
+
+Each output file is a plain ``.npy`` that ``np.load(path, mmap_mode="r")`` reads without pickle:
+
+| Arrow type | files for column ``C`` |
+|---|---|
+| integers, floats, bool | ``C.npy`` (the same dtype; nulls hold 0 / False) |
+| timestamp, date, duration | ``C.npy`` as ``datetime64`` / ``timedelta64`` in the column's unit |
+| string, large_string | ``C.npy`` as fixed-width unicode (``<U{longest}``, at least ``<U1``); a value ending in NUL is refused (NumPy would drop it) |
+| binary, large_binary | ``C.values.npy`` (uint8, every value's bytes) and ``C.offsets.npy`` (int64, rows + 1) |
+| dictionary | decoded first, then as its value type |
+| fixed_size_list of a type above | ``C.npy`` 2-D, one row per value |
+| list, large_list of a type above | ``C.values.npy`` (flattened) and ``C.offsets.npy`` (int64, rows + 1) |
+| anything else (struct, map, decimal, union, nested lists) | not produced; ``unsupported`` says why |
+
+A column with nulls also gets ``C.null.npy``: a bool array, True where the row is null (for
+lists: where the list itself is null); null items inside lists are marked the same way in
+``C.items.null.npy`` (2-D, fixed-size lists) or ``C.values.null.npy`` (lists). Columns without
+nulls get no such files.
+
+Invariants: the arrays of a row group equal what pyarrow reads for it, value for value; the
+output never contains Python objects (no ``dtype=object``, so no pickle); file names are the
+column name plus a fixed suffix, and a column whose name cannot be a file name (empty, ``.``,
+``..``, or with ``/`` or NUL) is unsupported rather than renamed.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class Unsupported(Exception):
+    """A column the default transform does not produce; the message says why."""
+
+
+def file_name_ok(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def _flat(arr: pa.Array, what: str) -> np.ndarray:
+    """A flat (non-list) Arrow array as a NumPy array; nulls become 0 / False / ""."""
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        return _flat(arr.dictionary_decode(), what)
+    if pa.types.is_boolean(t):
+        return np.asarray(arr.fill_null(False).to_numpy(zero_copy_only=False), dtype=np.bool_)
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        filled = arr.fill_null(0) if arr.null_count else arr
+        return np.asarray(filled.to_numpy(zero_copy_only=False), dtype=t.to_pandas_dtype())
+    if pa.types.is_timestamp(t) or pa.types.is_duration(t):
+        unit = t.unit
+        kind = "M8" if pa.types.is_timestamp(t) else "m8"
+        ints = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        return ints.astype(np.int64).view(f"{kind}[{unit}]")
+    if pa.types.is_date32(t) or pa.types.is_date64(t):
+        days = arr.cast(pa.date32()).cast(pa.int32()).fill_null(0).to_numpy(zero_copy_only=False)
+        return days.astype(np.int64).view("M8[D]")
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        values = arr.fill_null("").to_pylist()
+        if any(v.endswith("\0") for v in values):  # NumPy drops trailing NULs of fixed-width strings
+            raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
+                              "strings cannot keep")
+        width = max([len(v) for v in values] + [1])
+        return np.array(values, dtype=f"<U{width}")
+    raise Unsupported(f"{what}: Arrow type {t} has no NumPy form here (supported: numbers, bool, "
+                      "timestamps, dates, durations, strings, binary, dictionaries, lists of those)")
+
+
+def column_arrays(name: str, column: pa.ChunkedArray | pa.Array) -> dict[str, np.ndarray]:
+    """The ``{file name: array}`` of one column of one row group (see the module table)."""
+    if not file_name_ok(name):
+        raise Unsupported(f"column {name!r}: its name cannot be a file name")
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    t = arr.type
+    out: dict[str, np.ndarray] = {}
+    if pa.types.is_fixed_size_list(t):
+        if pa.types.is_nested(t.value_type):
+            raise Unsupported(f"column {name!r}: nested lists ({t}) are not produced")
+        n = t.list_size
+        # a null list still occupies n slots in the child array; flatten() would drop them
+        child = arr.values.slice(arr.offset * n, len(arr) * n)
+        out[f"{name}.npy"] = _flat(child, f"column {name!r}").reshape(len(arr), n)
+        if child.null_count:
+            out[f"{name}.items.null.npy"] = np.asarray(pc.is_null(child).to_numpy(zero_copy_only=False),
+                                                       dtype=np.bool_).reshape(len(arr), n)
+    elif pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        # as bytes + offsets: fixed-width NumPy bytes would drop trailing NUL bytes
+        out[f"{name}.values.npy"], out[f"{name}.offsets.npy"] = _bytes_and_offsets(arr)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        if pa.types.is_nested(t.value_type):
+            raise Unsupported(f"column {name!r}: nested lists ({t}) are not produced")
+        offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        out[f"{name}.values.npy"] = _flat(values, f"column {name!r}")
+        out[f"{name}.offsets.npy"] = offsets - offsets[0]
+        if values.null_count:
+            out[f"{name}.values.null.npy"] = np.asarray(pc.is_null(values).to_numpy(zero_copy_only=False),
+                                                        dtype=np.bool_)
+    else:
+        out[f"{name}.npy"] = _flat(arr, f"column {name!r}")
+    if arr.null_count:
+        out[f"{name}.null.npy"] = np.asarray(pc.is_null(arr).to_numpy(zero_copy_only=False), dtype=np.bool_)
+    return out
+
+
+def _bytes_and_offsets(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    values = arr.fill_null(b"").to_pylist()
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    return np.frombuffer(b"".join(values), dtype=np.uint8).copy(), offsets
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """``array`` as the bytes of a ``.npy`` file (format 1.0 unless its header needs more)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()

@@ -1,0 +1,143 @@
+"""The default row-group transform against pyarrow itself: every supported Arrow type, with and
+without nulls, in a Parquet file of several row groups; each array equals what pyarrow reads for
+that row group, and every .npy file loads (memory-mapped) without pickle."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from batchfs.rowgroups.arrays import Unsupported, column_arrays, npy_bytes  # noqa: E402
+
+ROWS, GROUP = 1000, 300  # four row groups, the last one short
+
+
+def _table() -> pa.Table:
+    rng = np.random.default_rng(5)
+    n = ROWS
+    nulls = rng.random(n) < 0.1
+    ints = rng.integers(-2**40, 2**40, n)
+    words = [None if nulls[i] else "".join(chr(0x61 + (i * 7 + k) % 26) for k in range(i % 13)) + ("é" if i % 5 == 0 else "")
+             for i in range(n)]
+    return pa.table({
+        "i64": pa.array(ints, pa.int64()),
+        "i8_nulls": pa.array([None if nulls[i] else int(ints[i] % 100) for i in range(n)], pa.int8()),
+        "f32": pa.array(rng.random(n).astype(np.float32)),
+        "f64_nulls": pa.array([None if nulls[i] else float(i) / 3 for i in range(n)], pa.float64()),
+        "flag": pa.array([bool(i % 3) if not nulls[i] else None for i in range(n)], pa.bool_()),
+        "ts": pa.array([dt.datetime(2024, 1, 1) + dt.timedelta(seconds=int(i) * 37) for i in range(n)], pa.timestamp("us")),
+        "day": pa.array([dt.date(2020, 1, 1) + dt.timedelta(days=i) for i in range(n)], pa.date32()),
+        "word": pa.array(words, pa.string()),
+        "blob": pa.array([bytes([i % 256]) * (i % 9) for i in range(n)], pa.binary()),
+        "cat": pa.array([["red", "green", "blue"][i % 3] for i in range(n)]).dictionary_encode(),
+        "vec": pa.array([[float(i), float(-i), None if i % 17 == 0 else 0.5] for i in range(n)], pa.list_(pa.float32(), 3)),
+        "tags": pa.array([None if i % 11 == 0 else list(range(i % 5)) for i in range(n)], pa.list_(pa.int32())),
+        "nested": pa.array([{"a": i} for i in range(n)]),
+    })
+
+
+@pytest.fixture(scope="module")
+def parquet_file() -> pq.ParquetFile:
+    buf = io.BytesIO()
+    pq.write_table(_table(), buf, row_group_size=GROUP)
+    buf.seek(0)
+    pf = pq.ParquetFile(buf)
+    assert pf.num_row_groups == 4
+    return pf
+
+
+def _load(array: np.ndarray) -> np.ndarray:
+    raw = npy_bytes(array)
+    back = np.load(io.BytesIO(raw), allow_pickle=False)
+    assert back.dtype == array.dtype and back.shape == array.shape and back.dtype != object
+    return back
+
+
+def _expect_flat(values, arr: np.ndarray, null: np.ndarray | None, typ) -> None:
+    for i, v in enumerate(values):
+        if v is None:
+            assert null is not None and null[i]
+            continue
+        if null is not None:
+            assert not null[i]
+        got = arr[i]
+        if pa.types.is_timestamp(typ):
+            assert got == np.datetime64(v, "us")
+        elif pa.types.is_date32(typ):
+            assert got == np.datetime64(v, "D")
+        elif pa.types.is_floating(typ):
+            assert got == pytest.approx(v, rel=1e-6)
+        else:
+            assert got == v, (i, got, v)
+
+
+@pytest.mark.parametrize("rg", range(4))
+def test_every_supported_column_equals_what_pyarrow_reads(parquet_file, rg):
+    group = parquet_file.read_row_group(rg)
+    for name in group.column_names:
+        col = group.column(name)
+        if name == "nested":
+            with pytest.raises(Unsupported, match="struct"):
+                column_arrays(name, col)
+            continue
+        files = {k: _load(v) for k, v in column_arrays(name, col).items()}
+        values = col.to_pylist()
+        null = files.get(f"{name}.null.npy")
+        assert (null is not None) == (col.null_count > 0), name
+        t = col.type
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        if pa.types.is_fixed_size_list(t):
+            arr = files[f"{name}.npy"]
+            assert arr.shape == (len(values), 3)
+            items_null = files.get(f"{name}.items.null.npy")
+            for i, row in enumerate(values):
+                _expect_flat(row, arr[i], None if items_null is None else items_null[i], t.value_type)
+        elif pa.types.is_binary(t):
+            vals, offs = files[f"{name}.values.npy"], files[f"{name}.offsets.npy"]
+            assert vals.dtype == np.uint8 and len(offs) == len(values) + 1
+            assert [vals[offs[i]:offs[i + 1]].tobytes() for i in range(len(values))] == [v or b"" for v in values]
+        elif pa.types.is_list(t):
+            vals, offs = files[f"{name}.values.npy"], files[f"{name}.offsets.npy"]
+            assert offs.dtype == np.int64 and len(offs) == len(values) + 1 and offs[0] == 0
+            for i, row in enumerate(values):
+                assert (row is None) == bool(null is not None and null[i])
+                assert list(vals[offs[i]:offs[i + 1]]) == (row or [])
+        else:
+            _expect_flat(values, files[f"{name}.npy"], null, t)
+
+
+def test_strings_are_fixed_width_unicode_and_load_memory_mapped(tmp_path):
+    files = column_arrays("w", pa.array(["", "ab", "日本語", None]))
+    arr = files["w.npy"]
+    assert arr.dtype == np.dtype("<U3") and list(arr) == ["", "ab", "日本語", ""]
+    assert list(files["w.null.npy"]) == [False, False, False, True]
+    path = tmp_path / "w.npy"
+    path.write_bytes(npy_bytes(arr))
+    mapped = np.load(path, mmap_mode="r")
+    assert isinstance(mapped, np.memmap) and list(mapped) == list(arr)
+    assert column_arrays("e", pa.array([], pa.string()))["e.npy"].dtype == np.dtype("<U1")
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x\0y"])
+def test_a_column_name_that_cannot_be_a_file_name_is_refused(bad):
+    with pytest.raises(Unsupported, match="file name"):
+        column_arrays(bad, pa.array([1, 2]))
+
+
+def test_a_string_ending_in_nul_is_refused_not_truncated():
+    with pytest.raises(Unsupported, match="NUL"):
+        column_arrays("s", pa.array(["ok", "bad\0"]))
+
+
+def test_unsupported_types_say_why():
+    for arr in (pa.array([{"a": 1}]), pa.array([[[1]]]), pa.array([1.5]).cast(pa.decimal128(5, 2))):
+        with pytest.raises(Unsupported) as e:
+            column_arrays("c", arr)
+        assert "c" in str(e.value)
