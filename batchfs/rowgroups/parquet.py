@@ -1,0 +1,120 @@
+"""Reading a Parquet object by byte ranges: its footer once, then one row group's column chunks.
+
+pyarrow reads Parquet from a seekable file. Over an object store that file is ``SparseFile``: it
+holds only the byte ranges fetched so far (the footer, the chunks of the row group being read)
+and refuses any read outside them, so a row group is decoded from exactly the ranges
+``chunk_ranges`` names — never the whole object — and a read pyarrow would need beyond them is an
+error, not a silent fetch.
+
+- ``footer_span(size, tail)``: where the footer is, from the object's last bytes (``PAR1`` magic
+  and the footer length); ``FOOTER_GUESS_BYTES`` from the end usually cover it in one request.
+- ``read_metadata(size, footer)``: the file's metadata from the footer bytes.
+- ``chunk_ranges(metadata, rg, columns)``: the (offset, length) of each column chunk of row group
+  ``rg`` (dictionary page included), adjacent ones merged.
+- ``read_row_group(size, metadata, ranges, rg, columns)``: the row group as an Arrow table.
+
+Invariants: no I/O here (the caller fetches the ranges); a truncated or non-Parquet object
+raises ``NotParquet`` with the reason; nothing reads outside the ranges given.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MAGIC = b"PAR1"
+FOOTER_GUESS_BYTES = 64 * 1024  # the last bytes fetched first: most footers fit
+
+
+class NotParquet(Exception):
+    """The object is not a readable Parquet file; the message says why."""
+
+
+def footer_span(size: int, tail: bytes) -> tuple[int, int]:
+    """(offset, length) of the footer (metadata + length + magic) given the object's last bytes."""
+    if size < 12 or len(tail) < 8:
+        raise NotParquet(f"{size} bytes is too short for a Parquet file")
+    if tail[-4:] != MAGIC:
+        raise NotParquet("no PAR1 magic at the end: not a Parquet file (or an encrypted one)")
+    (meta_len,) = struct.unpack("<I", tail[-8:-4])
+    if meta_len + 12 > size:
+        raise NotParquet(f"corrupt footer: its length {meta_len} exceeds the object's {size} bytes")
+    return size - 8 - meta_len, meta_len + 8
+
+
+class SparseFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only ``ranges`` ({offset: bytes}) are known."""
+
+    def __init__(self, size: int, ranges: dict[int, bytes]):
+        self.size = size
+        self._spans = sorted((off, data) for off, data in ranges.items())
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), max(0, self.size - self._pos))
+        if n == 0:
+            return 0
+        start, end = self._pos, self._pos + n
+        for off, data in self._spans:
+            if off <= start and end <= off + len(data):
+                buf[:n] = data[start - off:end - off]
+                self._pos = end
+                return n
+        raise OSError(f"read of bytes {start}-{end} outside the fetched ranges")
+
+
+def read_metadata(size: int, footer: bytes) -> pq.FileMetaData:
+    """The file's metadata from its footer bytes (metadata + length + magic, as ``footer_span``
+    names them): parsed as a tiny Parquet file of its own, so nothing else is read."""
+    try:
+        return pq.read_metadata(pa.BufferReader(MAGIC + footer))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise NotParquet(f"corrupt footer: {e}") from None
+
+
+def chunk_ranges(metadata: pq.FileMetaData, rg: int, columns: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Byte ranges of row group ``rg``'s column chunks (all columns, or the leaf indexes given)."""
+    group = metadata.row_group(rg)
+    spans = []
+    for j in range(group.num_columns) if columns is None else columns:
+        c = group.column(j)
+        start = c.data_page_offset
+        if c.has_dictionary_page and c.dictionary_page_offset is not None and 0 < c.dictionary_page_offset < start:
+            start = c.dictionary_page_offset
+        spans.append((start, c.total_compressed_size))
+    spans.sort()
+    merged: list[list[int]] = []
+    for off, n in spans:
+        if merged and off <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], off + n - merged[-1][0])
+        else:
+            merged.append([off, n])
+    return [(off, n) for off, n in merged]
+
+
+def read_row_group(size: int, metadata: pq.FileMetaData, ranges: dict[int, bytes], rg: int,
+                   columns: Sequence[str] | None = None) -> pa.Table:
+    """Row group ``rg`` decoded from ``ranges`` (its column chunks) with the parsed ``metadata``."""
+    try:
+        f = pq.ParquetFile(pa.PythonFile(SparseFile(size, ranges), mode="r"), metadata=metadata, pre_buffer=False)
+        return f.read_row_group(rg, columns=columns, use_threads=False)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise NotParquet(f"row group {rg}: {e}") from None

@@ -1,0 +1,78 @@
+"""Reading Parquet by ranges: the footer from the object's tail, one row group from exactly its
+column chunks, and clear errors for what is not Parquet."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from batchfs.rowgroups.parquet import (FOOTER_GUESS_BYTES, NotParquet, chunk_ranges, footer_span,  # noqa: E402
+                                       read_metadata, read_row_group)
+
+
+def _parquet(rows=5000, group=1200, **kw) -> bytes:
+    t = pa.table({"a": list(range(rows)), "s": [f"v{i % 97}" for i in range(rows)], "f": [i / 7 for i in range(rows)]})
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=group, **kw)
+    return buf.getvalue()
+
+
+def _ranges(data: bytes, spans) -> dict[int, bytes]:
+    return {off: data[off:off + n] for off, n in spans}
+
+
+def _footer(data: bytes) -> bytes:
+    size = len(data)
+    tail = data[-min(size, FOOTER_GUESS_BYTES):]
+    off, n = footer_span(size, tail)
+    return data[off:off + n]
+
+
+@pytest.mark.parametrize("kw", [{}, {"compression": "zstd"}, {"use_dictionary": False}])
+def test_each_row_group_decodes_from_its_own_chunks_and_the_footer_only(kw):
+    data = _parquet(**kw)
+    footer = _footer(data)
+    md = read_metadata(len(data), footer)
+    assert md.num_row_groups == 5
+    whole = pq.ParquetFile(io.BytesIO(data))
+    covered = 0
+    for rg in range(md.num_row_groups):
+        spans = chunk_ranges(md, rg)
+        covered += sum(n for _, n in spans)
+        got = read_row_group(len(data), md, _ranges(data, spans), rg)
+        assert got.equals(whole.read_row_group(rg))
+        one = chunk_ranges(md, rg, [1])
+        assert sum(n for _, n in one) < sum(n for _, n in spans)
+        assert read_row_group(len(data), md, _ranges(data, one), rg, ["s"]).equals(
+            whole.read_row_group(rg, columns=["s"]))
+    assert covered < len(data)  # the chunks, never the whole file
+
+
+def test_a_read_outside_the_fetched_ranges_fails_instead_of_fetching():
+    data = _parquet()
+    footer = _footer(data)
+    md = read_metadata(len(data), footer)
+    with pytest.raises(NotParquet, match="outside the fetched ranges"):
+        read_row_group(len(data), md, _ranges(data, chunk_ranges(md, 0)), 1)
+
+
+@pytest.mark.parametrize("blob, why", [
+    (b"", "too short"),
+    (b"x" * 100, "no PAR1 magic"),
+    (b"PAR1" + b"\0" * 10 + b"\xff\xff\xff\x7fPAR1", "exceeds"),
+])
+def test_not_parquet_says_why(blob, why):
+    with pytest.raises(NotParquet, match=why):
+        footer_span(len(blob), blob[-FOOTER_GUESS_BYTES:])
+
+
+def test_a_corrupt_footer_is_not_parquet():
+    data = bytearray(_parquet())
+    off, n = footer_span(len(data), bytes(data[-64:]))
+    data[off + 5:off + 40] = b"\xee" * 35
+    with pytest.raises(NotParquet, match="corrupt footer"):
+        read_metadata(len(data), bytes(data[off:off + n]))
