@@ -102,6 +102,17 @@ class VersionChanged(BatchfsError):
     pass
 
 
+class TransformError(BatchfsError):
+    """A row group could not be made into arrays: not Parquet, a corrupt file, a transform that
+    failed (EIO; the reason is in the log)."""
+
+
+class TooLarge(BatchfsError):
+    """A row group larger than the memory allowed to transform one (EFBIG)."""
+
+    errno = errno.EFBIG
+
+
 # Errors that are an expected answer, not an incident: logged at debug level only.
 _QUIET = (NotFound, NotADirectory, IsADirectory, ReadOnly)
 

@@ -1,0 +1,230 @@
+"""Transformed row groups on demand: fetched by byte ranges, transformed in worker threads,
+kept in memory while in use and on local disk under a quota.
+
+``RowGroupSource.layout(bucket, key, info)`` is what ``meta.json`` shows of one object version:
+its Parquet metadata (the footer, fetched once: the object's last ``FOOTER_GUESS_BYTES``, then the
+rest of the footer if it is longer) and the files each row group becomes. ``group(..., rg)`` is
+one row group as ``{file name: .npy bytes}``.
+
+Invariants:
+- A row group costs exactly its column chunks' byte ranges, fetched ``fetch_parallel`` at a time,
+  every range pinned to the version the caller opened (``VersionChanged`` otherwise): arrays of
+  two versions are never mixed.
+- Transforms run in threads, at most ``workers`` at once, never on the trio thread; a row group
+  whose uncompressed size exceeds ``max_group_bytes`` is refused (``TooLarge``) before anything
+  is fetched, so memory per transform is bounded whatever the file.
+- One transform per (object version, row group, transform) at a time: concurrent callers wait
+  for the first and share its result.
+- The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
+  entries by bucket, object, version, row group and ``TRANSFORM_ID``, so a changed transform or
+  a replaced object is never served stale; a corrupt entry is a miss. Recently used groups stay
+  in memory up to ``memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+
+import cachetools
+import pyarrow as pa
+import trio
+
+from batchfs.cache.diskstore import DiskStore
+from batchfs.errors import TooLarge, TransformError
+from batchfs.objclient.base import ObjectClient, ObjectInfo
+from batchfs.rowgroups import arrays, parquet
+from batchfs.wire.units import MiB
+
+log = logging.getLogger(__name__)
+
+TRANSFORM_ID = "default/1"  # part of every cache key: a new transform never reads old arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroupConfig:
+    workers: int = 2  # transforms at once (threads)
+    fetch_parallel: int = 8  # column-chunk range GETs in flight per row group
+    memory_bytes: int = 256 * MiB  # transformed groups kept in memory (LRU)
+    max_group_bytes: int = 512 * MiB  # a larger row group (uncompressed) is refused
+    layout_entries: int = 1024  # footers kept in memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One object version's Parquet layout."""
+
+    size: int
+    version: str
+    metadata: object  # pyarrow.parquet.FileMetaData
+    rows: tuple[int, ...]  # rows per row group
+
+    @property
+    def num_row_groups(self) -> int:
+        return len(self.rows)
+
+    def meta_json(self, name: str) -> bytes:
+        md = self.metadata
+        schema = md.schema.to_arrow_schema()
+        doc = {"object": name, "version": self.version, "size": self.size,
+               "transform": TRANSFORM_ID, "row_groups": self.num_row_groups, "rows": list(self.rows),
+               "columns": [_column_doc(f) for f in schema],
+               "files": "each row group directory holds NAME.npy per column (NAME.values.npy and "
+                        "NAME.offsets.npy for lists and binary), plus NAME.null.npy when that group has "
+                        "nulls; columns with an 'unsupported' reason are not produced"}
+        return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def _column_doc(field) -> dict:
+    doc = {"name": field.name, "arrow_type": str(field.type)}
+    try:  # the type alone decides, except for data-dependent refusals (a string ending in NUL)
+        doc["files"] = sorted(arrays.column_arrays(field.name, pa.array([], field.type)))
+    except arrays.Unsupported as e:
+        doc["unsupported"] = str(e)
+    return doc
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    files: dict[str, bytes]  # file name -> .npy bytes, in column order
+    unsupported: dict[str, str]  # column -> why it was not produced
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.files.values()) + 256
+
+    def pack(self) -> bytes:
+        head = json.dumps({"files": [[k, len(v)] for k, v in self.files.items()],
+                           "unsupported": self.unsupported}).encode()
+        return struct.pack("<I", len(head)) + head + b"".join(self.files.values())
+
+    @classmethod
+    def unpack(cls, blob: bytes | memoryview) -> "Group":
+        (n,) = struct.unpack_from("<I", blob)
+        head = json.loads(bytes(blob[4:4 + n]))
+        files, pos = {}, 4 + n
+        for name, length in head["files"]:
+            files[name] = bytes(blob[pos:pos + length])
+            pos += length
+        if pos != len(blob):
+            raise ValueError("row group entry of the wrong length")
+        return cls(files, head["unsupported"])
+
+
+def transform(table) -> Group:
+    """The default transform of one row group (a pyarrow Table): every column to its arrays."""
+    files: dict[str, bytes] = {}
+    unsupported: dict[str, str] = {}
+    for name in table.column_names:
+        try:
+            for fname, arr in arrays.column_arrays(name, table.column(name)).items():
+                files[fname] = arrays.npy_bytes(arr)
+        except arrays.Unsupported as e:
+            unsupported[name] = str(e)
+    return Group(files, unsupported)
+
+
+class RowGroupSource:
+    def __init__(self, client: ObjectClient, store: DiskStore | None, config: RowGroupConfig = RowGroupConfig()):
+        self.client, self.store, self.config = client, store, config
+        self._layouts: cachetools.LRUCache = cachetools.LRUCache(config.layout_entries)
+        self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes, getsizeof=lambda g: g.nbytes)
+        self._busy: dict[tuple, trio.Event] = {}
+        self._workers = trio.CapacityLimiter(config.workers)
+        self.transforms = 0  # row groups transformed (not served from a cache)
+
+    async def _once(self, key: tuple, cache: cachetools.LRUCache, make):
+        """``cache[key]``, made by ``make()`` by one caller at a time."""
+        while True:
+            if key in cache:
+                return cache[key]
+            ev = self._busy.get(key)
+            if ev is None:
+                break
+            await ev.wait()
+        ev = self._busy[key] = trio.Event()
+        try:
+            value = await make()
+            cache[key] = value
+            return value
+        finally:
+            del self._busy[key]
+            ev.set()
+
+    async def layout(self, bucket: str, key: str, info: ObjectInfo) -> Layout:
+        async def make() -> Layout:
+            size, v = info.size, info.version or None
+            tail_start = max(0, size - parquet.FOOTER_GUESS_BYTES)
+            tail = bytes(await self.client.get(bucket, key, tail_start, size, v))
+            try:
+                off, n = parquet.footer_span(size, tail)
+            except parquet.NotParquet as e:
+                raise TransformError(f"{bucket}/{key}: {e}") from None
+            footer = tail[off - tail_start:] if off >= tail_start else \
+                bytes(await self.client.get(bucket, key, off, off + n, v))
+            try:
+                md = await trio.to_thread.run_sync(parquet.read_metadata, size, footer)
+            except parquet.NotParquet as e:
+                raise TransformError(f"{bucket}/{key}: {e}") from None
+            rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+            return Layout(size, info.version, md, rows)
+
+        return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
+
+    def _disk_key(self, bucket: str, key: str, version: str, rg: int) -> str:
+        return f"rg1\0{bucket}\0{key}\0{version}\0{rg}\0{TRANSFORM_ID}"
+
+    async def group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
+        lay = await self.layout(bucket, key, info)
+        if not 0 <= rg < lay.num_row_groups:
+            raise TransformError(f"{bucket}/{key}: no row group {rg} (it has {lay.num_row_groups})")
+
+        async def make() -> Group:
+            disk_key = self._disk_key(bucket, key, info.version, rg)
+            if self.store is not None and info.version:
+                blob = await self.store.get(disk_key)
+                if blob is not None:
+                    try:
+                        return Group.unpack(blob)
+                    except (ValueError, KeyError, struct.error) as e:
+                        log.warning("row group entry %r unreadable (%s): transforming again", disk_key, e)
+            g = await self._make(bucket, key, info, lay, rg)
+            if self.store is not None and info.version:
+                self.store.put(disk_key, g.pack())
+            return g
+
+        return await self._once(("group", bucket, key, info.version, rg), self._groups, make)
+
+    async def _make(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
+        md = lay.metadata
+        need = md.row_group(rg).total_byte_size
+        if need > self.config.max_group_bytes:
+            raise TooLarge(f"{bucket}/{key}: row group {rg} is {need} bytes uncompressed, over the "
+                           f"{self.config.max_group_bytes}-byte limit for one transform")
+        spans = parquet.chunk_ranges(md, rg)
+        got: dict[int, bytes] = {}
+        sem = trio.Semaphore(self.config.fetch_parallel)
+
+        async def fetch(off: int, n: int) -> None:
+            async with sem:
+                got[off] = bytes(await self.client.get(bucket, key, off, off + n, info.version or None))
+
+        async with trio.open_nursery() as nursery:
+            for off, n in spans:
+                nursery.start_soon(fetch, off, n)
+
+        def work() -> Group:
+            table = parquet.read_row_group(lay.size, md, got, rg)
+            return transform(table)
+
+        try:
+            g = await trio.to_thread.run_sync(work, limiter=self._workers)
+        except parquet.NotParquet as e:
+            raise TransformError(f"{bucket}/{key}: {e}") from None
+        except Exception as e:  # a transform that raises: EIO for the reader, the traceback in the log
+            log.exception("%s/%s row group %d: transform failed", bucket, key, rg)
+            raise TransformError(f"{bucket}/{key}: row group {rg}: transform failed: {type(e).__name__}: {e}") from None
+        self.transforms += 1
+        return g

@@ -1,0 +1,143 @@
+"""RowGroupSource over an in-memory object store and a real disk store: only a row group's byte
+ranges are fetched, its arrays equal pyarrow's, one transform serves concurrent readers, the disk
+cache survives a new source (a remount) with no data GETs, a new object version is transformed
+anew, and bad input is a clear error."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import trio
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from batchfs.cache.diskstore import DiskStore  # noqa: E402
+from batchfs.errors import TooLarge, TransformError  # noqa: E402
+from tests.support.engine import memory_client  # noqa: E402
+from batchfs.rowgroups import parquet  # noqa: E402
+from batchfs.rowgroups.source import Group, RowGroupConfig, RowGroupSource  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _parquet(rows=4000, group=1000, seed=0) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = pa.table({"x": rng.integers(0, 1000, rows), "y": rng.random(rows),
+                  "name": [None if i % 13 == 0 else f"n{i % 50}" for i in range(rows)],
+                  "s": pa.array([{"a": i} for i in range(rows)])})
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=group)
+    return buf.getvalue()
+
+
+async def _info(client, key):
+    return (await client.head("b", key)).info
+
+
+def _load(group: Group, name: str) -> np.ndarray:
+    return np.load(io.BytesIO(group.files[name]), allow_pickle=False)
+
+
+@pytest.mark.trio
+async def test_a_row_group_costs_its_chunks_and_equals_pyarrow():
+    data = _parquet()
+    client = memory_client()
+    client.put("b", "t.parquet", data)
+    src = RowGroupSource(client, None)
+    info = await _info(client, "t.parquet")
+    lay = await src.layout("b", "t.parquet", info)
+    assert lay.rows == (1000, 1000, 1000, 1000) and client.calls["get"] == 1  # the tail holds the footer
+    whole = pq.ParquetFile(io.BytesIO(data))
+    for rg in (2, 0):
+        client.get_ranges.clear()
+        g = await src.group("b", "t.parquet", info, rg)
+        fetched = sorted((s, e - s) for _, s, e in client.get_ranges)
+        assert fetched == parquet.chunk_ranges(lay.metadata, rg)
+        expect = whole.read_row_group(rg)
+        assert list(_load(g, "x.npy")) == expect.column("x").to_pylist()
+        assert np.allclose(_load(g, "y.npy"), expect.column("y").to_pylist())
+        names = expect.column("name").to_pylist()
+        assert [n or "" for n in names] == list(_load(g, "name.npy"))
+        assert list(_load(g, "name.null.npy")) == [n is None for n in names]
+        assert set(g.unsupported) == {"s"} and "struct" in g.unsupported["s"]
+    assert src.transforms == 2
+    meta = json.loads(lay.meta_json("b/t.parquet"))
+    assert meta["row_groups"] == 4 and meta["rows"] == [1000] * 4 and meta["transform"] == "default/1"
+    cols = {c["name"]: c for c in meta["columns"]}
+    assert cols["x"]["files"] == ["x.npy"] and "struct" in cols["s"]["unsupported"]
+
+
+@pytest.mark.trio
+async def test_concurrent_readers_share_one_transform():
+    client = memory_client(get_delay_seconds=0.01)
+    client.put("b", "t.parquet", _parquet())
+    src = RowGroupSource(client, None)
+    info = await _info(client, "t.parquet")
+    got = []
+
+    async def read() -> None:
+        got.append(await src.group("b", "t.parquet", info, 1))
+
+    async with trio.open_nursery() as n:
+        for _ in range(8):
+            n.start_soon(read)
+    assert len(got) == 8 and src.transforms == 1 and all(g is got[0] for g in got)
+
+
+@pytest.mark.trio
+async def test_the_disk_cache_serves_a_new_source_without_data_gets_and_never_a_stale_version(tmp_path):
+    client = memory_client()
+    client.put("b", "t.parquet", _parquet(seed=1))
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", 64 * MiB)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store)
+        info = await _info(client, "t.parquet")
+        first = [await src.group("b", "t.parquet", info, rg) for rg in range(4)]
+        await store.flush(10)
+        store.close()
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", 64 * MiB)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store)  # a remount: nothing in memory
+        client.get_ranges.clear()
+        again = [await src.group("b", "t.parquet", info, rg) for rg in range(4)]
+        assert [g.files for g in again] == [g.files for g in first]
+        assert src.transforms == 0 and len(client.get_ranges) == 1  # the footer only
+        client.put("b", "t.parquet", _parquet(seed=2))  # a new version: new keys, new arrays
+        new_info = await _info(client, "t.parquet")
+        assert new_info.version != info.version
+        g = await src.group("b", "t.parquet", new_info, 0)
+        assert src.transforms == 1 and g.files["x.npy"] != first[0].files["x.npy"]
+        store.close_writes()
+        nursery.cancel_scope.cancel()
+        store.close()
+
+
+@pytest.mark.trio
+async def test_bad_input_is_a_clear_error_and_fetches_nothing_it_does_not_need():
+    client = memory_client()
+    client.put("b", "not.parquet", b"just some text, not parquet at all\n" * 10)
+    client.put("b", "t.parquet", _parquet())
+    src = RowGroupSource(client, None, RowGroupConfig(max_group_bytes=1000))
+    with pytest.raises(TransformError, match="no PAR1 magic"):
+        await src.layout("b", "not.parquet", await _info(client, "not.parquet"))
+    info = await _info(client, "t.parquet")
+    await src.layout("b", "t.parquet", info)
+    client.get_ranges.clear()
+    with pytest.raises(TooLarge, match="over the 1000-byte limit"):
+        await src.group("b", "t.parquet", info, 0)
+    with pytest.raises(TransformError, match="no row group 9"):
+        await src.group("b", "t.parquet", info, 9)
+    assert client.get_ranges == []
+
+
+def test_a_packed_group_round_trips_and_a_truncated_one_is_refused():
+    g = Group({"a.npy": b"12345", "b.npy": b""}, {"c": "why"})
+    assert Group.unpack(g.pack()) == g
+    with pytest.raises(ValueError):
+        Group.unpack(g.pack()[:-1])
