@@ -28,6 +28,13 @@ class MountConfig:
     # ...and never fills its filesystem: at least this fraction of the filesystem's size stays
     # free (JuiceFS's --free-space-ratio); below it, reads go through until space is freed.
     cache_free_space_ratio: float = 0.1
+    # Transformed Parquet row groups (.rowgroups/): their own disk cache and quota (fill, then
+    # transform and serve without storing), the memory for transformed groups in use (a row
+    # group larger than this, uncompressed, is refused), and transforms at once (threads).
+    rowgroup_cache_dir: Path | None = None  # None: transformed row groups are not kept on disk
+    rowgroup_cache_quota_bytes: int = 10 * GiB
+    rowgroup_memory_bytes: int = 512 * MiB
+    rowgroup_workers: int = 2
     # Reads are fetched in chunks of this size unless the server reports its own chunk size
     # (Ais-Chunks-Max-Chunk-Size), which then wins so range reads align with stored chunks.
     chunk_size_bytes: int = 8 * MiB

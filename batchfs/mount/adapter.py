@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 assert ROOT_INODE == pyfuse3.ROOT_INODE
 
 BLOCK_SIZE = 1024 * 1024
+ROWGROUP_FLUSH_SECONDS = 10.0  # at unmount, queued row-group cache writes get this long
 
 
 def _boundary(fn):
@@ -233,11 +234,17 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
             batch_control = await _batch_control(config, client, nursery)
             # planned objects are served from memory
             engine = await Engine.start(config, client, nursery, prefetched=batch_control.mgr.plans)
+            rowgroups, rg_store = await _rowgroups(config, client, engine, nursery)
+            trees = [batch_control] + ([rowgroups] if rowgroups is not None else [])
             try:
-                await _run_mounted(config, Operations(engine, trees=[batch_control]), on_ready)
+                await _run_mounted(config, Operations(engine, trees=trees), on_ready)
             finally:
                 batch_control.mgr.close()
                 await engine.aclose()
+                if rg_store is not None:
+                    with trio.CancelScope(shield=True):
+                        await rg_store.flush(ROWGROUP_FLUSH_SECONDS)
+                    rg_store.close()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -256,6 +263,27 @@ async def _check(config: MountConfig, client) -> None:
         raise SourceError(f"cannot mount {where}: {e}") from None
     if not os.path.isdir(config.mountpoint):
         raise SourceError(f"cannot mount at {config.mountpoint}: not a directory")
+
+
+async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.Nursery):
+    """The ``.rowgroups/`` tree and its disk store, or (None, None) without pyarrow."""
+    try:
+        from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource
+        from batchfs.rowgroups.tree import RowGroupTree
+    except ImportError as e:  # the 'parquet' extra is not installed
+        log.info(".rowgroups/ is not served: %s (pip install 'batchfs[parquet]')", e)
+        return None, None
+    from batchfs.cache.diskstore import DiskStore
+
+    store = None
+    if config.rowgroup_cache_dir is not None:
+        store = await DiskStore.open_or_none(config.rowgroup_cache_dir, config.rowgroup_cache_quota_bytes,
+                                             free_space_ratio=config.cache_free_space_ratio)
+        if store is not None:
+            nursery.start_soon(store.writer)
+    rg_config = RowGroupConfig(workers=config.rowgroup_workers, memory_bytes=config.rowgroup_memory_bytes,
+                               max_group_bytes=config.rowgroup_memory_bytes)
+    return RowGroupTree(engine.ns, RowGroupSource(client, store, rg_config)), store
 
 
 async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):

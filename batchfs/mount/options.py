@@ -137,6 +137,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache-free-space-ratio", "cache_free_space_ratio", _ratio, "RATIO",
            "fraction (0 to 1) of the cache filesystem's size the disk cache leaves free; below it, "
            "reads go through until space is freed (default: {default})"),
+    Option("rowgroup-cache-dir", "rowgroup_cache_dir", parse_path, "DIR",
+           "directory of the disk cache of transformed Parquet row groups (.rowgroups/), created if "
+           "missing, kept across remounts (default: {default}, transformed again on every mount)"),
+    Option("rowgroup-cache-quota", "rowgroup_cache_quota_bytes", _quota, "SIZE",
+           "hard limit on the row-group cache: it fills up to the quota, then row groups are "
+           "transformed and served without being stored (default: {default})"),
+    Option("rowgroup-memory", "rowgroup_memory_bytes", _size, "SIZE",
+           "memory for transformed row groups in use; a row group larger than this (uncompressed) "
+           "is refused with EFBIG (default: {default})"),
+    Option("rowgroup-workers", "rowgroup_workers", _count(1), "N",
+           "row groups transformed at once, in threads (default: {default})"),
     Option("chunk-size", "chunk_size_bytes", _size, "SIZE",
            "size of one range request when the server does not report its own chunk size "
            "(default: {default})"),

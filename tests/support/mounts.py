@@ -29,7 +29,7 @@ from batchfs.mount.daemon import serve_until_signal
 
 spec = json.loads(sys.argv[1])
 source = Source(**spec.pop("source"))
-for k in ("mountpoint", "cache_dir"):
+for k in ("mountpoint", "cache_dir", "rowgroup_cache_dir", "log_file"):
     if spec.get(k) is not None:
         spec[k] = Path(spec[k])
 spec["fuse_options"] = tuple(spec.get("fuse_options", ()))

@@ -86,7 +86,9 @@ def test_long_flags_and_o_options_set_the_same_fields():
               "parallel-total": "7", "memory-budget": "1G", "memory-cache": "64M", "metadata-ttl": "2.5",
               "negative-ttl": "1s", "metadata-cache-entries": "1000", "direct-io-min-size": "2M",
               "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "http-read-size": "256K",
-              "max-fuse-tasks": "16", "log-level": "warning", "log-file": "/tmp/l.log"}
+              "max-fuse-tasks": "16", "log-level": "warning", "log-file": "/tmp/l.log",
+              "rowgroup-cache-dir": "/tmp/rg", "rowgroup-cache-quota": "3G", "rowgroup-memory": "128M",
+              "rowgroup-workers": "3"}
     assert set(values) == {o.flag for o in mountcli.OPTIONS}
     by_flag = config("http://h:1/b", "/m", *[x for k, v in values.items() for x in (f"--{k}", v)])
     by_o = config("http://h:1/b", "/m", "-o", ",".join(f"{k.replace('-', '_')}={v}" for k, v in values.items()))
@@ -95,6 +97,8 @@ def test_long_flags_and_o_options_set_the_same_fields():
     assert by_flag.cache_free_space_ratio == 0.25
     assert by_flag.chunk_size_bytes == 4 * MiB and by_flag.metadata_ttl_seconds == 2.5
     assert by_flag.retries == 0 and by_flag.log_level == "WARNING" and by_flag.http_read_bytes == 256 * 1024
+    assert by_flag.rowgroup_cache_dir == Path("/tmp/rg") and by_flag.rowgroup_cache_quota_bytes == 3 * GiB
+    assert by_flag.rowgroup_memory_bytes == 128 * MiB and by_flag.rowgroup_workers == 3
 
 
 def test_defaults_and_precedence():

@@ -1,0 +1,244 @@
+"""``.rowgroups/``: the mount's Parquet objects as directories of row groups of ``.npy`` files.
+
+    .rowgroups/DIR/…/NAME.parquet/meta.json          the layout (``source.Layout.meta_json``)
+    .rowgroups/DIR/…/NAME.parquet/00000/COL.npy      row group 0, one file per output array
+
+A ``Tree`` (``batchfs.engine.tree``) beside the object namespace: it claims ``.rowgroups`` in the
+root and owns inodes and handles from ``BASE`` up. Directories mirror the namespace (through
+``engine.namespace``, so listings and metadata TTLs are the mount's own); inside them only
+subdirectories and objects named ``*.parquet`` appear, each as a directory.
+
+Invariants:
+- Listing a table directory reads the footer only; a row-group directory transforms that one
+  row group (its file names and exact sizes are those of the arrays); nothing else transforms.
+- A file's bytes are those of the object version current when it was opened: the handle keeps
+  them, whatever happens to the object after.
+- Every entity of this tree holds exactly one lookup reference on the namespace node it mirrors,
+  released when the kernel forgets the entity, so the namespace's inode table stays bounded.
+- Read-only: every change answers EROFS (``ReadOnlyTree``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+from batchfs.engine.namespace import ROOT_INODE, Namespace
+from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, Caller, Opened, ReadOnlyTree
+from batchfs.errors import IsADirectory, NotADirectory, NotFound, ReadOnly
+from batchfs.rowgroups.source import RowGroupSource
+
+DIR_NAME = ".rowgroups"
+BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
+SUFFIX = ".parquet"
+META = "meta.json"
+GROUP_DIGITS = 5
+
+
+@dataclasses.dataclass(eq=False)
+class _Ent:
+    kind: str  # "root" | "dir" | "table" | "meta" | "group" | "file"
+    ns_ino: int  # the namespace node mirrored (dir, table) or its table's
+    rg: int = -1
+    name: str = ""  # file name inside a group
+    lookups: int = 0
+    key: tuple = ()
+
+
+class RowGroupTree(ReadOnlyTree):
+    def __init__(self, ns: Namespace, source: RowGroupSource):
+        self.ns, self.source = ns, source
+        self._ents: dict[int, _Ent] = {}
+        self._by_key: dict[tuple, int] = {}
+        self._next = itertools.count(BASE + 1)
+        self._fhs: dict[int, object] = {}  # handle -> bytes (file) or a directory cursor
+        self._next_fh = itertools.count(BASE)
+        self._born = time.time_ns()
+        self._root = _Ent("root", ROOT_INODE, key=("root",))
+        self._ents[BASE], self._by_key[("root",)] = self._root, BASE
+
+    def owns(self, ino_or_fh: int) -> bool:
+        return BASE <= ino_or_fh < 1 << 60
+
+    def claims(self, parent: int, name: str) -> bool:
+        return parent == ROOT_INODE and name == DIR_NAME
+
+    # -- entities ----------------------------------------------------------------------------
+    def _ent(self, ino: int) -> _Ent:
+        try:
+            return self._ents[ino]
+        except KeyError:
+            raise NotFound(f"row-group inode {ino} is gone") from None
+
+    def _intern(self, kind: str, ns_ino: int, rg: int = -1, name: str = "", hold_ns: bool = False) -> int:
+        """The inode of an entity, made on first sight; ``hold_ns``: the caller passes one
+        namespace reference, which a new entity keeps and an existing one gives back."""
+        key = (kind, ns_ino, rg, name)
+        ino = self._by_key.get(key)
+        if ino is None:
+            ino = next(self._next)
+            self._ents[ino], self._by_key[key] = _Ent(kind, ns_ino, rg, name, key=key), ino
+            if kind in ("dir", "table") and not hold_ns:
+                self.ns.ref(ns_ino)
+        elif kind in ("dir", "table") and hold_ns:
+            self.ns.forget(ns_ino, 1)
+        return ino
+
+    def forget(self, ino: int, n: int) -> None:
+        e = self._ents.get(ino)
+        if e is None or e is self._root:
+            return
+        e.lookups -= n
+        if e.lookups <= 0:
+            self._drop(ino, e)
+
+    def _drop(self, ino: int, e: _Ent) -> None:
+        del self._ents[ino]
+        self._by_key.pop(e.key, None)
+        if e.kind in ("dir", "table"):
+            self.ns.forget(e.ns_ino, 1)
+
+    def listed(self, ino: int, taken: bool) -> None:
+        e = self._ents.get(ino)
+        if e is None:
+            return
+        if taken:
+            e.lookups += 1
+        elif e.lookups <= 0 and e is not self._root:
+            self._drop(ino, e)
+
+    async def _info(self, e: _Ent):
+        return await self.ns.current(self.ns.node(e.ns_ino))
+
+    # -- metadata ----------------------------------------------------------------------------
+    async def _attr(self, ino: int) -> Attr:
+        e = self._ent(ino)
+        if e.kind in ("root", "dir"):
+            return Attr(ino, True, 0, self._born)
+        info = await self._info(e)
+        if e.kind in ("table", "group"):
+            return Attr(ino, True, 0, info.mtime_ns)
+        return Attr(ino, False, len(await self._bytes(e)), info.mtime_ns, info.version)
+
+    async def lookup(self, parent: int, name: str) -> Attr:
+        if self.claims(parent, name):
+            return await self._looked_up(BASE)
+        p = self._ent(parent)
+        if p.kind in ("root", "dir"):
+            a = await self.ns.lookup(p.ns_ino, name)  # one namespace reference, ours now
+            node = self.ns.node(a.ino)
+            if node.is_dir:
+                return await self._looked_up(self._intern("dir", node.ino, hold_ns=True))
+            if name.endswith(SUFFIX):
+                return await self._looked_up(self._intern("table", node.ino, hold_ns=True))
+            self.ns.forget(node.ino, 1)
+            raise NotFound(f"{name}: only directories and *{SUFFIX} objects appear under {DIR_NAME}/")
+        if p.kind == "table":
+            if name == META:
+                return await self._looked_up(self._intern("meta", p.ns_ino))
+            lay = await self._layout(p)
+            if len(name) == GROUP_DIGITS and name.isdigit() and int(name) < lay.num_row_groups:
+                return await self._looked_up(self._intern("group", p.ns_ino, int(name)))
+            raise NotFound(f"{name}: not a row group of this table ({lay.num_row_groups} groups)")
+        if p.kind == "group":
+            group = await self._group(p)
+            if name in group.files:
+                return await self._looked_up(self._intern("file", p.ns_ino, p.rg, name))
+            raise NotFound(f"{name}: not a file of row group {p.rg}")
+        raise NotADirectory(f"inode {parent} is not a directory")
+
+    async def _looked_up(self, ino: int) -> Attr:
+        try:
+            attr = await self._attr(ino)
+        except BaseException:
+            e = self._ents.get(ino)
+            if e is not None and e.lookups <= 0 and e is not self._root:
+                self._drop(ino, e)
+            raise
+        self._ents[ino].lookups += 1
+        return attr
+
+    async def getattr(self, ino: int) -> Attr:
+        return await self._attr(ino)
+
+    async def _layout(self, e: _Ent):
+        node = self.ns.node(e.ns_ino)
+        return await self.source.layout(node.bucket, node.key, await self.ns.current(node))
+
+    async def _group(self, e: _Ent):
+        node = self.ns.node(e.ns_ino)
+        return await self.source.group(node.bucket, node.key, await self.ns.current(node), e.rg)
+
+    async def _bytes(self, e: _Ent) -> bytes:
+        if e.kind == "meta":
+            node = self.ns.node(e.ns_ino)
+            return (await self._layout(e)).meta_json(f"{node.bucket}/{node.key}")
+        data = (await self._group(e)).files.get(e.name)
+        if data is None:  # the object changed and this group has no such file any more
+            raise NotFound(f"{e.name}: not in row group {e.rg} of the current version")
+        return data
+
+    # -- directories -------------------------------------------------------------------------
+    def opendir(self, ino: int, caller: Caller = SELF) -> int:
+        e = self._ent(ino)
+        if e.kind not in ("root", "dir", "table", "group"):
+            raise NotADirectory(f"inode {ino} is not a directory")
+        fh = next(self._next_fh)
+        self._fhs[fh] = (ino, self.ns.opendir(e.ns_ino) if e.kind in ("root", "dir") else None)
+        return fh
+
+    async def readdir(self, fh: int, offset: int) -> AsyncIterator[tuple[str, Attr, int]]:
+        try:
+            ino, handle = self._fhs[fh]
+        except KeyError:
+            raise NotFound(f"row-group directory handle {fh} is not open") from None
+        e = self._ent(ino)
+        if handle is not None:  # a mirrored directory: subdirectories and *.parquet objects
+            async for name, node, nxt in self.ns.readdir(handle, offset):
+                if node.is_dir:
+                    child = self._intern("dir", node.ino)
+                elif name.endswith(SUFFIX):
+                    child = self._intern("table", node.ino)
+                else:
+                    continue
+                mtime = node.info.mtime_ns if node.info is not None else self._born
+                yield name, Attr(child, True, 0, mtime), nxt
+            return
+        if e.kind == "table":
+            lay = await self._layout(e)
+            names = [META] + [f"{i:0{GROUP_DIGITS}d}" for i in range(lay.num_row_groups)]
+            for i in range(offset, len(names)):
+                child = self._intern("meta", e.ns_ino) if i == 0 else self._intern("group", e.ns_ino, i - 1)
+                yield names[i], await self._attr(child), i + 1
+            return
+        group = await self._group(e)
+        names = list(group.files)
+        for i in range(offset, len(names)):
+            yield names[i], await self._attr(self._intern("file", e.ns_ino, e.rg, names[i])), i + 1
+
+    def releasedir(self, fh: int) -> None:
+        self._fhs.pop(fh, None)
+
+    # -- files -------------------------------------------------------------------------------
+    async def open(self, ino: int, flags: int = os.O_RDONLY, caller: Caller = SELF) -> Opened:
+        if flags & WRITE_FLAGS:
+            raise ReadOnly(f"{DIR_NAME}/ is read-only")
+        e = self._ent(ino)
+        if e.kind not in ("meta", "file"):
+            raise IsADirectory(f"inode {ino} is a directory")
+        data = await self._bytes(e)
+        fh = next(self._next_fh)
+        self._fhs[fh] = data
+        return Opened(fh, direct_io=False, keep_cache=False)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        data = self._fhs.get(fh)
+        if not isinstance(data, bytes):
+            raise NotFound(f"row-group file handle {fh} is not open")
+        return data[offset:offset + size]
+
+    def release(self, fh: int) -> None:
+        self._fhs.pop(fh, None)

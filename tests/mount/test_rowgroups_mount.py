@@ -1,0 +1,95 @@
+"""``.rowgroups/`` through a real mount over a real server: the tree mirrors directories and
+Parquet objects, every array equals what pyarrow reads for the same row group, a row group costs
+exactly its column chunks (server metrics), a remount with the same row-group cache sends no data
+but the footer, a replaced object is never served stale, and bad input is a clear error."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from batchfs.rowgroups.parquet import FOOTER_GUESS_BYTES, chunk_ranges  # noqa: E402
+from tests.support.mounts import MountProcess  # noqa: E402
+from tests.support.objects import put  # noqa: E402
+
+ROWS, GROUP = 60_000, 20_000
+
+
+def _parquet(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = pa.table({
+        "id": np.arange(ROWS, dtype=np.int64) + seed,
+        "score": rng.random(ROWS),
+        "label": [None if i % 7 == 0 else f"c{(i * seed) % 11}" for i in range(ROWS)],
+        "ok": rng.random(ROWS) < 0.5,
+    })
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=GROUP)
+    return buf.getvalue()
+
+
+def _sent(server) -> float:
+    return server.metrics().get('batchfs_sent_bytes_total{op="get"}', 0.0)
+
+
+def _check_group(mnt, name: str, data: bytes, rg: int) -> None:
+    expect = pq.ParquetFile(io.BytesIO(data)).read_row_group(rg)
+    d = mnt / ".rowgroups" / name / f"{rg:05d}"
+    assert sorted(os.listdir(d)) == ["id.npy", "label.npy", "label.null.npy", "ok.npy", "score.npy"]
+    ids = np.load(d / "id.npy", mmap_mode="r")
+    assert isinstance(ids, np.memmap) and list(ids) == expect.column("id").to_pylist()
+    assert np.array_equal(np.load(d / "score.npy"), np.array(expect.column("score").to_pylist()))
+    labels = expect.column("label").to_pylist()
+    assert list(np.load(d / "label.npy")) == [x or "" for x in labels]
+    assert list(np.load(d / "label.null.npy")) == [x is None for x in labels]
+    assert list(np.load(d / "ok.npy")) == expect.column("ok").to_pylist()
+    assert os.stat(d / "id.npy").st_size == len((d / "id.npy").read_bytes())
+
+
+def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_path):
+    t1, t2 = _parquet(1), _parquet(2)
+    put(server, bucket, "t.parquet", t1)
+    put(server, bucket, "sub/u.parquet", t2)
+    put(server, bucket, "notes.txt", b"not a table")
+    put(server, bucket, "bad.parquet", b"not parquet either, just bytes" * 100)
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    cache = tmp_path / "rgcache"
+    md = pq.ParquetFile(io.BytesIO(t1)).metadata
+    tail = min(len(t1), FOOTER_GUESS_BYTES)
+    with MountProcess(src, tmp_path / "m1", rowgroup_cache_dir=cache).start() as m:
+        mnt = m.mountpoint
+        root = mnt / ".rowgroups"
+        assert sorted(os.listdir(root)) == ["bad.parquet", "sub", "t.parquet"]
+        assert os.listdir(root / "sub") == ["u.parquet"]
+        assert sorted(os.listdir(root / "t.parquet")) == ["00000", "00001", "00002", "meta.json"]
+        meta = json.loads((root / "t.parquet" / "meta.json").read_text())
+        assert meta["rows"] == [GROUP] * 3 and [c["name"] for c in meta["columns"]] == ["id", "score", "label", "ok"]
+        before = _sent(server)
+        _check_group(mnt, "t.parquet", t1, 1)
+        assert _sent(server) - before == sum(n for _, n in chunk_ranges(md, 1))  # the chunks, no more
+        for rg in (0, 2):
+            _check_group(mnt, "t.parquet", t1, rg)
+        _check_group(mnt, "sub/u.parquet", t2, 0)
+        with pytest.raises(OSError) as e:
+            (root / "bad.parquet" / "meta.json").read_bytes()
+        assert e.value.errno == errno.EIO
+        with pytest.raises(OSError) as e:
+            (root / "t.parquet" / "00000" / "x.npy").write_bytes(b"x")
+        assert e.value.errno in (errno.EROFS, errno.EACCES)
+        assert not (root / "notes.txt").exists() and not (root / "t.parquet" / "00003").exists()
+    with MountProcess(src, tmp_path / "m2", rowgroup_cache_dir=cache).start() as m:  # a remount
+        before = _sent(server)
+        for rg in range(3):
+            _check_group(m.mountpoint, "t.parquet", t1, rg)
+        assert _sent(server) - before == tail  # the footer only: every array came from the cache
+        put(server, bucket, "t.parquet", t2)  # replaced: new arrays, never the cached ones
+    with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache).start() as m:
+        _check_group(m.mountpoint, "t.parquet", t2, 0)
