@@ -35,6 +35,7 @@ class MountConfig:
     rowgroup_cache_quota_bytes: int = 10 * GiB
     rowgroup_memory_bytes: int = 512 * MiB
     rowgroup_workers: int = 2
+    rowgroup_transform: str | None = None  # "MODULE:FUNCTION"; None: the default transform
     # Reads are fetched in chunks of this size unless the server reports its own chunk size
     # (Ais-Chunks-Max-Chunk-Size), which then wins so range reads align with stored chunks.
     chunk_size_bytes: int = 8 * MiB

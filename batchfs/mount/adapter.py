@@ -230,11 +230,12 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
     client = make_client(config.client)
     try:
         await _check(config, client)  # outside any nursery: the caller gets a bare SourceError
+        transform = _rowgroup_transform(config)  # likewise: a transform that cannot load stops here
         async with trio.open_nursery() as nursery:
             batch_control = await _batch_control(config, client, nursery)
             # planned objects are served from memory
             engine = await Engine.start(config, client, nursery, prefetched=batch_control.mgr.plans)
-            rowgroups, rg_store = await _rowgroups(config, client, engine, nursery)
+            rowgroups, rg_store = await _rowgroups(config, client, engine, nursery, transform)
             trees = [batch_control] + ([rowgroups] if rowgroups is not None else [])
             try:
                 await _run_mounted(config, Operations(engine, trees=trees), on_ready)
@@ -265,15 +266,28 @@ async def _check(config: MountConfig, client) -> None:
         raise SourceError(f"cannot mount at {config.mountpoint}: not a directory")
 
 
-async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.Nursery):
-    """The ``.rowgroups/`` tree and its disk store, or (None, None) without pyarrow."""
+def _rowgroup_transform(config: MountConfig):
+    """The row-group transform, or None when ``.rowgroups/`` cannot be served (no pyarrow)."""
     try:
-        from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource
-        from batchfs.rowgroups.tree import RowGroupTree
+        from batchfs.rowgroups.transforms import DEFAULT, load
     except ImportError as e:  # the 'parquet' extra is not installed
+        if config.rowgroup_transform:
+            raise SourceError(f"--rowgroup-transform needs pyarrow: {e} (pip install 'batchfs[parquet]')") from None
         log.info(".rowgroups/ is not served: %s (pip install 'batchfs[parquet]')", e)
+        return None
+    try:
+        return load(config.rowgroup_transform) if config.rowgroup_transform else DEFAULT
+    except ValueError as e:
+        raise SourceError(f"--rowgroup-transform: {e}") from None
+
+
+async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.Nursery, transform):
+    """The ``.rowgroups/`` tree and its disk store, or (None, None) without a transform."""
+    if transform is None:
         return None, None
     from batchfs.cache.diskstore import DiskStore
+    from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource
+    from batchfs.rowgroups.tree import RowGroupTree
 
     store = None
     if config.rowgroup_cache_dir is not None:
@@ -283,7 +297,7 @@ async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.
             nursery.start_soon(store.writer)
     rg_config = RowGroupConfig(workers=config.rowgroup_workers, memory_bytes=config.rowgroup_memory_bytes,
                                max_group_bytes=config.rowgroup_memory_bytes)
-    return RowGroupTree(engine.ns, RowGroupSource(client, store, rg_config)), store
+    return RowGroupTree(engine.ns, RowGroupSource(client, store, rg_config, transform)), store
 
 
 async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):

@@ -97,6 +97,13 @@ def parse_path(text: str) -> Path:
     return Path(os.path.abspath(os.path.expanduser(text)))
 
 
+def _transform(text: str) -> str:
+    module, sep, fn = text.partition(":")
+    if not sep or not module or not fn or not all(p.isidentifier() for p in module.split(".") + [fn]):
+        raise UsageError(f"bad row-group transform {text!r}: expected MODULE:FUNCTION, e.g. mytransforms:features")
+    return text
+
+
 def _level(text: str) -> str:
     level = text.upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -148,6 +155,10 @@ OPTIONS: tuple[Option, ...] = (
            "is refused with EFBIG (default: {default})"),
     Option("rowgroup-workers", "rowgroup_workers", _count(1), "N",
            "row groups transformed at once, in threads (default: {default})"),
+    Option("rowgroup-transform", "rowgroup_transform", _transform, "MODULE:FUNCTION",
+           "the function that makes a row group's arrays (a pyarrow.Table in; a Table or a dict of "
+           "numpy arrays out), imported by the daemon; part of every row-group cache key "
+           "(default: {default}, every column to its natural arrays)"),
     Option("chunk-size", "chunk_size_bytes", _size, "SIZE",
            "size of one range request when the server does not report its own chunk size "
            "(default: {default})"),

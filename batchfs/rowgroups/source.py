@@ -16,7 +16,7 @@ Invariants:
 - One transform per (object version, row group, transform) at a time: concurrent callers wait
   for the first and share its result.
 - The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
-  entries by bucket, object, version, row group and ``TRANSFORM_ID``, so a changed transform or
+  entries by bucket, object, version, row group and the transform's id (``transforms``), so a changed transform or
   a replaced object is never served stale; a corrupt entry is a miss. Recently used groups stay
   in memory up to ``memory_bytes``.
 """
@@ -36,11 +36,11 @@ from batchfs.cache.diskstore import DiskStore
 from batchfs.errors import TooLarge, TransformError
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
+from batchfs.rowgroups.transforms import DEFAULT, Group, Transform, TransformFailed
 from batchfs.wire.units import MiB
 
 log = logging.getLogger(__name__)
 
-TRANSFORM_ID = "default/1"  # part of every cache key: a new transform never reads old arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +65,36 @@ class Layout:
     def num_row_groups(self) -> int:
         return len(self.rows)
 
-    def meta_json(self, name: str) -> bytes:
+    def meta_json(self, name: str, transform: Transform = DEFAULT) -> bytes:
         md = self.metadata
         schema = md.schema.to_arrow_schema()
         doc = {"object": name, "version": self.version, "size": self.size,
-               "transform": TRANSFORM_ID, "row_groups": self.num_row_groups, "rows": list(self.rows),
-               "columns": [_column_doc(f) for f in schema],
+               "transform": transform.id, "row_groups": self.num_row_groups, "rows": list(self.rows),
+               "columns": [_column_doc(f) if transform.default else {"name": f.name, "arrow_type": str(f.type)}
+                           for f in schema],
                "files": "each row group directory holds NAME.npy per column (NAME.values.npy and "
                         "NAME.offsets.npy for lists and binary), plus NAME.null.npy when that group has "
-                        "nulls; columns with an 'unsupported' reason are not produced"}
+                        "nulls; columns with an 'unsupported' reason are not produced"
+                        if transform.default else "as the transform returns them (NAME.npy each)"}
         return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def pack(g: Group) -> bytes:
+    """A transformed row group as one disk-cache entry: a JSON index, then the files' bytes."""
+    head = json.dumps({"files": [[k, len(v)] for k, v in g.files.items()], "unsupported": g.unsupported}).encode()
+    return struct.pack("<I", len(head)) + head + b"".join(g.files.values())
+
+
+def unpack(blob: bytes | memoryview) -> Group:
+    (n,) = struct.unpack_from("<I", blob)
+    head = json.loads(bytes(blob[4:4 + n]))
+    files, pos = {}, 4 + n
+    for name, length in head["files"]:
+        files[name] = bytes(blob[pos:pos + length])
+        pos += length
+    if pos != len(blob):
+        raise ValueError("row group entry of the wrong length")
+    return Group(files, head["unsupported"])
 
 
 def _column_doc(field) -> dict:
@@ -86,49 +106,10 @@ def _column_doc(field) -> dict:
     return doc
 
 
-@dataclasses.dataclass(frozen=True)
-class Group:
-    files: dict[str, bytes]  # file name -> .npy bytes, in column order
-    unsupported: dict[str, str]  # column -> why it was not produced
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(v) for v in self.files.values()) + 256
-
-    def pack(self) -> bytes:
-        head = json.dumps({"files": [[k, len(v)] for k, v in self.files.items()],
-                           "unsupported": self.unsupported}).encode()
-        return struct.pack("<I", len(head)) + head + b"".join(self.files.values())
-
-    @classmethod
-    def unpack(cls, blob: bytes | memoryview) -> "Group":
-        (n,) = struct.unpack_from("<I", blob)
-        head = json.loads(bytes(blob[4:4 + n]))
-        files, pos = {}, 4 + n
-        for name, length in head["files"]:
-            files[name] = bytes(blob[pos:pos + length])
-            pos += length
-        if pos != len(blob):
-            raise ValueError("row group entry of the wrong length")
-        return cls(files, head["unsupported"])
-
-
-def transform(table) -> Group:
-    """The default transform of one row group (a pyarrow Table): every column to its arrays."""
-    files: dict[str, bytes] = {}
-    unsupported: dict[str, str] = {}
-    for name in table.column_names:
-        try:
-            for fname, arr in arrays.column_arrays(name, table.column(name)).items():
-                files[fname] = arrays.npy_bytes(arr)
-        except arrays.Unsupported as e:
-            unsupported[name] = str(e)
-    return Group(files, unsupported)
-
-
 class RowGroupSource:
-    def __init__(self, client: ObjectClient, store: DiskStore | None, config: RowGroupConfig = RowGroupConfig()):
-        self.client, self.store, self.config = client, store, config
+    def __init__(self, client: ObjectClient, store: DiskStore | None, config: RowGroupConfig = RowGroupConfig(),
+                 transform: Transform = DEFAULT):
+        self.client, self.store, self.config, self.transform = client, store, config, transform
         self._layouts: cachetools.LRUCache = cachetools.LRUCache(config.layout_entries)
         self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes, getsizeof=lambda g: g.nbytes)
         self._busy: dict[tuple, trio.Event] = {}
@@ -174,7 +155,7 @@ class RowGroupSource:
         return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
 
     def _disk_key(self, bucket: str, key: str, version: str, rg: int) -> str:
-        return f"rg1\0{bucket}\0{key}\0{version}\0{rg}\0{TRANSFORM_ID}"
+        return f"rg1\0{bucket}\0{key}\0{version}\0{rg}\0{self.transform.id}"
 
     async def group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
         lay = await self.layout(bucket, key, info)
@@ -187,12 +168,12 @@ class RowGroupSource:
                 blob = await self.store.get(disk_key)
                 if blob is not None:
                     try:
-                        return Group.unpack(blob)
+                        return unpack(blob)
                     except (ValueError, KeyError, struct.error) as e:
                         log.warning("row group entry %r unreadable (%s): transforming again", disk_key, e)
             g = await self._make(bucket, key, info, lay, rg)
             if self.store is not None and info.version:
-                self.store.put(disk_key, g.pack())
+                self.store.put(disk_key, pack(g))
             return g
 
         return await self._once(("group", bucket, key, info.version, rg), self._groups, make)
@@ -217,11 +198,11 @@ class RowGroupSource:
 
         def work() -> Group:
             table = parquet.read_row_group(lay.size, md, got, rg)
-            return transform(table)
+            return self.transform(table)
 
         try:
             g = await trio.to_thread.run_sync(work, limiter=self._workers)
-        except parquet.NotParquet as e:
+        except (parquet.NotParquet, TransformFailed) as e:
             raise TransformError(f"{bucket}/{key}: {e}") from None
         except Exception as e:  # a transform that raises: EIO for the reader, the traceback in the log
             log.exception("%s/%s row group %d: transform failed", bucket, key, rg)

@@ -175,7 +175,7 @@ class RowGroupTree(ReadOnlyTree):
     async def _bytes(self, e: _Ent) -> bytes:
         if e.kind == "meta":
             node = self.ns.node(e.ns_ino)
-            return (await self._layout(e)).meta_json(f"{node.bucket}/{node.key}")
+            return (await self._layout(e)).meta_json(f"{node.bucket}/{node.key}", self.source.transform)
         data = (await self._group(e)).files.get(e.name)
         if data is None:  # the object changed and this group has no such file any more
             raise NotFound(f"{e.name}: not in row group {e.rg} of the current version")

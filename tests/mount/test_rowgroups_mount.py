@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from batchfs.rowgroups.parquet import FOOTER_GUESS_BYTES, chunk_ranges  # noqa: 
 from tests.support.mounts import MountProcess  # noqa: E402
 from tests.support.objects import put  # noqa: E402
 
-ROWS, GROUP = 60_000, 20_000
+ROWS, GROUP = 30_000, 10_000
 
 
 def _parquet(seed: int) -> bytes:
@@ -93,3 +94,44 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         put(server, bucket, "t.parquet", t2)  # replaced: new arrays, never the cached ones
     with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache).start() as m:
         _check_group(m.mountpoint, "t.parquet", t2, 0)
+
+
+TRANSFORM = '''
+import numpy as np
+__version__ = "{version}"
+def features(table):
+    ids = table.column("id").to_numpy()
+    return {{"double": (ids * {factor}).astype(np.int64)}}
+def broken(table):
+    raise RuntimeError("this transform always fails")
+'''
+
+
+def test_user_transform_is_in_the_cache_key_and_its_failures_are_eio(server, bucket, tmp_path):
+    data = _parquet(3)
+    put(server, bucket, "t.parquet", data)
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    mods, cache = tmp_path / "mods", tmp_path / "rgcache"
+    mods.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(mods)}
+    expect = pq.ParquetFile(io.BytesIO(data)).read_row_group(0).column("id").to_numpy()
+    for version, factor in (("1", 2), ("2", 3), ("2", 3)):  # the third mount reads version 2's cache
+        (mods / "tfmod.py").write_text(TRANSFORM.format(version=version, factor=factor))
+        with MountProcess(src, tmp_path / f"m{version}{factor}", env=env, rowgroup_cache_dir=cache,
+                          rowgroup_transform="tfmod:features").start() as m:
+            d = m.mountpoint / ".rowgroups" / "t.parquet"
+            assert json.loads((d / "meta.json").read_text())["transform"] == f"tfmod:features@{version}"
+            assert os.listdir(d / "00000") == ["double.npy"]
+            assert np.array_equal(np.load(d / "00000" / "double.npy"), expect * factor)
+    with MountProcess(src, tmp_path / "mb", env=env, rowgroup_transform="tfmod:broken").start() as m:
+        with pytest.raises(OSError) as e:
+            os.listdir(m.mountpoint / ".rowgroups" / "t.parquet" / "00000")
+        assert e.value.errno == errno.EIO
+        deadline = time.monotonic() + 10  # the log is read by a thread: poll for the line
+        while "this transform always fails" not in m.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "this transform always fails" in m.log()
+    m = MountProcess(src, tmp_path / "mx", env=env, rowgroup_transform="no_such_module:f")
+    with pytest.raises(RuntimeError, match="cannot import no_such_module"):
+        m.start()
+    assert not os.path.ismount(tmp_path / "mx")

@@ -88,7 +88,7 @@ def test_long_flags_and_o_options_set_the_same_fields():
               "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "http-read-size": "256K",
               "max-fuse-tasks": "16", "log-level": "warning", "log-file": "/tmp/l.log",
               "rowgroup-cache-dir": "/tmp/rg", "rowgroup-cache-quota": "3G", "rowgroup-memory": "128M",
-              "rowgroup-workers": "3"}
+              "rowgroup-workers": "3", "rowgroup-transform": "mymod.sub:feat"}
     assert set(values) == {o.flag for o in mountcli.OPTIONS}
     by_flag = config("http://h:1/b", "/m", *[x for k, v in values.items() for x in (f"--{k}", v)])
     by_o = config("http://h:1/b", "/m", "-o", ",".join(f"{k.replace('-', '_')}={v}" for k, v in values.items()))

@@ -1,0 +1,85 @@
+"""User transforms: MODULE:FUNCTION loaded by name, its identity (and so every cache key) changing
+with its code, Table and dict outputs, and refusals that say why."""
+
+from __future__ import annotations
+
+import io
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+
+from batchfs.rowgroups.transforms import DEFAULT, TransformFailed, load  # noqa: E402
+
+
+@pytest.fixture
+def module_dir(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, code: str) -> None:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(code))
+        sys.modules.pop(name, None)
+
+    yield write
+
+
+TABLE = pa.table({"a": [1, 2, 3], "b": [0.5, 1.5, 2.5], "s": ["x", "yy", "zzz"]})
+
+
+def _npy(group, name):
+    return np.load(io.BytesIO(group.files[name]), allow_pickle=False)
+
+
+def test_a_table_result_goes_through_the_default_rules(module_dir):
+    module_dir("tf_select", """
+        def keep_a(table):
+            return table.select(["a"]).rename_columns(["alpha"])
+    """)
+    t = load("tf_select:keep_a")
+    g = t(TABLE)
+    assert list(g.files) == ["alpha.npy"] and list(_npy(g, "alpha.npy")) == [1, 2, 3]
+    assert t.id.startswith("tf_select:keep_a@src-") and t.id != DEFAULT.id
+
+
+def test_a_dict_result_is_one_file_per_array_and_object_arrays_are_refused(module_dir):
+    module_dir("tf_dict", """
+        import numpy as np
+        __version__ = "7"
+        def features(table):
+            a = table.column("a").to_numpy()
+            return {"x": np.stack([a, a * 2], axis=1).astype(np.float32), "y": a % 2 == 0}
+        def bad(table):
+            return {"o": np.array([object(), 1], dtype=object)}
+        def badname(table):
+            return {"../up": np.zeros(1)}
+        def wrong(table):
+            return [1, 2]
+    """)
+    t = load("tf_dict:features")
+    assert t.id == "tf_dict:features@7"
+    g = t(TABLE)
+    assert _npy(g, "x.npy").shape == (3, 2) and list(_npy(g, "y.npy")) == [False, True, False]
+    for spec, why in (("bad", "dtype object"), ("badname", "file name"), ("wrong", "expected a pyarrow.Table")):
+        with pytest.raises(TransformFailed, match=why):
+            load(f"tf_dict:{spec}")(TABLE)
+
+
+def test_editing_a_transform_changes_its_identity(module_dir):
+    module_dir("tf_edit", "def f(table):\n    return table\n")
+    first = load("tf_edit:f").id
+    module_dir("tf_edit", "def f(table):\n    return table.select(['a'])\n")
+    assert load("tf_edit:f").id != first
+    module_dir("tf_edit", "def f(table):\n    return table\nf.version = 'v2'\n")
+    assert load("tf_edit:f").id == "tf_edit:f@v2"
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("nocolon", "expected MODULE:FUNCTION"), (":f", "expected MODULE:FUNCTION"),
+    ("no_such_module_xyz:f", "cannot import"), ("json:no_such_function", "has no function"),
+])
+def test_unusable_specs_say_why(spec, why):
+    with pytest.raises(ValueError, match=why):
+        load(spec)
