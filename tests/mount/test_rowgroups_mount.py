@@ -17,6 +17,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
+from batchfs.rowgroups.dataset import RowGroupStream  # noqa: E402
 from batchfs.rowgroups.parquet import FOOTER_GUESS_BYTES, chunk_ranges  # noqa: E402
 from tests.support.mounts import MountProcess  # noqa: E402
 from tests.support.objects import put  # noqa: E402
@@ -86,6 +87,12 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
             (root / "t.parquet" / "00000" / "x.npy").write_bytes(b"x")
         assert e.value.errno in (errno.EROFS, errno.EACCES)
         assert not (root / "notes.txt").exists() and not (root / "t.parquet" / "00003").exists()
+        # the row-group stream over the real mount: every row of both tables once, columns together
+        stream = RowGroupStream([str(mnt / "t.parquet"), str(mnt / "sub/u.parquet")], seed=0, columns=["id", "label"])
+        items = list(stream)
+        assert len(items) == 6 and set(items[0]) == {"id", "label", "label.null"}
+        all_ids = sorted(int(i) for item in items for i in item["id"])
+        assert all_ids == sorted(list(range(1, ROWS + 1)) + list(range(2, ROWS + 2)))
     with MountProcess(src, tmp_path / "m2", rowgroup_cache_dir=cache).start() as m:  # a remount
         before = _sent(server)
         for rg in range(3):

@@ -1,0 +1,123 @@
+"""Row groups of Parquet files under a batchfs mount, in a deterministic, shardable, resumable order.
+
+``RowGroupStream(paths, seed=…)`` reads ``PATH``'s row groups from the mount's ``.rowgroups/``
+tree (transformed once, cached on local disk) and yields one item per row group: a dict of
+column arrays, its rows shuffled. ``batchfs.rowgroups.torchdata.RowGroupDataset`` wraps it as a
+``torch.utils.data.IterableDataset``; this module needs only numpy.
+
+The order of an epoch is a pure function of (seed, epoch, rank, world_size):
+
+1. every (file, row group) of the sorted paths, in order;
+2. permuted by ``np.random.default_rng([seed, epoch])``;
+3. rank ``r`` of ``world_size`` takes every ``world_size``-th group from position ``r``
+   (disjoint shares that together hold every group once; lengths differ by at most one);
+4. DataLoader worker ``w`` of ``W`` takes every ``W``-th group of its rank's share (past the
+   items already consumed, when resuming) from position ``w``. A DataLoader asks its workers for
+   items in turn, so with one item per row group the merged stream is the rank's share in order —
+   the same with 0, 2 or 4 workers;
+5. the rows of group ``g`` (its index in step 1) are shuffled by
+   ``np.random.default_rng([seed, epoch, g])``.
+
+Invariants: ``seed`` must be an int (0 included): there is no unseeded mode. ``state_dict()``
+after ``n`` items names exactly the groups consumed, and ``load_state_dict`` resumes with the
+next one, neither replaying nor skipping. Arrays are memory-mapped from the mount and indexed
+by the shuffle, so one item costs its own rows; columns stored as values + offsets (lists,
+binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+ROWGROUPS_DIR = ".rowgroups"
+
+
+def find_mount(path: str) -> tuple[str, str]:
+    """(mount root, path inside it) for a file under a batchfs mount (the nearest ancestor that
+    has a ``.rowgroups`` directory)."""
+    p = os.path.abspath(path)
+    d = os.path.dirname(p)
+    while True:
+        if os.path.isdir(os.path.join(d, ROWGROUPS_DIR)):
+            return d, os.path.relpath(p, d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            raise ValueError(f"{path} is not under a batchfs mount with {ROWGROUPS_DIR}/")
+        d = parent
+
+
+class RowGroupStream:
+    def __init__(self, paths: Sequence[str], *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
+                 columns: Sequence[str] | None = None, shuffle_rows: bool = True):
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int (got {seed!r}): the order is a function of it")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.seed, self.epoch, self.rank, self.world_size = int(seed), epoch, rank, world_size
+        self.columns, self.shuffle_rows = (list(columns) if columns is not None else None), shuffle_rows
+        self.tables: list[str] = []  # .rowgroups/ directory of each path, sorted by path
+        self.groups: list[tuple[int, int, int]] = []  # (table index, row group, rows)
+        for path in sorted(os.path.abspath(p) for p in paths):
+            root, rel = find_mount(path)
+            table = os.path.join(root, ROWGROUPS_DIR, rel)
+            with open(os.path.join(table, "meta.json"), "rb") as f:
+                rows = json.load(f)["rows"]
+            self.groups += [(len(self.tables), rg, n) for rg, n in enumerate(rows)]
+            self.tables.append(table)
+        self.consumed = 0  # items handed out in this epoch (state_dict)
+
+    # -- order ---------------------------------------------------------------------------------
+    def share(self, worker: int = 0, num_workers: int = 1, skip: int = 0) -> list[int]:
+        """Indexes (into ``groups``) this rank's worker reads this epoch, in order: the rank's
+        share past its first ``skip`` items, split among the workers."""
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.groups))
+        return [int(g) for g in order[self.rank::self.world_size][skip:][worker::num_workers]]
+
+    def __len__(self) -> int:
+        return len(self.share())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.consumed = epoch, 0
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
+                "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["seed"], state["rank"], state["world_size"]) != (self.seed, self.rank, self.world_size):
+            raise ValueError("the state was saved with another seed, rank or world size")
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read(self, g: int) -> dict[str, np.ndarray]:
+        """Row group ``g`` (an index into ``groups``) as {column: array}, rows shuffled."""
+        t, rg, rows = self.groups[g]
+        d = os.path.join(self.tables[t], f"{rg:05d}")
+        names = sorted(n for n in os.listdir(d) if n.endswith(".npy"))
+        out: dict[str, np.ndarray] = {}
+        perm = np.random.default_rng([self.seed, self.epoch, g]).permutation(rows) if self.shuffle_rows else None
+        for n in names:
+            col = n[:-4]
+            base = col.split(".")[0]
+            if self.columns is not None and base not in self.columns:
+                continue
+            if perm is not None and col.endswith((".values", ".offsets", ".values.null")):
+                raise ValueError(f"column {base!r} has variable-length rows (values + offsets): read it "
+                                 "with shuffle_rows=False")
+            arr = np.load(os.path.join(d, n), mmap_mode="r")
+            out[col] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)
+        return out
+
+    def iter_share(self, worker: int = 0, num_workers: int = 1, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        for g in self.share(worker, num_workers, skip):
+            yield self.read(g)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """This rank's items from the cursor on (no workers: the stream a DataLoader merges)."""
+        for item in self.iter_share(skip=self.consumed):
+            self.consumed += 1
+            yield item

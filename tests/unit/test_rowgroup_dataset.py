@@ -1,0 +1,107 @@
+"""RowGroupStream's order over a .rowgroups/ tree on disk (the layout the mount serves): a pure
+function of (seed, epoch, rank, world); disjoint rank shares covering every group once; rows
+shuffled per group; resume without replay or skip; and, with torch, the same stream from a
+DataLoader with 0, 2 and 4 workers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from batchfs.rowgroups.dataset import RowGroupStream
+
+GROUPS = {"a.parquet": [5, 7, 3], "sub/b.parquet": [4, 6], "c.parquet": [8]}
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """A directory laid out as a batchfs mount's .rowgroups/ tree; column 'id' numbers every row."""
+    first = 0
+    for name, rows in sorted(GROUPS.items()):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"PAR1")  # the object itself (never read by the stream)
+        table = tmp_path / ".rowgroups" / name
+        table.mkdir(parents=True)
+        (table / "meta.json").write_text(json.dumps({"rows": rows}))
+        for rg, n in enumerate(rows):
+            d = table / f"{rg:05d}"
+            d.mkdir()
+            np.save(d / "id.npy", np.arange(first, first + n))
+            np.save(d / "x.npy", np.arange(first, first + n) * 0.5)
+            first += n
+    return tmp_path
+
+
+def _paths(mount):
+    return [str(mount / n) for n in GROUPS]
+
+
+def _ids(stream) -> list[list[int]]:
+    return [list(item["id"]) for item in stream]
+
+
+def test_order_is_a_function_of_seed_and_epoch_and_rows_are_shuffled_within_groups(mount):
+    a = _ids(RowGroupStream(_paths(mount), seed=0))
+    assert a == _ids(RowGroupStream(list(reversed(_paths(mount))), seed=0))  # path order does not matter
+    assert a != _ids(RowGroupStream(_paths(mount), seed=1))
+    assert a != _ids(RowGroupStream(_paths(mount), seed=0, epoch=1))
+    total = sum(sum(rows) for rows in GROUPS.values())
+    assert sorted(i for g in a for i in g) == list(range(total))  # every row once
+    assert any(g != sorted(g) for g in a)  # shuffled within groups...
+    assert all(max(g) - min(g) == len(g) - 1 for g in a)  # ...but never across them
+    item = next(iter(RowGroupStream(_paths(mount), seed=0)))
+    assert np.array_equal(item["x"], item["id"] * 0.5)  # the columns of a row stay together
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_get_disjoint_shares_that_cover_every_group(mount, world):
+    shares = [RowGroupStream(_paths(mount), seed=3, rank=r, world_size=world).share() for r in range(world)]
+    flat = [g for s in shares for g in s]
+    assert sorted(flat) == list(range(6)) and max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_resume_neither_replays_nor_skips(mount):
+    full = _ids(RowGroupStream(_paths(mount), seed=9, rank=0, world_size=1))
+    s = RowGroupStream(_paths(mount), seed=9)
+    it = iter(s)
+    head = [list(next(it)["id"]) for _ in range(2)]
+    state = s.state_dict()
+    resumed = RowGroupStream(_paths(mount), seed=9)
+    resumed.load_state_dict(state)
+    assert head + _ids(resumed) == full
+    with pytest.raises(ValueError, match="another seed"):
+        RowGroupStream(_paths(mount), seed=10).load_state_dict(state)
+
+
+def test_no_unseeded_mode_and_variable_length_columns_need_shuffle_off(mount):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        RowGroupStream(_paths(mount), seed=None)
+    d = mount / ".rowgroups" / "c.parquet" / "00000"
+    np.save(d / "tags.values.npy", np.arange(3))
+    np.save(d / "tags.offsets.npy", np.array([0, 1, 1, 1, 2, 2, 3, 3, 3]))
+    s = RowGroupStream([str(mount / "c.parquet")], seed=0)
+    with pytest.raises(ValueError, match="shuffle_rows=False"):
+        list(s)
+    assert "tags.offsets" in next(iter(RowGroupStream([str(mount / "c.parquet")], seed=0, shuffle_rows=False)))
+    with pytest.raises(ValueError, match="not under a batchfs mount"):
+        RowGroupStream(["/nonexistent/x.parquet"], seed=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (the 'torch' extra)")
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_a_dataloader_gives_the_same_stream_with_any_number_of_workers(mount, workers):
+    from torch.utils.data import DataLoader
+
+    from batchfs.rowgroups.torchdata import RowGroupDataset
+
+    expect = _ids(RowGroupStream(_paths(mount), seed=4, rank=1, world_size=2))
+    ds = RowGroupDataset(_paths(mount), seed=4, rank=1, world_size=2)
+    got = [list(item["id"].numpy()) for item in DataLoader(ds, batch_size=None, num_workers=workers)]
+    assert got == expect
+    ds.skip_items(1)  # resume after the first item
+    again = [list(item["id"].numpy()) for item in DataLoader(ds, batch_size=None, num_workers=workers)]
+    assert again == expect[1:]
