@@ -1,0 +1,134 @@
+"""Row groups into NumPy: ``.rowgroups/`` epoch 1 (fetch + transform + cache) vs epoch 2 (from
+the row-group cache), vs re-reading the Parquet through the mount and converting every epoch
+(what a job does without batchfs's row groups). One run, same server, same data, medians.
+
+    python -m bench.bench_rowgroups [--mib 512] [--files 4] [--group-mib 32] [--runs 3]
+
+Each side reads every row group of every file once per epoch, in the order of
+``RowGroupStream(seed=0, epoch=e)``, all columns, and counts rows/s. ``.rowgroups/`` epochs use
+one mount with a fresh row-group disk cache (``--rowgroup-memory`` below the data size, so the
+second epoch is served from disk, not memory); the Parquet side reads through a mount without
+caches, with pyarrow, and converts with the same default rules (``rowgroups.arrays``).
+Also reported: the row-group cache's size on disk against its quota, and the daemon's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchfs.cache.entries import du
+from batchfs.rowgroups.arrays import column_arrays
+from batchfs.rowgroups.dataset import RowGroupStream
+from tests.support.mounts import MountProcess
+from tests.support.procstat import rss_bytes
+from tests.support.processes import ServerProcess
+
+MiB = 1 << 20
+
+
+def make_table(rows: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table({
+        "id": np.arange(rows, dtype=np.int64),
+        "f0": rng.random(rows), "f1": rng.random(rows).astype(np.float32),
+        "i0": rng.integers(0, 1 << 30, rows, dtype=np.int64),
+        "label": pa.array([f"class-{i % 1000}" for i in range(rows)]),
+        "flag": rng.random(rows) < 0.5,
+    })
+
+
+def load(url: str, bucket: str, files: int, mib: int, group_mib: int) -> list[str]:
+    httpx.post(f"{url}/v1/buckets/{bucket}", json={"action": "create-bck"}).raise_for_status()
+    bytes_per_row = 8 + 8 + 4 + 8 + 10 + 1
+    rows = mib * MiB // files // bytes_per_row
+    group_rows = group_mib * MiB // bytes_per_row
+    names = []
+    for i in range(files):
+        buf = io.BytesIO()
+        pq.write_table(make_table(rows, i), buf, row_group_size=group_rows, compression="snappy")
+        name = f"table/part-{i}.parquet"
+        httpx.put(f"{url}/v1/objects/{bucket}/{name}", content=buf.getvalue(), timeout=300).raise_for_status()
+        names.append(name)
+    return names
+
+
+def epoch_rowgroups(paths: list[str], epoch: int) -> tuple[float, int]:
+    s = RowGroupStream(paths, seed=0, epoch=epoch, shuffle_rows=False)
+    t, rows = time.perf_counter(), 0
+    for item in s:
+        rows += len(item["id"])
+        for arr in item.values():
+            arr.sum() if arr.dtype.kind in "biuf" else len(arr)  # touch every array
+    return time.perf_counter() - t, rows
+
+
+def epoch_parquet(mnt: Path, names: list[str], epoch: int, order_paths: list[str]) -> tuple[float, int]:
+    """Re-read and convert: the same row groups in the same order, from the Parquet objects."""
+    s = RowGroupStream(order_paths, seed=0, epoch=epoch, shuffle_rows=False)
+    files = [pq.ParquetFile(mnt / n) for n in sorted(names)]
+    t, rows = time.perf_counter(), 0
+    for g in s.share():
+        f, rg, _ = s.groups[g]
+        table = files[f].read_row_group(rg)
+        for name in table.column_names:
+            for arr in column_arrays(name, table.column(name)).values():
+                arr.sum() if arr.dtype.kind in "biuf" else len(arr)
+        rows += table.num_rows
+    return time.perf_counter() - t, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=512, help="table size in MiB (default 512)")
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--group-mib", type=int, default=32, help="row group size in MiB, uncompressed (default 32)")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-rg-"))
+    results: dict[str, list[float]] = {"rg epoch 1": [], "rg epoch 2": [], "parquet epoch 1": [], "parquet epoch 2": []}
+    with ServerProcess([work / "data"]) as srv:
+        names = load(srv.url, "b", args.files, args.mib, args.group_mib)
+        print(f"loaded {args.files} files, {args.mib} MiB of rows, row groups of ~{args.group_mib} MiB", flush=True)
+        src = {"kind": "ais", "endpoint": srv.url, "bucket": "b"}
+        memory = max(2 * args.group_mib, args.mib // 4) * MiB  # below the data: epoch 2 comes from disk
+        for r in range(args.runs):
+            cache = work / f"rgcache{r}"
+            with MountProcess(src, work / f"m{r}", rowgroup_cache_dir=cache, rowgroup_memory_bytes=memory,
+                              rowgroup_cache_quota_bytes=4 * args.mib * MiB).start(timeout=60) as m:
+                paths = [str(m.mountpoint / n) for n in names]
+                for e, key in ((0, "rg epoch 1"), (1, "rg epoch 2")):
+                    dt, rows = epoch_rowgroups(paths, e)
+                    results[key].append(rows / dt)
+                    print(f"run {r} {key}: {rows / dt:,.0f} rows/s ({dt:.2f} s)", flush=True)
+                rss = rss_bytes(m.proc.pid)
+            print(f"run {r}: row-group cache {du(cache) / MiB:.0f} MiB on disk (quota {4 * args.mib} MiB); "
+                  f"daemon RSS {rss / MiB:.0f} MiB (--rowgroup-memory {memory // MiB} MiB)", flush=True)
+            with MountProcess(src, work / f"p{r}").start(timeout=60) as m:
+                order = [str(m.mountpoint / n) for n in names]
+                # the order comes from a .rowgroups/ listing (meta.json), the data from the Parquet
+                for e, key in ((0, "parquet epoch 1"), (1, "parquet epoch 2")):
+                    dt, rows = epoch_parquet(m.mountpoint, names, e, order)
+                    results[key].append(rows / dt)
+                    print(f"run {r} {key}: {rows / dt:,.0f} rows/s ({dt:.2f} s)", flush=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"\n{args.runs} runs, medians (rows/s):")
+    print("| side | epoch 1 | epoch 2 |\n|---|---|---|")
+    print(f"| .rowgroups/ | {med['rg epoch 1']:,.0f} | {med['rg epoch 2']:,.0f} |")
+    print(f"| Parquet through the mount, converted each epoch | {med['parquet epoch 1']:,.0f} | {med['parquet epoch 2']:,.0f} |")
+    print(f"\n(a) .rowgroups epoch 2 / epoch 1: {med['rg epoch 2'] / med['rg epoch 1']:.1f}x (target >= 10x)")
+    print(f"(b) .rowgroups epoch 2 / Parquet re-read epoch 2: {med['rg epoch 2'] / med['parquet epoch 2']:.1f}x (target >= 5x)")
+    print(f"all: {({k: [round(x) for x in v] for k, v in results.items()})}")
+
+
+if __name__ == "__main__":
+    main()
