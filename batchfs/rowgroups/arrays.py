@@ -60,7 +60,10 @@ def _flat(arr: pa.Array, what: str) -> np.ndarray:
         days = arr.cast(pa.date32()).cast(pa.int32()).fill_null(0).to_numpy(zero_copy_only=False)
         return days.astype(np.int64).view("M8[D]")
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        values = arr.fill_null("").to_pylist()
+        filled = arr.fill_null("") if arr.null_count else arr
+        if len(filled) and pc.all(pc.string_is_ascii(filled)).as_py():
+            return _ascii_strings(filled, what)
+        values = filled.to_pylist()
         if any(v.endswith("\0") for v in values):  # NumPy drops trailing NULs of fixed-width strings
             raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
                               "strings cannot keep")
@@ -68,6 +71,25 @@ def _flat(arr: pa.Array, what: str) -> np.ndarray:
         return np.array(values, dtype=f"<U{width}")
     raise Unsupported(f"{what}: Arrow type {t} has no NumPy form here (supported: numbers, bool, "
                       "timestamps, dates, durations, strings, binary, dictionaries, lists of those)")
+
+
+def _ascii_strings(arr: pa.Array, what: str) -> np.ndarray:
+    """ASCII strings to ``<U{longest}`` without a Python object per value: the bytes are laid
+    into a fixed-width byte matrix from Arrow's offsets, then widened by NumPy in one call."""
+    off_type = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], dtype=off_type)[arr.offset:arr.offset + len(arr) + 1].astype(np.int64)
+    data = np.frombuffer(arr.buffers()[2], dtype=np.uint8) if arr.buffers()[2] is not None else np.zeros(0, np.uint8)
+    lengths = np.diff(offsets)
+    last = offsets[1:][lengths > 0] - 1  # each non-empty value's last byte
+    if len(last) and np.any(data[last] == 0):
+        raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
+                          "strings cannot keep")
+    width = max(int(lengths.max(initial=0)), 1)
+    matrix = np.zeros((len(arr), width), dtype=np.uint8)
+    rows = np.repeat(np.arange(len(arr)), lengths)
+    cols = np.arange(int(lengths.sum())) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    matrix[rows, cols] = data[offsets[0]:offsets[-1]]
+    return matrix.view(f"S{width}").reshape(len(arr)).astype(f"<U{width}")
 
 
 def column_arrays(name: str, column: pa.ChunkedArray | pa.Array) -> dict[str, np.ndarray]:

@@ -123,6 +123,9 @@ def test_strings_are_fixed_width_unicode_and_load_memory_mapped(tmp_path):
     mapped = np.load(path, mmap_mode="r")
     assert isinstance(mapped, np.memmap) and list(mapped) == list(arr)
     assert column_arrays("e", pa.array([], pa.string()))["e.npy"].dtype == np.dtype("<U1")
+    for arr, expect in ((pa.array([""] * 3), ["", "", ""]), (pa.array(["a", "bb", "c", "dddd"])[1:3], ["bb", "c"]),
+                        (pa.array(["x", None, "yz"])[1:], ["", "yz"])):
+        assert list(column_arrays("v", arr)["v.npy"]) == expect  # the ASCII fast path: empties, slices
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x\0y"])
