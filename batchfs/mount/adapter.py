@@ -291,12 +291,13 @@ async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.
 
     store = None
     if config.rowgroup_cache_dir is not None:
+        # its write queue holds at most the row-group memory again (an entry is one packed group)
         store = await DiskStore.open_or_none(config.rowgroup_cache_dir, config.rowgroup_cache_quota_bytes,
-                                             free_space_ratio=config.cache_free_space_ratio)
+                                             free_space_ratio=config.cache_free_space_ratio,
+                                             write_buffer_bytes=config.rowgroup_memory_bytes)
         if store is not None:
             nursery.start_soon(store.writer)
-    rg_config = RowGroupConfig(workers=config.rowgroup_workers, memory_bytes=config.rowgroup_memory_bytes,
-                               max_group_bytes=config.rowgroup_memory_bytes)
+    rg_config = RowGroupConfig(workers=config.rowgroup_workers, memory_bytes=config.rowgroup_memory_bytes)
     return RowGroupTree(engine.ns, RowGroupSource(client, store, rg_config, transform)), store
 
 

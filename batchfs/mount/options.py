@@ -151,8 +151,9 @@ OPTIONS: tuple[Option, ...] = (
            "hard limit on the row-group cache: it fills up to the quota, then row groups are "
            "transformed and served without being stored (default: {default})"),
     Option("rowgroup-memory", "rowgroup_memory_bytes", _size, "SIZE",
-           "memory for transformed row groups in use; a row group larger than this (uncompressed) "
-           "is refused with EFBIG (default: {default})"),
+           "memory for row groups: half keeps transformed groups, half is for transforms in progress "
+           "(each reserves 3x its uncompressed size; one that needs more is refused with EFBIG); the "
+           "row-group cache's write queue holds at most as much again (default: {default})"),
     Option("rowgroup-workers", "rowgroup_workers", _count(1), "N",
            "row groups transformed at once, in threads (default: {default})"),
     Option("rowgroup-transform", "rowgroup_transform", _transform, "MODULE:FUNCTION",

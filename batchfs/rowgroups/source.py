@@ -10,19 +10,21 @@ Invariants:
 - A row group costs exactly its column chunks' byte ranges, fetched ``fetch_parallel`` at a time,
   every range pinned to the version the caller opened (``VersionChanged`` otherwise): arrays of
   two versions are never mixed.
-- Transforms run in threads, at most ``workers`` at once, never on the trio thread; a row group
-  whose uncompressed size exceeds ``max_group_bytes`` is refused (``TooLarge``) before anything
-  is fetched, so memory per transform is bounded whatever the file.
+- Transforms run in threads, at most ``workers`` at once, never on the trio thread. Memory:
+  ``memory_bytes`` is split in two halves — transformed groups kept for reuse (LRU by size), and
+  transforms in progress, each reserving ``TRANSFORM_COPIES`` × its uncompressed size (the Arrow
+  table, the arrays, their ``.npy`` bytes) before anything is fetched and waiting while the half
+  is taken. A row group whose reservation exceeds the half is refused (``TooLarge``).
 - One transform per (object version, row group, transform) at a time: concurrent callers wait
   for the first and share its result.
 - The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
   entries by bucket, object, version, row group and the transform's id (``transforms``), so a changed transform or
-  a replaced object is never served stale; a corrupt entry is a miss. Recently used groups stay
-  in memory up to ``memory_bytes``.
+  a replaced object is never served stale; a corrupt entry is a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -47,8 +49,7 @@ log = logging.getLogger(__name__)
 class RowGroupConfig:
     workers: int = 2  # transforms at once (threads)
     fetch_parallel: int = 8  # column-chunk range GETs in flight per row group
-    memory_bytes: int = 256 * MiB  # transformed groups kept in memory (LRU)
-    max_group_bytes: int = 512 * MiB  # a larger row group (uncompressed) is refused
+    memory_bytes: int = 512 * MiB  # half for groups kept (LRU), half for transforms in progress
     layout_entries: int = 1024  # footers kept in memory
 
 
@@ -106,12 +107,37 @@ def _column_doc(field) -> dict:
     return doc
 
 
+TRANSFORM_COPIES = 3  # a transform holds the Arrow table, the arrays and their .npy bytes at once
+
+
+class _ByteGate:
+    """Bytes reserved by transforms in progress, at most ``capacity``; ``hold(n)`` waits its turn."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = capacity, 0
+        self._changed = trio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int):
+        async with self._changed:
+            while self.used and self.used + n > self.capacity:
+                await self._changed.wait()
+            self.used += n
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.used -= n
+                self._changed.notify_all()
+
+
 class RowGroupSource:
     def __init__(self, client: ObjectClient, store: DiskStore | None, config: RowGroupConfig = RowGroupConfig(),
                  transform: Transform = DEFAULT):
         self.client, self.store, self.config, self.transform = client, store, config, transform
         self._layouts: cachetools.LRUCache = cachetools.LRUCache(config.layout_entries)
-        self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes, getsizeof=lambda g: g.nbytes)
+        self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes // 2, getsizeof=lambda g: g.nbytes)
+        self._transforming = _ByteGate(config.memory_bytes // 2)
         self._busy: dict[tuple, trio.Event] = {}
         self._workers = trio.CapacityLimiter(config.workers)
         self.transforms = 0  # row groups transformed (not served from a cache)
@@ -180,10 +206,16 @@ class RowGroupSource:
 
     async def _make(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
         md = lay.metadata
-        need = md.row_group(rg).total_byte_size
-        if need > self.config.max_group_bytes:
-            raise TooLarge(f"{bucket}/{key}: row group {rg} is {need} bytes uncompressed, over the "
-                           f"{self.config.max_group_bytes}-byte limit for one transform")
+        need = TRANSFORM_COPIES * md.row_group(rg).total_byte_size
+        if need > self._transforming.capacity:
+            raise TooLarge(f"{bucket}/{key}: row group {rg} needs about {need} bytes to transform "
+                           f"({TRANSFORM_COPIES} x {md.row_group(rg).total_byte_size} uncompressed), over the "
+                           f"{self._transforming.capacity} bytes for transforms (half of the row-group memory)")
+        async with self._transforming.hold(need):
+            return await self._fetch_and_transform(bucket, key, info, lay, rg)
+
+    async def _fetch_and_transform(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
+        md = lay.metadata
         spans = parquet.chunk_ranges(md, rg)
         got: dict[int, bytes] = {}
         sem = trio.Semaphore(self.config.fetch_parallel)

@@ -124,17 +124,47 @@ async def test_bad_input_is_a_clear_error_and_fetches_nothing_it_does_not_need()
     client = memory_client()
     client.put("b", "not.parquet", b"just some text, not parquet at all\n" * 10)
     client.put("b", "t.parquet", _parquet())
-    src = RowGroupSource(client, None, RowGroupConfig(max_group_bytes=1000))
+    src = RowGroupSource(client, None, RowGroupConfig(memory_bytes=2000))
     with pytest.raises(TransformError, match="no PAR1 magic"):
         await src.layout("b", "not.parquet", await _info(client, "not.parquet"))
     info = await _info(client, "t.parquet")
     await src.layout("b", "t.parquet", info)
     client.get_ranges.clear()
-    with pytest.raises(TooLarge, match="over the 1000-byte limit"):
+    with pytest.raises(TooLarge, match="over the 1000 bytes for transforms"):
         await src.group("b", "t.parquet", info, 0)
     with pytest.raises(TransformError, match="no row group 9"):
         await src.group("b", "t.parquet", info, 9)
     assert client.get_ranges == []
+
+
+@pytest.mark.trio
+async def test_transforms_wait_for_their_share_of_memory():
+    client = memory_client(get_delay_seconds=0.01)
+    client.put("b", "t.parquet", _parquet())
+    info = await _info(client, "t.parquet")
+    probe = RowGroupSource(client, None)
+    md = (await probe.layout("b", "t.parquet", info)).metadata
+    need = max(3 * md.row_group(rg).total_byte_size for rg in range(4))
+    src = RowGroupSource(client, None, RowGroupConfig(memory_bytes=2 * need, workers=4))  # one transform fits
+    peak = 0
+
+    async def read(rg: int) -> None:
+        nonlocal peak
+        await src.group("b", "t.parquet", info, rg)
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, src._transforming.used)
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(watch)
+        async with trio.open_nursery() as readers:
+            for rg in range(4):
+                readers.start_soon(read, rg)
+        n.cancel_scope.cancel()
+    assert src.transforms == 4 and 0 < peak <= need
 
 
 def test_a_packed_group_round_trips_and_a_truncated_one_is_refused():
