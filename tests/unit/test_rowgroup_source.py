@@ -172,3 +172,33 @@ def test_a_packed_group_round_trips_and_a_truncated_one_is_refused():
     assert unpack(pack(g)) == g
     with pytest.raises(ValueError):
         unpack(pack(g)[:-1])
+
+
+@pytest.mark.trio
+async def test_a_full_row_group_cache_reads_through_and_never_passes_its_quota(tmp_path):
+    from batchfs.cache.diskstore import SQLITE_HEADROOM_BYTES
+    from batchfs.cache.entries import du
+
+    client = memory_client()
+    client.put("b", "t.parquet", _parquet(rows=20000, group=2000))  # ten groups of ~50 KiB of arrays
+    quota = SQLITE_HEADROOM_BYTES + 400 * 1024  # room for a few of them, not all
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", quota)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store, RowGroupConfig(memory_bytes=8 * MiB))
+        info = await _info(client, "t.parquet")
+        first = [await src.group("b", "t.parquet", info, rg) for rg in range(10)]
+        await store.flush(10)
+        store.close()
+    assert du(tmp_path / "rg") <= quota
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", quota)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store, RowGroupConfig(memory_bytes=8 * MiB))
+        again = [await src.group("b", "t.parquet", info, rg) for rg in range(10)]
+        assert [g.files for g in again] == [g.files for g in first]  # served either way
+        assert 0 < src.transforms < 10  # some from the cache, the rest transformed again (read-through)
+        store.close_writes()
+        nursery.cancel_scope.cancel()
+        store.close()
+    assert du(tmp_path / "rg") <= quota
