@@ -66,7 +66,7 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
     cache = tmp_path / "rgcache"
     md = pq.ParquetFile(io.BytesIO(t1)).metadata
     tail = min(len(t1), FOOTER_GUESS_BYTES)
-    with MountProcess(src, tmp_path / "m1", rowgroup_cache_dir=cache).start() as m:
+    with MountProcess(src, tmp_path / "m1", rowgroup_cache_dir=cache) as m:
         mnt = m.mountpoint
         root = mnt / ".rowgroups"
         assert sorted(os.listdir(root)) == ["bad.parquet", "sub", "t.parquet"]
@@ -93,13 +93,13 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         assert len(items) == 6 and set(items[0]) == {"id", "label", "label.null"}
         all_ids = sorted(int(i) for item in items for i in item["id"])
         assert all_ids == sorted(list(range(1, ROWS + 1)) + list(range(2, ROWS + 2)))
-    with MountProcess(src, tmp_path / "m2", rowgroup_cache_dir=cache).start() as m:  # a remount
+    with MountProcess(src, tmp_path / "m2", rowgroup_cache_dir=cache) as m:  # a remount
         before = _sent(server)
         for rg in range(3):
             _check_group(m.mountpoint, "t.parquet", t1, rg)
         assert _sent(server) - before == tail  # the footer only: every array came from the cache
         put(server, bucket, "t.parquet", t2)  # replaced: new arrays, never the cached ones
-    with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache).start() as m:
+    with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache) as m:
         _check_group(m.mountpoint, "t.parquet", t2, 0)
 
 
@@ -125,12 +125,12 @@ def test_user_transform_is_in_the_cache_key_and_its_failures_are_eio(server, buc
     for version, factor in (("1", 2), ("2", 3), ("2", 3)):  # the third mount reads version 2's cache
         (mods / "tfmod.py").write_text(TRANSFORM.format(version=version, factor=factor))
         with MountProcess(src, tmp_path / f"m{version}{factor}", env=env, rowgroup_cache_dir=cache,
-                          rowgroup_transform="tfmod:features").start() as m:
+                          rowgroup_transform="tfmod:features") as m:
             d = m.mountpoint / ".rowgroups" / "t.parquet"
             assert json.loads((d / "meta.json").read_text())["transform"] == f"tfmod:features@{version}"
             assert os.listdir(d / "00000") == ["double.npy"]
             assert np.array_equal(np.load(d / "00000" / "double.npy"), expect * factor)
-    with MountProcess(src, tmp_path / "mb", env=env, rowgroup_transform="tfmod:broken").start() as m:
+    with MountProcess(src, tmp_path / "mb", env=env, rowgroup_transform="tfmod:broken") as m:
         with pytest.raises(OSError) as e:
             os.listdir(m.mountpoint / ".rowgroups" / "t.parquet" / "00000")
         assert e.value.errno == errno.EIO
@@ -139,6 +139,9 @@ def test_user_transform_is_in_the_cache_key_and_its_failures_are_eio(server, buc
             time.sleep(0.05)
         assert "this transform always fails" in m.log()
     m = MountProcess(src, tmp_path / "mx", env=env, rowgroup_transform="no_such_module:f")
-    with pytest.raises(RuntimeError, match="cannot import no_such_module"):
-        m.start()
+    try:
+        with pytest.raises(RuntimeError, match="cannot import no_such_module"):
+            m.start()
+    finally:
+        m.stop()
     assert not os.path.ismount(tmp_path / "mx")

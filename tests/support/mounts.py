@@ -64,6 +64,8 @@ class MountProcess:
     def start(self, timeout: float = 30.0) -> "MountProcess":
         import json
 
+        if self.proc is not None:  # a second daemon would mount on top and outlive stop()
+            raise RuntimeError(f"{self.mountpoint}: this MountProcess was started already")
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(self.spec)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd,
