@@ -2,8 +2,9 @@
 kept in memory while in use and on local disk under a quota.
 
 ``RowGroupSource.layout(bucket, key, info)`` is what ``meta.json`` shows of one object version:
-its Parquet metadata (the footer, fetched once: the object's last ``FOOTER_GUESS_BYTES``, then the
-rest of the footer if it is longer) and the files each row group becomes. ``group(..., rg)`` is
+its Parquet metadata (the footer, fetched once — the object's last ``FOOTER_GUESS_BYTES``, then the
+rest of the footer if it is longer — and kept in the disk store too, so a remount with a warm
+cache asks the server for no data at all) and the files each row group becomes. ``group(..., rg)`` is
 one row group as ``{file name: .npy bytes}``.
 
 Invariants:
@@ -163,22 +164,31 @@ class RowGroupSource:
     async def layout(self, bucket: str, key: str, info: ObjectInfo) -> Layout:
         async def make() -> Layout:
             size, v = info.size, info.version or None
-            tail_start = max(0, size - parquet.FOOTER_GUESS_BYTES)
-            tail = bytes(await self.client.get(bucket, key, tail_start, size, v))
+            footer_key = f"rgfooter1\0{bucket}\0{key}\0{info.version}\0{size}"
+            footer = await self.store.get(footer_key) if self.store is not None and info.version else None
+            if footer is None:
+                footer = await self._fetch_footer(bucket, key, size, v)
+                if self.store is not None and info.version:
+                    self.store.put(footer_key, footer)
             try:
-                off, n = parquet.footer_span(size, tail)
-            except parquet.NotParquet as e:
-                raise TransformError(f"{bucket}/{key}: {e}") from None
-            footer = tail[off - tail_start:] if off >= tail_start else \
-                bytes(await self.client.get(bucket, key, off, off + n, v))
-            try:
-                md = await trio.to_thread.run_sync(parquet.read_metadata, size, footer)
+                md = await trio.to_thread.run_sync(parquet.read_metadata, size, bytes(footer))
             except parquet.NotParquet as e:
                 raise TransformError(f"{bucket}/{key}: {e}") from None
             rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
             return Layout(size, info.version, md, rows)
 
         return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
+
+    async def _fetch_footer(self, bucket: str, key: str, size: int, v: str | None) -> bytes:
+        """The footer's bytes: the object's tail, then the rest of the footer if it is longer."""
+        tail_start = max(0, size - parquet.FOOTER_GUESS_BYTES)
+        tail = bytes(await self.client.get(bucket, key, tail_start, size, v))
+        try:
+            off, n = parquet.footer_span(size, tail)
+        except parquet.NotParquet as e:
+            raise TransformError(f"{bucket}/{key}: {e}") from None
+        return tail[off - tail_start:] if off >= tail_start else \
+            bytes(await self.client.get(bucket, key, off, off + n, v))
 
     def _disk_key(self, bucket: str, key: str, version: str, rg: int) -> str:
         return f"rg1\0{bucket}\0{key}\0{version}\0{rg}\0{self.transform.id}"
