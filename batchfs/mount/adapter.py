@@ -32,6 +32,7 @@ import trio
 from batchfs.objclient import make_client
 from batchfs.engine.config import MountConfig
 from batchfs.engine.filesystem import Engine
+from batchfs.engine.reader import DISK_FLUSH_SECONDS
 from batchfs.errors import BatchfsError, SourceError, errno_for
 from batchfs.engine.namespace import ROOT_INODE
 from batchfs.engine.tree import Attr, AttrChanges, Caller, Tree
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 assert ROOT_INODE == pyfuse3.ROOT_INODE
 
 BLOCK_SIZE = 1024 * 1024
-ROWGROUP_FLUSH_SECONDS = 10.0  # at unmount, queued row-group cache writes get this long
 
 
 def _boundary(fn):
@@ -244,7 +244,7 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
                 await engine.aclose()
                 if rg_store is not None:
                     with trio.CancelScope(shield=True):
-                        await rg_store.flush(ROWGROUP_FLUSH_SECONDS)
+                        await rg_store.flush(DISK_FLUSH_SECONDS)  # as the data cache's
                     rg_store.close()
                 nursery.cancel_scope.cancel()
     finally:

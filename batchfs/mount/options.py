@@ -152,7 +152,7 @@ OPTIONS: tuple[Option, ...] = (
            "transformed and served without being stored (default: {default})"),
     Option("rowgroup-memory", "rowgroup_memory_bytes", _size, "SIZE",
            "memory for row groups: half keeps transformed groups, half is for transforms in progress "
-           "(each reserves 3x its uncompressed size; one that needs more is refused with EFBIG); the "
+           "(each reserves 3x its size plus what it fetches; one that needs more is refused with EFBIG); the "
            "row-group cache's write queue holds at most as much again (default: {default})"),
     Option("rowgroup-workers", "rowgroup_workers", _count(1), "N",
            "row groups transformed at once, in threads (default: {default})"),

@@ -28,6 +28,9 @@ import pyarrow.parquet as pq
 
 MAGIC = b"PAR1"
 FOOTER_GUESS_BYTES = 64 * 1024  # the last bytes fetched first: most footers fit
+# A larger footer is refused: its length is the object's own claim, and it is read into memory
+# whole (real footers of thousands of row groups and columns stay far below this).
+MAX_FOOTER_BYTES = 64 * 1024 * 1024
 
 
 class NotParquet(Exception):
@@ -43,6 +46,8 @@ def footer_span(size: int, tail: bytes) -> tuple[int, int]:
     (meta_len,) = struct.unpack("<I", tail[-8:-4])
     if meta_len + 12 > size:
         raise NotParquet(f"corrupt footer: its length {meta_len} exceeds the object's {size} bytes")
+    if meta_len > MAX_FOOTER_BYTES:
+        raise NotParquet(f"footer of {meta_len} bytes: over the {MAX_FOOTER_BYTES}-byte limit for one footer")
     return size - 8 - meta_len, meta_len + 8
 
 

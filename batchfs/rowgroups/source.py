@@ -13,8 +13,8 @@ Invariants:
   two versions are never mixed.
 - Transforms run in threads, at most ``workers`` at once, never on the trio thread. Memory:
   ``memory_bytes`` is split in two halves — transformed groups kept for reuse (LRU by size), and
-  transforms in progress, each reserving ``TRANSFORM_COPIES`` × its uncompressed size (the Arrow
-  table, the arrays, their ``.npy`` bytes) before anything is fetched and waiting while the half
+  transforms in progress, each reserving ``TRANSFORM_COPIES`` × its size (the Arrow table, the
+  arrays, their ``.npy`` bytes) plus the bytes it fetches, before anything is fetched and waiting while the half
   is taken. A row group whose reservation exceeds the half is refused (``TooLarge``).
 - One transform per (object version, row group, transform) at a time: concurrent callers wait
   for the first and share its result.
@@ -109,6 +109,14 @@ def _column_doc(field) -> dict:
 
 
 TRANSFORM_COPIES = 3  # a transform holds the Arrow table, the arrays and their .npy bytes at once
+
+
+def transform_bytes(md, rg: int) -> int:
+    """What transforming row group ``rg`` may hold at once: ``TRANSFORM_COPIES`` × its size plus
+    the bytes fetched. The footer's sizes are the file's own claims, so the size is the larger of
+    the uncompressed size and the fetched bytes: understating either cannot pass the budget."""
+    fetched = sum(n for _, n in parquet.chunk_ranges(md, rg))
+    return TRANSFORM_COPIES * max(md.row_group(rg).total_byte_size, fetched) + fetched
 
 
 class _ByteGate:
@@ -216,17 +224,19 @@ class RowGroupSource:
 
     async def _make(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
         md = lay.metadata
-        need = TRANSFORM_COPIES * md.row_group(rg).total_byte_size
+        spans = parquet.chunk_ranges(md, rg)
+        if any(off < 0 or off + n > lay.size for off, n in spans):
+            raise TransformError(f"{bucket}/{key}: row group {rg}: its footer names bytes outside the object")
+        need = transform_bytes(md, rg)
         if need > self._transforming.capacity:
-            raise TooLarge(f"{bucket}/{key}: row group {rg} needs about {need} bytes to transform "
-                           f"({TRANSFORM_COPIES} x {md.row_group(rg).total_byte_size} uncompressed), over the "
+            raise TooLarge(f"{bucket}/{key}: row group {rg} needs about {need} bytes to transform, over the "
                            f"{self._transforming.capacity} bytes for transforms (half of the row-group memory)")
         async with self._transforming.hold(need):
-            return await self._fetch_and_transform(bucket, key, info, lay, rg)
+            return await self._fetch_and_transform(bucket, key, info, lay, rg, spans)
 
-    async def _fetch_and_transform(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
+    async def _fetch_and_transform(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int,
+                                   spans: list[tuple[int, int]]) -> Group:
         md = lay.metadata
-        spans = parquet.chunk_ranges(md, rg)
         got: dict[int, bytes] = {}
         sem = trio.Semaphore(self.config.fetch_parallel)
 

@@ -76,3 +76,12 @@ def test_a_corrupt_footer_is_not_parquet():
     data[off + 5:off + 40] = b"\xee" * 35
     with pytest.raises(NotParquet, match="corrupt footer"):
         read_metadata(len(data), bytes(data[off:off + n]))
+
+
+def test_a_footer_claiming_more_than_the_limit_is_refused_before_it_is_read(monkeypatch):
+    from batchfs.rowgroups import parquet as pqmod
+
+    data = _parquet()
+    monkeypatch.setattr(pqmod, "MAX_FOOTER_BYTES", 100)
+    with pytest.raises(NotParquet, match="over the 100-byte limit"):
+        footer_span(len(data), data[-FOOTER_GUESS_BYTES:])

@@ -19,7 +19,7 @@ from batchfs.cache.diskstore import DiskStore  # noqa: E402
 from batchfs.errors import TooLarge, TransformError  # noqa: E402
 from tests.support.engine import memory_client  # noqa: E402
 from batchfs.rowgroups import parquet  # noqa: E402
-from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource, pack, unpack  # noqa: E402
+from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource, pack, transform_bytes, unpack  # noqa: E402
 from batchfs.rowgroups.transforms import Group  # noqa: E402
 
 MiB = 1 << 20
@@ -144,12 +144,11 @@ async def test_transforms_wait_for_their_share_of_memory():
     info = await _info(client, "t.parquet")
     probe = RowGroupSource(client, None)
     md = (await probe.layout("b", "t.parquet", info)).metadata
-    need = max(3 * md.row_group(rg).total_byte_size for rg in range(4))
+    need = max(transform_bytes(md, rg) for rg in range(4))
     src = RowGroupSource(client, None, RowGroupConfig(memory_bytes=2 * need, workers=4))  # one transform fits
     peak = 0
 
     async def read(rg: int) -> None:
-        nonlocal peak
         await src.group("b", "t.parquet", info, rg)
 
     async def watch() -> None:
