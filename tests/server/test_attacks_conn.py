@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import select
 import socket
 import subprocess
@@ -394,7 +395,12 @@ def test_stalled_put_body_is_aborted_and_leaves_nothing(server, tmp_path):
 
 
 def test_oversized_header_refused(server):
-    """A header growing past 64 KiB without ending is refused with 431, not buffered."""
+    """A header growing past 64 KiB without ending is refused, not buffered.
+
+    Which layer refuses depends on how the kernel chunks the bytes: our guard (431) when they
+    arrive in pieces, aiohttp's own field-count limit (an HTTP/1.0 400, "Too many headers") when
+    one read holds more than 128 fields — seen on a slow CI machine. Both close the connection.
+    """
     host, port = _addr(server.url)
     with socket.create_connection((host, port)) as s:
         s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n")
@@ -408,7 +414,7 @@ def test_oversized_header_refused(server):
         with contextlib.suppress(OSError):
             while chunk := s.recv(65536):
                 reply += chunk
-    assert reply.startswith(b"HTTP/1.1 431 ") or reply.startswith(b"HTTP/1.1 400 "), reply[:100]
+    assert re.match(rb"HTTP/1\.[01] (431|400) ", reply), reply[:100]
 
 
 # ---------------------------------------------------------------- measuring tool
