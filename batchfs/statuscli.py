@@ -74,9 +74,15 @@ def _text(path: str, st: dict) -> str:
     prog = st.get("progress")
     if isinstance(prog, dict):
         e = prog.get("entries", {})
-        lines.append(f"  plan: {prog.get('state')}, entries planned {e.get('planned')}, fetched "
-                     f"{e.get('fetched')}, served {e.get('served')}, read through {e.get('read_through')}, "
-                     f"errors {e.get('errors')}")
+        g = prog.get("groups")
+        if isinstance(g, dict):  # a plan of .rowgroups/ files
+            lines.append(f"  plan: {prog.get('state')}, row groups planned {g.get('total')}, made {g.get('made')}, "
+                         f"served {g.get('served')}, waited {g.get('waited')}, read through "
+                         f"{g.get('read_through')}, errors {g.get('errors')}")
+        else:
+            lines.append(f"  plan: {prog.get('state')}, entries planned {e.get('planned')}, fetched "
+                         f"{e.get('fetched')}, served {e.get('served')}, read through {e.get('read_through')}, "
+                         f"errors {e.get('errors')}")
         for err in prog.get("errors") or []:
             lines.append(f"  error: {err}")
     return "\n".join(lines)

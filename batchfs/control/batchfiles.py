@@ -41,7 +41,7 @@ import trio
 from batchfs.control import manifest as mf
 from batchfs.objclient.getbatch import BatchClientConfig, BatchSource
 from batchfs.errors import InvalidArgument, NotFound, TooManyBatches
-from batchfs.control.plans import Plan, PlanConfig, PlanRegistry
+from batchfs.control.plans import PathPlanner, Plan, PlanConfig, PlanRegistry, TreePlan
 from batchfs.control.tarview import BatchIOError, Rewound, TarView, ViewConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class BatchFile:
         self.manifest: mf.Manifest | None = None
         self.targets: Sequence[mf.Target] = []
         self.view: TarView | None = None
-        self.plan: Plan | None = None
+        self.plan: Plan | TreePlan | None = None
         self._scope: trio.CancelScope | None = None
         self._snapshots: dict[str, bytes] = {}
         self.opens = 0
@@ -139,7 +139,10 @@ class BatchFile:
         self.manifest = m
         self.state = "running"
         if m.plan is not None:
-            self.plan = mgr.plans.add(self.name, mf.entry_paths(m.entries), self.targets, m.plan)
+            try:
+                self.plan = mgr.plans.add(self.name, mf.entry_paths(m.entries), self.targets, m.plan)
+            except mf.ManifestError as e:
+                self._fail(str(e))
             self._start(self.plan.run)
         else:
             self._start_view()
@@ -238,12 +241,12 @@ class BatchManager:
 
     def __init__(self, nursery: trio.Nursery, source: BatchSource, *, bucket: str | None, prefix: str = "",
                  mountpoint: str | Sequence[str] | None = None, config: BatchConfig = BatchConfig(),
-                 owner_uid: int | None = None):
+                 owner_uid: int | None = None, planners: Sequence[PathPlanner] = ()):
         self.nursery, self.source, self.config = nursery, source, config
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid  # the mount's user
         self.bucket, self.prefix, self.mountpoint = bucket, prefix, mountpoint
         self.files: dict[str, BatchFile] = {}
-        self.plans = PlanRegistry(source, config.plan)
+        self.plans = PlanRegistry(source, config.plan, planners)  # planners: other trees' plans
 
     @classmethod
     async def create(cls, nursery: trio.Nursery, source: BatchSource, **kw) -> "BatchManager":

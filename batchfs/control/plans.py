@@ -36,12 +36,13 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
 from batchfs.objclient.getbatch import BatchFetchError, BatchSource, MemberHead
-from batchfs.errors import BatchfsError
-from batchfs.control.manifest import PlanSpec, Target
+from batchfs.errors import BatchfsError, InvalidArgument
+from batchfs.control.manifest import ManifestError, PlanSpec, Target
 
 MAX_ERRORS_KEPT = 20
 
@@ -242,21 +243,65 @@ class Plan:
                 "errors": self.errors}
 
 
-class PlanRegistry:
-    """Every active plan of the mount, and the one place reads of planned paths are served."""
+class TreePlan(Protocol):
+    """A plan over another tree's files, as a batch file runs and shows it."""
 
-    def __init__(self, source: BatchSource, config: PlanConfig = PlanConfig()):
+    state: str  # "running", "fetched" (all made), "cancelled"
+    last_activity: float  # time.monotonic() of the last reader
+
+    async def run(self) -> None: ...
+
+    def progress(self) -> dict: ...
+
+
+class PathPlanner(Protocol):
+    """Plans for the paths of another tree (``.rowgroups/``): it claims paths by their first
+    component, and makes a plan of them or raises ``InvalidArgument`` saying which entry is wrong."""
+
+    def claims(self, path: str) -> bool: ...
+
+    def add(self, name: str, paths: Sequence[str], window: int | None) -> TreePlan: ...
+
+    def remove(self, name: str) -> None: ...
+
+
+class PlanRegistry:
+    """Every active plan of the mount, and the one place reads of planned paths are served.
+
+    Plans whose paths another tree serves go to that tree's ``PathPlanner`` (a plan lists the
+    files of one tree: objects, or ``.rowgroups/`` files); the rest are ``Plan``s of objects."""
+
+    def __init__(self, source: BatchSource, config: PlanConfig = PlanConfig(), planners: Sequence[PathPlanner] = ()):
         self.source = source
         self.config = config
+        self.planners = tuple(planners)
         self.plans: dict[str, Plan] = {}  # by control-file name, in creation order
+        self.delegated: dict[str, PathPlanner] = {}  # plans another tree's planner runs
         self.held = 0  # bytes fetched and not yet consumed, across plans
 
-    def add(self, name: str, paths: Sequence[str], targets: Sequence[Target], spec: PlanSpec) -> Plan:
+    def add(self, name: str, paths: Sequence[str], targets: Sequence[Target], spec: PlanSpec) -> Plan | TreePlan:
+        owner = next((p for p in self.planners if p.claims(paths[0])), None)
+        for i, path in enumerate(paths):
+            other = next((p for p in self.planners if p.claims(path)), None)
+            if other is not owner:
+                raise ManifestError(f"entry {i}: {path!r} is served by another tree than entry 0 "
+                                    f"({paths[0]!r}): a plan lists objects, or files of one tree, not both")
+        if owner is not None:
+            try:
+                plan = owner.add(name, paths, spec.window)
+            except InvalidArgument as e:
+                raise ManifestError(str(e)) from None
+            self.delegated[name] = owner
+            return plan
         plan = Plan(self, name, paths, targets, spec)
         self.plans[name] = plan
         return plan
 
     def remove(self, name: str) -> None:
+        owner = self.delegated.pop(name, None)
+        if owner is not None:
+            owner.remove(name)
+            return
         plan = self.plans.pop(name, None)
         if plan is not None:
             for i in list(plan.data):

@@ -232,11 +232,14 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
         await _check(config, client)  # outside any nursery: the caller gets a bare SourceError
         transform = _rowgroup_transform(config)  # likewise: a transform that cannot load stops here
         async with trio.open_nursery() as nursery:
-            batch_control = await _batch_control(config, client, nursery)
+            rg_source, rg_planner, rg_store = await _rowgroups(config, client, nursery, transform)
+            batch_control = await _batch_control(config, client, nursery, [rg_planner] if rg_planner else [])
             # planned objects are served from memory
             engine = await Engine.start(config, client, nursery, prefetched=batch_control.mgr.plans)
-            rowgroups, rg_store = await _rowgroups(config, client, engine, nursery, transform)
-            trees = [batch_control] + ([rowgroups] if rowgroups is not None else [])
+            trees = [batch_control]
+            if rg_source is not None:
+                from batchfs.rowgroups.tree import RowGroupTree
+                trees.append(RowGroupTree(engine.ns, rg_source, rg_planner))
             try:
                 await _run_mounted(config, Operations(engine, trees=trees), on_ready)
             finally:
@@ -281,13 +284,14 @@ def _rowgroup_transform(config: MountConfig):
         raise SourceError(f"--rowgroup-transform: {e}") from None
 
 
-async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.Nursery, transform):
-    """The ``.rowgroups/`` tree and its disk store, or (None, None) without a transform."""
+async def _rowgroups(config: MountConfig, client, nursery: trio.Nursery, transform):
+    """The source of ``.rowgroups/``, its planner and its disk store; Nones without a transform."""
     if transform is None:
-        return None, None
+        return None, None, None
     from batchfs.cache.diskstore import DiskStore
+    from batchfs.control.manifest import Entry, resolve
+    from batchfs.rowgroups.plans import RowGroupPlanConfig, RowGroupPlanner
     from batchfs.rowgroups.source import RowGroupConfig, RowGroupSource
-    from batchfs.rowgroups.tree import RowGroupTree
 
     store = None
     if config.rowgroup_cache_dir is not None:
@@ -298,10 +302,19 @@ async def _rowgroups(config: MountConfig, client, engine: Engine, nursery: trio.
         if store is not None:
             nursery.start_soon(store.writer)
     rg_config = RowGroupConfig(workers=config.rowgroup_workers, memory_bytes=config.rowgroup_memory_bytes)
-    return RowGroupTree(engine.ns, RowGroupSource(client, store, rg_config, transform)), store
+    source = RowGroupSource(client, store, rg_config, transform)
+    src = config.source
+
+    def locate(table: str) -> tuple[str, str]:  # a path under .rowgroups/ -> (bucket, object)
+        t = resolve(Entry(path=table), src.bucket, src.prefix)  # ManifestError is InvalidArgument
+        return t.bucket, t.objname
+
+    # plans pin made groups in the half of the row-group memory that keeps groups
+    planner = RowGroupPlanner(source, locate, RowGroupPlanConfig(memory_bytes=config.rowgroup_memory_bytes // 2))
+    return source, planner, store
 
 
-async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
+async def _batch_control(config: MountConfig, client, nursery: trio.Nursery, planners: list):
     from batchfs.objclient.getbatch import make_source
     from batchfs.control.batchfiles import BatchManager
     from batchfs.control.tree import BatchControl
@@ -311,7 +324,7 @@ async def _batch_control(config: MountConfig, client, nursery: trio.Nursery):
     # both computed now, before the mount exists (resolving through it later could deadlock)
     where = (os.path.abspath(config.mountpoint), os.path.realpath(config.mountpoint))
     mgr = await BatchManager.create(nursery, make_source(client), bucket=src.bucket, prefix=src.prefix,
-                                    mountpoint=where)
+                                    mountpoint=where, planners=planners)
     return BatchControl(mgr)
 
 

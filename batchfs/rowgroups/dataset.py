@@ -18,6 +18,12 @@ The order of an epoch is a pure function of (seed, epoch, rank, world_size):
 5. the rows of group ``g`` (its index in step 1) are shuffled by
    ``np.random.default_rng([seed, epoch, g])``.
 
+Plans: with ``plan_groups=K`` the stream writes ``.batch/`` plans listing its next row groups,
+K per plan (this chunk's and the next one's; a chunk's plan is deleted once the chunk is read),
+so the mount fetches and transforms them ahead while the loop works (``rowgroups.plans``). Each
+reader (rank, DataLoader worker) plans its own share: plans never change what is read, only when
+it is made.
+
 Invariants: ``seed`` must be an int (0 included): there is no unseeded mode. ``state_dict()``
 after ``n`` items names exactly the groups consumed, and ``load_state_dict`` resumes with the
 next one, neither replaying nor skipping. Arrays are memory-mapped from the mount and indexed
@@ -27,8 +33,10 @@ binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -52,14 +60,18 @@ def find_mount(path: str) -> tuple[str, str]:
 
 class RowGroupStream:
     def __init__(self, paths: Sequence[str], *, seed: int, epoch: int = 0, rank: int = 0, world_size: int = 1,
-                 columns: Sequence[str] | None = None, shuffle_rows: bool = True):
+                 columns: Sequence[str] | None = None, shuffle_rows: bool = True, plan_groups: int = 0):
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int (got {seed!r}): the order is a function of it")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.seed, self.epoch, self.rank, self.world_size = int(seed), epoch, rank, world_size
         self.columns, self.shuffle_rows = (list(columns) if columns is not None else None), shuffle_rows
+        if plan_groups < 0:
+            raise ValueError(f"plan_groups must be >= 0 (got {plan_groups})")
+        self.plan_groups = plan_groups
         self.tables: list[str] = []  # .rowgroups/ directory of each path, sorted by path
+        self.roots: list[str] = []  # the mount each table is under
         self.groups: list[tuple[int, int, int]] = []  # (table index, row group, rows)
         for path in sorted(os.path.abspath(p) for p in paths):
             root, rel = find_mount(path)
@@ -68,6 +80,7 @@ class RowGroupStream:
                 rows = json.load(f)["rows"]
             self.groups += [(len(self.tables), rg, n) for rg, n in enumerate(rows)]
             self.tables.append(table)
+            self.roots.append(root)
         self.consumed = 0  # items handed out in this epoch (state_dict)
 
     # -- order ---------------------------------------------------------------------------------
@@ -113,11 +126,45 @@ class RowGroupStream:
         return out
 
     def iter_share(self, worker: int = 0, num_workers: int = 1, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        for g in self.share(worker, num_workers, skip):
-            yield self.read(g)
+        share = self.share(worker, num_workers, skip)
+        k = self.plan_groups
+        chunks: list[list[str]] = []  # the plan files of each chunk of k groups written
+        try:
+            for i, g in enumerate(share):
+                if k and i % k == 0:  # plans for this chunk (at the start) and the next one
+                    for lo in ((0, k) if i == 0 else (i + k,)):
+                        chunks.append(self._write_plans(share[lo:lo + k]))
+                    while len(chunks) > 2:  # the chunk just read is consumed: delete its plans
+                        for p in chunks.pop(0):
+                            _unlink(p)
+                yield self.read(g)
+        finally:
+            for p in (p for c in chunks for p in c):
+                _unlink(p)
+
+    def _write_plans(self, gs: Sequence[int]) -> list[str]:
+        """``.batch/*.plan`` files listing row groups ``gs`` (one per mount): the mount makes them
+        ahead of the reads; they are ordinary plans (``man batchfs``, PLANS)."""
+        by_root: dict[str, list[str]] = {}
+        for g in gs:
+            t, rg, _ = self.groups[g]
+            rel = os.path.relpath(self.tables[t], self.roots[t])
+            by_root.setdefault(self.roots[t], []).append(f"{rel}/{rg:05d}")
+        out = []
+        for root, entries in by_root.items():
+            path = os.path.join(root, ".batch", f"rg-{uuid.uuid4().hex}.plan")
+            with open(path, "w") as f:
+                f.write("\n".join(entries) + "\n")
+            out.append(path)
+        return out
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """This rank's items from the cursor on (no workers: the stream a DataLoader merges)."""
         for item in self.iter_share(skip=self.consumed):
             self.consumed += 1
             yield item
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # deleting a plan cancels it and frees what it holds

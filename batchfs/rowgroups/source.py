@@ -17,7 +17,8 @@ Invariants:
   arrays, their ``.npy`` bytes) plus the bytes it fetches, before anything is fetched and waiting while the half
   is taken. A row group whose reservation exceeds the half is refused (``TooLarge``).
 - One transform per (object version, row group, transform) at a time: concurrent callers wait
-  for the first and share its result.
+  for the first and share its result. A group pinned by a plan (``pin``) is served from memory
+  until unpinned, whatever the LRU did meanwhile.
 - The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
   entries by bucket, object, version, row group and the transform's id (``transforms``), so a changed transform or
   a replaced object is never served stale; a corrupt entry is a miss.
@@ -148,6 +149,8 @@ class RowGroupSource:
         self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes // 2, getsizeof=lambda g: g.nbytes)
         self._transforming = _ByteGate(config.memory_bytes // 2)
         self._busy: dict[tuple, trio.Event] = {}
+        # groups made ahead by plans (rowgroups.plans), until a reader opens them: (group, pins)
+        self._pinned: dict[tuple, list] = {}
         self._workers = trio.CapacityLimiter(config.workers)
         self.transforms = 0  # row groups transformed (not served from a cache)
 
@@ -201,7 +204,22 @@ class RowGroupSource:
     def _disk_key(self, bucket: str, key: str, version: str, rg: int) -> str:
         return f"rg1\0{bucket}\0{key}\0{version}\0{rg}\0{self.transform.id}"
 
+    def pin(self, key: tuple, g: Group) -> None:
+        """Keep ``g`` (row group ``key`` = (bucket, object, version, row group)) until ``unpin``."""
+        got = self._pinned.setdefault(key, [g, 0])
+        got[1] += 1
+
+    def unpin(self, key: tuple) -> None:
+        got = self._pinned.get(key)
+        if got is not None:
+            got[1] -= 1
+            if got[1] <= 0:
+                del self._pinned[key]
+
     async def group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
+        pinned = self._pinned.get((bucket, key, info.version, rg))
+        if pinned is not None:
+            return pinned[0]
         lay = await self.layout(bucket, key, info)
         if not 0 <= rg < lay.num_row_groups:
             raise TransformError(f"{bucket}/{key}: no row group {rg} (it has {lay.num_row_groups})")

@@ -16,6 +16,8 @@ Invariants:
 - Every entity of this tree holds exactly one lookup reference on the namespace node it mirrors,
   released when the kernel forgets the entity, so the namespace's inode table stays bounded.
 - Read-only: every change answers EROFS (``ReadOnlyTree``).
+- Opening a file of a row group tells the planner (``rowgroups.plans``), which consumes the
+  earliest plan step for that group: plans made ahead are served, then released.
 """
 
 from __future__ import annotations
@@ -29,13 +31,11 @@ from collections.abc import AsyncIterator
 from batchfs.engine.namespace import ROOT_INODE, Namespace
 from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, Caller, Opened, ReadOnlyTree
 from batchfs.errors import IsADirectory, NotADirectory, NotFound, ReadOnly
+from batchfs.rowgroups.plans import DIR_NAME, GROUP_DIGITS, SUFFIX, RowGroupPlanner
 from batchfs.rowgroups.source import RowGroupSource
 
-DIR_NAME = ".rowgroups"
 BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
-SUFFIX = ".parquet"
 META = "meta.json"
-GROUP_DIGITS = 5
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,8 +49,8 @@ class _Ent:
 
 
 class RowGroupTree(ReadOnlyTree):
-    def __init__(self, ns: Namespace, source: RowGroupSource):
-        self.ns, self.source = ns, source
+    def __init__(self, ns: Namespace, source: RowGroupSource, planner: RowGroupPlanner | None = None):
+        self.ns, self.source, self.planner = ns, source, planner
         self._ents: dict[int, _Ent] = {}
         self._by_key: dict[tuple, int] = {}
         self._next = itertools.count(BASE + 1)
@@ -230,6 +230,9 @@ class RowGroupTree(ReadOnlyTree):
         if e.kind not in ("meta", "file"):
             raise IsADirectory(f"inode {ino} is a directory")
         data = await self._bytes(e)
+        if self.planner is not None and e.kind == "file":
+            node = self.ns.node(e.ns_ino)
+            self.planner.opened(node.bucket, node.key, e.rg)
         fh = next(self._next_fh)
         self._fhs[fh] = data
         return Opened(fh, direct_io=False, keep_cache=False)

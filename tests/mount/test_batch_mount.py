@@ -20,7 +20,7 @@ import pytest
 
 import batchfs
 from tests.support.objects import put_all
-from tests.support.mounts import MountProcess
+from tests.support.mounts import MountProcess, batchfs_cli
 
 
 def gets(server, op: str = "get") -> float:
@@ -222,11 +222,6 @@ def test_planned_bytes_replace_stale_cached_pages(server, bucket, mnt, data):
     (mnt / ".batch" / "v.plan").write_text(name + "\n")
     assert (mnt / name).read_bytes() == new
     assert json.loads((mnt / ".batch" / "v.plan").read_text())["entries"]["served"] == 1
-
-
-def batchfs_cli(*args, user: list[str] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([*user, sys.executable, "-m", "batchfs.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=60)
 
 
 def test_the_reason_behind_a_bare_errno_is_found_by_batchfs_status_and_the_log(server, bucket, data, tmp_path):

@@ -19,7 +19,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from batchfs.rowgroups.dataset import RowGroupStream  # noqa: E402
 from batchfs.rowgroups.parquet import chunk_ranges  # noqa: E402
-from tests.support.mounts import MountProcess  # noqa: E402
+from tests.support.mounts import MountProcess, batchfs_cli  # noqa: E402
 from tests.support.objects import put  # noqa: E402
 
 ROWS, GROUP = 30_000, 10_000
@@ -144,3 +144,58 @@ def test_user_transform_is_in_the_cache_key_and_its_failures_are_eio(server, buc
     finally:
         m.stop()
     assert not os.path.ismount(tmp_path / "mx")
+
+
+def _progress(ctl) -> dict:
+    return json.loads(ctl.read_bytes())
+
+
+def test_rowgroup_plans_make_groups_ahead_and_the_stream_writes_them(server, bucket, tmp_path):
+    t1, t2 = _parquet(4), _parquet(5)
+    put(server, bucket, "t.parquet", t1)
+    put(server, bucket, "sub/u.parquet", t2)
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    with MountProcess(src, tmp_path / "m") as m:
+        mnt = m.mountpoint
+        ctl = mnt / ".batch" / "rg.plan"
+        ctl.write_text(".rowgroups/t.parquet/00002\n.rowgroups/sub/u.parquet/00001/id.npy\n"
+                       ".rowgroups/sub/u.parquet/00001/score.npy\n.rowgroups/t.parquet/00000\n# plan: window=4\n")
+        deadline = time.monotonic() + 30
+        while (p := _progress(ctl))["groups"]["made"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p["kind"] == "rowgroups" and p["groups"]["total"] == 3 and p["groups"]["made"] == 3, p
+        before = _sent(server)
+        _check_group(mnt, "t.parquet", t1, 2)
+        _check_group(mnt, "sub/u.parquet", t2, 1)
+        _check_group(mnt, "t.parquet", t1, 0)
+        assert _sent(server) - before == 0  # every byte was fetched by the plan, ahead
+        p = _progress(ctl)
+        assert p["state"] == "done" and p["groups"]["served"] == 3 and p["bytes"]["held"] == 0, p
+        r = batchfs_cli("status", ctl)
+        assert r.returncode == 0 and "row groups planned 3, made 3, served 3" in r.stdout, r.stdout + r.stderr
+        # a plan names objects or row-group files, not both; a bad entry says which
+        for bad, why in (("train/x.jpg\n.rowgroups/t.parquet/00000\n", "not both"),
+                         (".rowgroups/t.parquet/meta.json\n", "row-group directory")):
+            with pytest.raises(OSError) as e:
+                (mnt / ".batch" / "bad.plan").write_text(bad)
+            assert e.value.errno == errno.EINVAL
+            assert why in (mnt / ".batch" / "bad.plan.status").read_text()
+            (mnt / ".batch" / "bad.plan").unlink()
+        # the stream plans its own groups: same items as without plans, read from what was made
+        paths = [str(mnt / "t.parquet"), str(mnt / "sub/u.parquet")]
+        plain = list(RowGroupStream(paths, seed=3, epoch=1))
+        planned_stream = RowGroupStream(paths, seed=3, epoch=1, plan_groups=2)
+        planned, seen = [], {}
+        for item in planned_stream:
+            planned.append(item)
+            names = [n for n in os.listdir(mnt / ".batch") if n.startswith("rg-") and n.endswith(".plan")]
+            assert len(names) <= 2  # this chunk's plan and the next one's
+            for n in names:
+                seen[n] = _progress(mnt / ".batch" / n)["groups"]
+        assert len(planned) == len(plain) == 6 and len(seen) == 3
+        # a reader that came while its group was being made waited for it; none read through
+        assert sum(g["served"] + g["waited"] for g in seen.values()) >= 4, seen
+        assert sum(g["read_through"] + g["errors"] for g in seen.values()) == 0, seen
+        for a, b in zip(plain, planned):
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        assert [n for n in os.listdir(mnt / ".batch") if n.startswith("rg-")] == []  # deleted at the end

@@ -120,3 +120,9 @@ class MountProcess:
         self.stop()
         if exc_type is not None:  # show the daemon's side of a failing test
             sys.stderr.write(f"--- mount log ---\n{self.log()[-20000:]}\n")
+
+
+def batchfs_cli(*args, user: list[str] = ()) -> subprocess.CompletedProcess:
+    """``batchfs ARGS…`` (``python -m batchfs.cli``), as ``user`` (a command prefix) if given."""
+    return subprocess.run([*user, sys.executable, "-m", "batchfs.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=60)
