@@ -53,6 +53,7 @@ class RowGroupConfig:
     fetch_parallel: int = 8  # column-chunk range GETs in flight per row group
     memory_bytes: int = 512 * MiB  # half for groups kept (LRU), half for transforms in progress
     layout_entries: int = 1024  # footers kept in memory
+    sizes_entries: int = 65536  # row groups whose file sizes are kept in memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,8 @@ class RowGroupSource:
                  transform: Transform = DEFAULT):
         self.client, self.store, self.config, self.transform = client, store, config, transform
         self._layouts: cachetools.LRUCache = cachetools.LRUCache(config.layout_entries)
+        # file sizes of groups seen: lookups and stat need no arrays (a few hundred bytes each)
+        self._sizes: cachetools.LRUCache = cachetools.LRUCache(config.sizes_entries)
         self._groups: cachetools.LRUCache = cachetools.LRUCache(config.memory_bytes // 2, getsizeof=lambda g: g.nbytes)
         self._transforming = _ByteGate(config.memory_bytes // 2)
         self._busy: dict[tuple, trio.Event] = {}
@@ -209,6 +212,10 @@ class RowGroupSource:
         got = self._pinned.setdefault(key, [g, 0])
         got[1] += 1
 
+    def pinned(self, bucket: str, key: str, version: str, rg: int) -> Group | None:
+        got = self._pinned.get((bucket, key, version, rg))
+        return got[0] if got is not None else None
+
     def unpin(self, key: tuple) -> None:
         got = self._pinned.get(key)
         if got is not None:
@@ -216,10 +223,23 @@ class RowGroupSource:
             if got[1] <= 0:
                 del self._pinned[key]
 
+    async def sizes(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> dict[str, int]:
+        """{file name: size} of a row group, in column order, without its bytes when known."""
+        got = self._sizes.get((bucket, key, info.version, rg))
+        if got is None:
+            await self.group(bucket, key, info, rg)
+            got = self._sizes[(bucket, key, info.version, rg)]
+        return got
+
     async def group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
-        pinned = self._pinned.get((bucket, key, info.version, rg))
+        g = await self._group(bucket, key, info, rg)
+        self._sizes[(bucket, key, info.version, rg)] = {name: len(b) for name, b in g.files.items()}
+        return g
+
+    async def _group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
+        pinned = self.pinned(bucket, key, info.version, rg)
         if pinned is not None:
-            return pinned[0]
+            return pinned
         lay = await self.layout(bucket, key, info)
         if not 0 <= rg < lay.num_row_groups:
             raise TransformError(f"{bucket}/{key}: no row group {rg} (it has {lay.num_row_groups})")

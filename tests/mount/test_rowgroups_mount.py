@@ -98,8 +98,16 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
             _check_group(m.mountpoint, "t.parquet", t1, rg)
         assert _sent(server) - before == 0  # no data at all: footer and arrays came from the cache
         put(server, bucket, "t.parquet", t2)  # replaced: new arrays, never the cached ones
-    with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache) as m:
+    with MountProcess(src, tmp_path / "m3", rowgroup_cache_dir=cache, metadata_ttl_seconds=0.5) as m:
         _check_group(m.mountpoint, "t.parquet", t2, 0)
+        # within one mount: the kernel keeps a file's pages across opens (one inode is one object
+        # version's file), and a replaced object shows as new inodes once the metadata TTL passed
+        f = m.mountpoint / ".rowgroups" / "t.parquet" / "00000" / "id.npy"
+        ino = os.stat(f).st_ino
+        put(server, bucket, "t.parquet", t1)
+        time.sleep(1.5)
+        _check_group(m.mountpoint, "t.parquet", t1, 0)
+        assert os.stat(f).st_ino != ino
 
 
 TRANSFORM = '''
