@@ -2,21 +2,31 @@
 the row-group cache), vs re-reading the Parquet through the mount and converting every epoch
 (what a job does without batchfs's row groups). One run, same server, same data, medians.
 
-    python -m bench.bench_rowgroups [--mib 512] [--files 4] [--group-mib 32] [--runs 3]
+    python -m bench.bench_rowgroups [--mib 512] [--files 4] [--group-mib 32] [--runs 3] [--no-petastorm]
 
 Each side reads every row group of every file once per epoch, in the order of
 ``RowGroupStream(seed=0, epoch=e)``, all columns, and counts rows/s. ``.rowgroups/`` epochs use
 one mount with a fresh row-group disk cache (``--rowgroup-memory`` below the data size, so the
 second epoch is served from disk, not memory); the Parquet side reads through a mount without
 caches, with pyarrow, and converts with the same default rules (``rowgroups.arrays``).
-Also reported: the row-group cache's size on disk against its quota, and the daemon's peak RSS.
+Also reported: the row-group cache's size on disk against its quota, and the daemon's RSS
+(right after mounting, and after the two epochs).
+
+Petastorm (unless ``--no-petastorm``): 0.13.1 ``make_batch_reader(cache_type="local-disk")``
+over an s3fs mount of the same bucket, two epochs, in its own venv (``--petastorm-venv``, made
+with ``pip install petastorm==0.13.1 "pyarrow<15" "numpy<2" "pandas<2.2"`` if missing; see
+``bench/petastorm_side.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +34,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchfs.cache.entries import du
+from bench.bench_mount import mount_side
 from batchfs.rowgroups.arrays import column_arrays
 from batchfs.rowgroups.dataset import RowGroupStream
 from tests.support.mounts import MountProcess
@@ -34,6 +46,26 @@ from tests.support.procstat import rss_bytes
 from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
+PETASTORM_VENV = Path.home() / ".cache" / "batchfs-bench" / "petastorm-venv"
+PETASTORM_PINS = ["petastorm==0.13.1", "pyarrow<15", "numpy<2", "pandas<2.2"]
+
+
+def petastorm_python(venv: Path) -> Path:
+    """The venv's python, the venv made first if it is missing (Petastorm cannot share ours)."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        print(f"making {venv}: pip install {' '.join(PETASTORM_PINS)}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *PETASTORM_PINS], check=True)
+    return py
+
+
+def epoch_petastorm(py: Path, dataset: Path, cache: Path) -> dict:
+    side = Path(__file__).with_name("petastorm_side.py")
+    r = subprocess.run([str(py), str(side), str(dataset), str(cache)], capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"petastorm side failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def make_table(rows: int, seed: int) -> pa.Table:
@@ -42,7 +74,7 @@ def make_table(rows: int, seed: int) -> pa.Table:
         "id": np.arange(rows, dtype=np.int64),
         "f0": rng.random(rows), "f1": rng.random(rows).astype(np.float32),
         "i0": rng.integers(0, 1 << 30, rows, dtype=np.int64),
-        "label": pa.array([f"class-{i % 1000}" for i in range(rows)]),
+        "label": pc.take(pa.array([f"class-{i}" for i in range(1000)]), pa.array(np.arange(rows) % 1000)),
         "flag": rng.random(rows) < 0.5,
     })
 
@@ -94,10 +126,15 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--group-mib", type=int, default=32, help="row group size in MiB, uncompressed (default 32)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-petastorm", action="store_true", help="skip the Petastorm side")
+    ap.add_argument("--petastorm-venv", type=Path, default=PETASTORM_VENV,
+                    help=f"Petastorm's own venv, made if missing (default {PETASTORM_VENV})")
     args = ap.parse_args()
+    pt_python = None if args.no_petastorm else petastorm_python(args.petastorm_venv)
     work = Path(tempfile.mkdtemp(prefix="bench-rg-"))
     results: dict[str, list[float]] = {"rg epoch 1": [], "rg epoch 2": [], "rg remount": [],
-                                       "parquet epoch 1": [], "parquet epoch 2": []}
+                                       "parquet epoch 1": [], "parquet epoch 2": [],
+                                       "petastorm epoch 1": [], "petastorm epoch 2": []}
     with ServerProcess([work / "data"]) as srv:
         names = load(srv.url, "b", args.files, args.mib, args.group_mib)
         print(f"loaded {args.files} files, {args.mib} MiB of rows, row groups of ~{args.group_mib} MiB", flush=True)
@@ -110,13 +147,15 @@ def main() -> None:
             with MountProcess(src, work / f"m{r}", rowgroup_cache_dir=cache, rowgroup_memory_bytes=memory,
                               rowgroup_cache_quota_bytes=4 * args.mib * MiB) as m:
                 paths = [str(m.mountpoint / n) for n in names]
+                rss0 = rss_bytes(m.proc.pid)
                 for e, key in ((0, "rg epoch 1"), (1, "rg epoch 2")):
                     dt, rows = epoch_rowgroups(paths, e)
                     results[key].append(rows / dt)
                     print(f"run {r} {key}: {rows / dt:,.0f} rows/s ({dt:.2f} s)", flush=True)
                 rss = rss_bytes(m.proc.pid)
             print(f"run {r}: row-group cache {du(cache) / MiB:.0f} MiB on disk (quota {4 * args.mib} MiB); "
-                  f"daemon RSS {rss / MiB:.0f} MiB (--rowgroup-memory {memory // MiB} MiB)", flush=True)
+                  f"daemon RSS {rss0 / MiB:.0f} MiB after mounting, {rss / MiB:.0f} MiB after two epochs "
+                  f"(--rowgroup-memory {memory // MiB} MiB)", flush=True)
             # a new mount: nothing in the kernel's page cache for it, the arrays come from the disk cache
             with MountProcess(src, work / f"r{r}", rowgroup_cache_dir=cache, rowgroup_memory_bytes=memory,
                               rowgroup_cache_quota_bytes=4 * args.mib * MiB) as m:
@@ -130,7 +169,18 @@ def main() -> None:
                     dt, rows = epoch_parquet(m.mountpoint, names, e, order)
                     results[key].append(rows / dt)
                     print(f"run {r} {key}: {rows / dt:,.0f} rows/s ({dt:.2f} s)", flush=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
+            if pt_python is not None:
+                s3 = mount_side("s3fs", "b", work / f"s3fs{r}", srv.url, work)
+                try:
+                    got = epoch_petastorm(pt_python, s3.path / "table", work / f"ptcache{r}")
+                finally:
+                    s3.close()
+                    shutil.rmtree(work / f"ptcache{r}", ignore_errors=True)
+                for key in ("epoch 1", "epoch 2"):
+                    results[f"petastorm {key}"].append(got[key])
+                    print(f"run {r} petastorm {key}: {got[key]:,.0f} rows/s", flush=True)
+                print(f"run {r}: petastorm's cache {got['cache_bytes'] / MiB:.0f} MiB on disk", flush=True)
+    med = {k: statistics.median(v) for k, v in results.items() if v}
     print(f"\n{args.runs} runs, medians (rows/s):")
     print("| side | epoch 1 | epoch 2 |\n|---|---|---|")
     print(f"| .rowgroups/ | {med['rg epoch 1']:,.0f} | {med['rg epoch 2']:,.0f} |")
@@ -140,6 +190,12 @@ def main() -> None:
     print(f"(b) .rowgroups epoch 2 / Parquet re-read epoch 2: {med['rg epoch 2'] / med['parquet epoch 2']:.1f}x (target >= 5x)")
     print(f"(a') on a new mount: {med['rg remount'] / med['rg epoch 1']:.1f}x; (b') "
           f"{med['rg remount'] / med['parquet epoch 2']:.1f}x")
+    if "petastorm epoch 1" in med:
+        print(f"| Petastorm 0.13.1 make_batch_reader, local-disk cache, over s3fs | "
+              f"{med['petastorm epoch 1']:,.0f} | {med['petastorm epoch 2']:,.0f} |")
+        print(f"(c) vs Petastorm: epoch 1 {med['rg epoch 1'] / med['petastorm epoch 1']:.1f}x (target >= 1x), "
+              f"epoch 2 {med['rg epoch 2'] / med['petastorm epoch 2']:.1f}x (target >= 2x), epoch 2 on a new mount "
+              f"{med['rg remount'] / med['petastorm epoch 2']:.1f}x")
     print(f"all: {({k: [round(x) for x in v] for k, v in results.items()})}")
 
 

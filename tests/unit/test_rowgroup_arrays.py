@@ -126,6 +126,12 @@ def test_strings_are_fixed_width_unicode_and_load_memory_mapped(tmp_path):
     for arr, expect in ((pa.array([""] * 3), ["", "", ""]), (pa.array(["a", "bb", "c", "dddd"])[1:3], ["bb", "c"]),
                         (pa.array(["x", None, "yz"])[1:], ["", "yz"])):
         assert list(column_arrays("v", arr)["v.npy"]) == expect  # the ASCII fast path: empties, slices
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(c) for c in rng.integers(1, 128, rng.integers(0, 12))) for _ in range(2000)]
+    words = [w.rstrip("\0") for w in words]
+    for typ in (pa.string(), pa.large_string()):
+        arr = pa.array(words, typ)[7:1900]
+        assert list(column_arrays("r", arr)["r.npy"]) == words[7:1900]  # every byte, in place
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x\0y"])
