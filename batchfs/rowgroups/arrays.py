@@ -135,7 +135,18 @@ def _bytes_and_offsets(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
-    """``array`` as the bytes of a ``.npy`` file (format 1.0 unless its header needs more)."""
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
+    """``array`` as the bytes of a ``.npy`` file (format 1.0 unless its header needs more).
+
+    The header is NumPy's own; the data is joined to it in one copy (``write_array`` into a
+    BytesIO costs two: the write and ``getvalue``)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.hasobject:
+        raise ValueError("object arrays need pickle; they are never written")
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(array))
+    except ValueError:  # a header over 64 KiB (a structured dtype with many fields): format 2.0
+        buf = io.BytesIO()
+        np.lib.format.write_array(buf, array, allow_pickle=False)
+        return buf.getvalue()
+    return b"".join((head.getvalue(), memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""))

@@ -150,3 +150,14 @@ def test_unsupported_types_say_why():
         with pytest.raises(Unsupported) as e:
             column_arrays("c", arr)
         assert "c" in str(e.value)
+
+
+def test_npy_bytes_are_numpys_own_format():
+    import io as _io
+    for a in (np.arange(10), np.array(["ab", "c"]), np.zeros((3, 4), np.float32), np.zeros(0), np.zeros((2, 0)),
+              np.arange(12).reshape(3, 4)[:, ::2], np.array([True, False]), np.array(["2020-01-01"], "M8[D]"),
+              np.array([1, 2], "m8[s]")):
+        ref = _io.BytesIO()
+        np.lib.format.write_array(ref, np.ascontiguousarray(a), allow_pickle=False)
+        assert npy_bytes(a) == ref.getvalue()
+        assert np.array_equal(np.load(_io.BytesIO(npy_bytes(a))), a)
