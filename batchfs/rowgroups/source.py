@@ -90,11 +90,14 @@ def pack(g: Group) -> bytes:
 
 
 def unpack(blob: bytes | memoryview) -> Group:
+    """The group of a disk-cache entry; its files are views of ``blob`` (no copy: the files of a
+    group live and die together)."""
+    blob = memoryview(blob)
     (n,) = struct.unpack_from("<I", blob)
     head = json.loads(bytes(blob[4:4 + n]))
     files, pos = {}, 4 + n
     for name, length in head["files"]:
-        files[name] = bytes(blob[pos:pos + length])
+        files[name] = blob[pos:pos + length]
         pos += length
     if pos != len(blob):
         raise ValueError("row group entry of the wrong length")

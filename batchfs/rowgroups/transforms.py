@@ -29,7 +29,7 @@ from batchfs.rowgroups import arrays
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    files: dict[str, bytes]  # file name -> .npy bytes, in column order
+    files: dict[str, bytes | memoryview]  # file name -> .npy bytes, in column order (views when unpacked)
     unsupported: dict[str, str]  # column -> why it was not produced
 
     @property

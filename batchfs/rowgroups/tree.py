@@ -59,7 +59,7 @@ class _File:
     """An open file: its entity, and its bytes once the first read needed them."""
 
     ent: _Ent
-    data: bytes | None = None
+    data: memoryview | None = None  # replies are slices of it: pyfuse3 takes any buffer, no copy
 
 
 class RowGroupTree(ReadOnlyTree):
@@ -255,13 +255,14 @@ class RowGroupTree(ReadOnlyTree):
             raise IsADirectory(f"inode {ino} is a directory")
         fh = next(self._next_fh)
         if e.kind == "meta":
-            self._fhs[fh] = _File(e, await self._meta(e))
+            self._fhs[fh] = _File(e, memoryview(await self._meta(e)))
             return Opened(fh, direct_io=False, keep_cache=False)
         f = self._fhs[fh] = _File(e)
         if self.planner is not None:  # a planned group: keep its bytes before the plan lets go
             node = self.ns.node(e.ns_ino)
             g = self.source.pinned(node.bucket, node.key, e.info.version, e.rg)
-            f.data = g.files.get(e.name) if g is not None else None
+            data = g.files.get(e.name) if g is not None else None
+            f.data = memoryview(data) if data is not None else None
             self.planner.opened(node.bucket, node.key, e.rg)
         # one inode is one object version's file, whose bytes never change: the kernel may keep
         # its pages across opens, and a second epoch's reads need not reach the daemon at all
@@ -274,7 +275,7 @@ class RowGroupTree(ReadOnlyTree):
         if not isinstance(f, _File):
             raise NotFound(f"row-group file handle {fh} is not open")
         if f.data is None:
-            f.data = await self._file_bytes(f.ent)
+            f.data = memoryview(await self._file_bytes(f.ent))
         return f.data[offset:offset + size]
 
     def release(self, fh: int) -> None:
