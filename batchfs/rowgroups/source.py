@@ -31,15 +31,17 @@ import dataclasses
 import json
 import logging
 import struct
+import traceback
 
 import cachetools
 import pyarrow as pa
 import trio
 
 from batchfs.cache.diskstore import DiskStore
-from batchfs.errors import TooLarge, TransformError
+from batchfs.errors import BatchfsError, TooLarge, TransformError
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
+from batchfs.rowgroups.failures import FOOTER, Failures
 from batchfs.rowgroups.transforms import DEFAULT, Group, Transform, TransformFailed
 from batchfs.wire.units import MiB
 
@@ -159,6 +161,7 @@ class RowGroupSource:
         self._pinned: dict[tuple, list] = {}
         self._workers = trio.CapacityLimiter(config.workers)
         self.transforms = 0  # row groups transformed (not served from a cache)
+        self.failures = Failures()  # why a footer or a row group failed, for status.json
 
     async def _once(self, key: tuple, cache: cachetools.LRUCache, make):
         """``cache[key]``, made by ``make()`` by one caller at a time."""
@@ -194,7 +197,11 @@ class RowGroupSource:
             rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
             return Layout(size, info.version, md, rows)
 
-        return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
+        try:
+            return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
+        except BatchfsError as e:
+            self.failures.record(bucket, key, info.version, FOOTER, str(e))
+            raise
 
     async def _fetch_footer(self, bucket: str, key: str, size: int, v: str | None) -> bytes:
         """The footer's bytes: the object's tail, then the rest of the footer if it is longer."""
@@ -235,7 +242,13 @@ class RowGroupSource:
         return got
 
     async def group(self, bucket: str, key: str, info: ObjectInfo, rg: int) -> Group:
-        g = await self._group(bucket, key, info, rg)
+        where = f"{rg:05d}"
+        try:
+            g = await self._group(bucket, key, info, rg)
+        except BatchfsError as e:
+            self.failures.record(bucket, key, info.version, where, str(e), getattr(e, "traceback", None))
+            raise
+        self.failures.clear(bucket, key, info.version, where)
         self._sizes[(bucket, key, info.version, rg)] = {name: len(b) for name, b in g.files.items()}
         return g
 
@@ -298,7 +311,9 @@ class RowGroupSource:
         except (parquet.NotParquet, TransformFailed) as e:
             raise TransformError(f"{bucket}/{key}: {e}") from None
         except Exception as e:  # a transform that raises: EIO for the reader, the traceback in the log
-            log.exception("%s/%s row group %d: transform failed", bucket, key, rg)
-            raise TransformError(f"{bucket}/{key}: row group {rg}: transform failed: {type(e).__name__}: {e}") from None
+            log.exception("%s/%s row group %d: transform failed", bucket, key, rg)  # and in status.json:
+            err = TransformError(f"{bucket}/{key}: row group {rg}: transform failed: {type(e).__name__}: {e}")
+            err.traceback = traceback.format_exc()
+            raise err from None
         self.transforms += 1
         return g

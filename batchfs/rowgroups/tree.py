@@ -2,6 +2,7 @@
 
     .rowgroups/DIR/…/NAME.parquet/meta.json          the layout (``source.Layout.meta_json``)
     .rowgroups/DIR/…/NAME.parquet/00000/COL.npy      row group 0, one file per output array
+    .rowgroups/DIR/…/NAME.parquet/status.json        why the footer or a row group failed
 
 A ``Tree`` (``batchfs.engine.tree``) beside the object namespace: it claims ``.rowgroups`` in the
 root and owns inodes and handles from ``BASE`` up. Directories mirror the namespace (through
@@ -34,18 +35,19 @@ from collections.abc import AsyncIterator
 
 from batchfs.engine.namespace import ROOT_INODE, Namespace
 from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, Caller, Opened, ReadOnlyTree
-from batchfs.errors import IsADirectory, NotADirectory, NotFound, ReadOnly
+from batchfs.errors import BatchfsError, IsADirectory, NotADirectory, NotFound, ReadOnly
 from batchfs.objclient.base import ObjectInfo
 from batchfs.rowgroups.plans import DIR_NAME, GROUP_DIGITS, SUFFIX, RowGroupPlanner
 from batchfs.rowgroups.source import RowGroupSource
 
 BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
 META = "meta.json"
+STATUS = "status.json"  # why the table or a row group failed (rowgroups.failures)
 
 
 @dataclasses.dataclass(eq=False)
 class _Ent:
-    kind: str  # "root" | "dir" | "table" | "meta" | "group" | "file"
+    kind: str  # "root" | "dir" | "table" | "meta" | "status" | "group" | "file"
     ns_ino: int  # the namespace node mirrored (dir, table) or its table's
     rg: int = -1
     name: str = ""  # file name inside a group
@@ -140,6 +142,8 @@ class RowGroupTree(ReadOnlyTree):
             if size is None:
                 raise NotFound(f"{e.name}: not in row group {e.rg} of version {info.version}")
             return Attr(ino, False, size, info.mtime_ns, info.version)
+        if e.kind == "status":  # changes as failures happen: never cached by the kernel
+            return Attr(ino, False, len(self._status(e)), time.time_ns(), ttl=0)
         info = await self._info(e)
         if e.kind in ("table", "group"):
             return Attr(ino, True, 0, info.mtime_ns)
@@ -161,6 +165,8 @@ class RowGroupTree(ReadOnlyTree):
         if p.kind == "table":
             if name == META:
                 return await self._looked_up(self._intern("meta", p.ns_ino))
+            if name == STATUS:
+                return await self._looked_up(self._intern("status", p.ns_ino))
             lay = await self._layout(p)
             if len(name) == GROUP_DIGITS and name.isdigit() and int(name) < lay.num_row_groups:
                 return await self._looked_up(self._intern("group", p.ns_ino, int(name)))
@@ -193,6 +199,10 @@ class RowGroupTree(ReadOnlyTree):
     async def _sizes(self, e: _Ent, info: ObjectInfo) -> dict[str, int]:
         node = self.ns.node(e.ns_ino)
         return await self.source.sizes(node.bucket, node.key, info, e.rg)
+
+    def _status(self, e: _Ent) -> bytes:
+        node = self.ns.node(e.ns_ino)
+        return self.source.failures.status_json(node.bucket, node.key)
 
     async def _meta(self, e: _Ent) -> bytes:
         node = self.ns.node(e.ns_ino)
@@ -232,11 +242,16 @@ class RowGroupTree(ReadOnlyTree):
                 yield name, Attr(child, True, 0, mtime), nxt
             return
         if e.kind == "table":
-            lay = await self._layout(e)
+            if offset == 0:
+                yield STATUS, await self._attr(self._intern("status", e.ns_ino)), 1
+            try:
+                lay = await self._layout(e)
+            except BatchfsError:  # not Parquet, a corrupt footer: status.json says why
+                return
             names = [META] + [f"{i:0{GROUP_DIGITS}d}" for i in range(lay.num_row_groups)]
-            for i in range(offset, len(names)):
+            for i in range(max(offset - 1, 0), len(names)):
                 child = self._intern("meta", e.ns_ino) if i == 0 else self._intern("group", e.ns_ino, i - 1)
-                yield names[i], await self._attr(child), i + 1
+                yield names[i], await self._attr(child), i + 2
             return
         info = await self._info(e)
         names = list(await self._sizes(e, info))
@@ -251,9 +266,12 @@ class RowGroupTree(ReadOnlyTree):
         if flags & WRITE_FLAGS:
             raise ReadOnly(f"{DIR_NAME}/ is read-only")
         e = self._ent(ino)
-        if e.kind not in ("meta", "file"):
+        if e.kind not in ("meta", "file", "status"):
             raise IsADirectory(f"inode {ino} is a directory")
         fh = next(self._next_fh)
+        if e.kind == "status":  # a snapshot; direct_io: its size may have changed since stat
+            self._fhs[fh] = _File(e, memoryview(self._status(e)))
+            return Opened(fh, direct_io=True, keep_cache=False)
         if e.kind == "meta":
             self._fhs[fh] = _File(e, memoryview(await self._meta(e)))
             return Opened(fh, direct_io=False, keep_cache=False)

@@ -70,7 +70,8 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         root = mnt / ".rowgroups"
         assert sorted(os.listdir(root)) == ["bad.parquet", "sub", "t.parquet"]
         assert os.listdir(root / "sub") == ["u.parquet"]
-        assert sorted(os.listdir(root / "t.parquet")) == ["00000", "00001", "00002", "meta.json"]
+        assert sorted(os.listdir(root / "t.parquet")) == ["00000", "00001", "00002", "meta.json", "status.json"]
+        assert json.loads((root / "t.parquet" / "status.json").read_text())["errors"] == {}
         meta = json.loads((root / "t.parquet" / "meta.json").read_text())
         assert meta["rows"] == [GROUP] * 3 and [c["name"] for c in meta["columns"]] == ["id", "score", "label", "ok"]
         before = _sent(server)
@@ -82,6 +83,9 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         with pytest.raises(OSError) as e:
             (root / "bad.parquet" / "meta.json").read_bytes()
         assert e.value.errno == errno.EIO
+        assert os.listdir(root / "bad.parquet") == ["status.json"]  # which says why
+        why = json.loads((root / "bad.parquet" / "status.json").read_text())["errors"]["footer"]["error"]
+        assert "bad.parquet" in why and "Parquet" in why, why
         with pytest.raises(OSError) as e:
             (root / "t.parquet" / "00000" / "x.npy").write_bytes(b"x")
         assert e.value.errno in (errno.EROFS, errno.EACCES)
@@ -145,6 +149,10 @@ def test_user_transform_is_in_the_cache_key_and_its_failures_are_eio(server, buc
         while "this transform always fails" not in m.log() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "this transform always fails" in m.log()
+        status = json.loads((m.mountpoint / ".rowgroups" / "t.parquet" / "status.json").read_text())
+        failed = status["errors"]["00000"]
+        assert "RuntimeError: this transform always fails" in failed["error"]
+        assert failed["traceback"].startswith("Traceback") and "raise RuntimeError" in failed["traceback"]
     m = MountProcess(src, tmp_path / "mx", env=env, rowgroup_transform="no_such_module:f")
     try:
         with pytest.raises(RuntimeError, match="cannot import no_such_module"):

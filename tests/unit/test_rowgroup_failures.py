@@ -1,0 +1,30 @@
+"""``status.json``'s record of failures: bounded per object and in objects, a new version starts
+afresh, a later success clears its row group, and the JSON says which object and version."""
+
+from __future__ import annotations
+
+import json
+
+from batchfs.rowgroups.failures import FOOTER, Failures
+
+
+def test_failures_are_bounded_per_version_and_cleared_by_success():
+    f = Failures(objects=2, per_object=3)
+    f.record("b", "t", "v1", FOOTER, "not Parquet")
+    for rg in range(5):
+        f.record("b", "t", "v1", f"{rg:05d}", f"boom {rg}", "Traceback ...")
+    doc = json.loads(f.status_json("b", "t"))
+    assert doc["object"] == "b/t" and doc["version"] == "v1"
+    assert sorted(doc["errors"]) == ["00000", "00001", FOOTER]  # three per object
+    assert doc["errors"]["00000"]["traceback"] == "Traceback ..." and "traceback" not in doc["errors"][FOOTER]
+    f.record("b", "t", "v1", "00000", "boom again")  # an existing entry is updated even when full
+    assert json.loads(f.status_json("b", "t"))["errors"]["00000"]["error"] == "boom again"
+    f.clear("b", "t", "v1", "00000")
+    assert "00000" not in json.loads(f.status_json("b", "t"))["errors"]
+    f.record("b", "t", "v2", "00001", "new version")
+    doc = json.loads(f.status_json("b", "t"))
+    assert doc["version"] == "v2" and list(doc["errors"]) == ["00001"]
+    f.record("b", "u", "v", FOOTER, "x")
+    f.record("b", "w", "v", FOOTER, "y")  # two objects kept: the least recent goes
+    assert json.loads(f.status_json("b", "t"))["errors"] == {}
+    assert json.loads(f.status_json("b", "w"))["errors"][FOOTER]["error"] == "y"
