@@ -47,7 +47,7 @@ from pathlib import Path
 import diskcache
 import trio
 
-from batchfs.cache.entries import (ENTRY_OVERHEAD_BYTES, HEADER, EntryReader, digest_ok, du, on_disk,
+from batchfs.cache.entries import (ENTRY_OVERHEAD_BYTES, HEADER, EntryReader, Parts, digest_ok, du, on_disk,
                                    pack_header, read_entry)
 from batchfs.cache.idlewriter import IdleWriter
 
@@ -69,7 +69,7 @@ def _slot(key: str) -> int:
     return hash(key) & (FILTER_BITS - 1)  # per-process hashes are fine: the filter is rebuilt at open
 
 
-def _pending_size(data: bytes | int) -> int:
+def _pending_size(data: bytes | Parts | int) -> int:
     return 64 if isinstance(data, int) else len(data)
 
 
@@ -220,8 +220,9 @@ class DiskStore:
             self.hits += 1
         return data
 
-    def put(self, key: str, data: bytes) -> bool:
-        """Queue an entry for writing; False if it was dropped (quota, backlog, disk full)."""
+    def put(self, key: str, data: bytes | Parts) -> bool:
+        """Queue an entry for writing; False if it was dropped (quota, backlog, disk full).
+        ``Parts``: an entry of several buffers, stored as their concatenation without joining."""
         cost = on_disk(len(data) + HEADER.size)
         if self.full or self.used_bytes + cost + SQLITE_HEADROOM_BYTES > self.quota_bytes:
             self.full = True  # fill until full, then read through: never evict
@@ -299,7 +300,8 @@ class DiskStore:
             return
         header = pack_header(data)
         if len(header) + len(data) < self._cache.disk.min_file_size:
-            self._cache.set(key, header + data, retry=True)  # a SQLite blob
+            blob = data.joined() if isinstance(data, Parts) else data
+            self._cache.set(key, header + blob, retry=True)  # a SQLite blob
         else:
             self._cache.set(key, EntryReader(header, data), read=True, retry=True)
 

@@ -28,7 +28,29 @@ ENTRY_OVERHEAD_BYTES = 3 * BLOCK  # up to two new fan-out directories and a SQLi
 WRITE_SLICE_BYTES = 4 * 1024 * 1024  # the pieces file entries are written in
 
 
+class Parts:
+    """A payload given as several buffers, written one after the other: an entry made of pieces
+    (a row group's files) is never joined into one copy first. ``len`` is the total length."""
+
+    __slots__ = ("parts", "_len")
+
+    def __init__(self, parts):
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self._len = sum(p.nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def joined(self) -> bytes:
+        return b"".join(self.parts)
+
+
 def pack_header(payload) -> bytes:
+    if isinstance(payload, Parts):
+        h = xxhash.xxh3_64()
+        for p in payload.parts:
+            h.update(p)
+        return HEADER.pack(len(payload), h.intdigest())
     return HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload))
 
 
@@ -47,9 +69,10 @@ class EntryReader:
     """A file-like object diskcache reads a file entry from (``set(..., read=True)``): the
     header, then the payload in slices, without concatenating them."""
 
-    def __init__(self, header: bytes, data: bytes):
-        self._parts = [header] + [memoryview(data)[i:i + WRITE_SLICE_BYTES]
-                                  for i in range(0, len(data), WRITE_SLICE_BYTES)]
+    def __init__(self, header: bytes, data: bytes | Parts):
+        self._parts = [header]
+        for part in (data.parts if isinstance(data, Parts) else [memoryview(data)]):
+            self._parts += [part[i:i + WRITE_SLICE_BYTES] for i in range(0, len(part), WRITE_SLICE_BYTES)]
         self._parts.reverse()
 
     def read(self, _size: int = -1):

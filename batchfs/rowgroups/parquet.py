@@ -56,7 +56,7 @@ class SparseFile(io.RawIOBase):
 
     def __init__(self, size: int, ranges: dict[int, bytes]):
         self.size = size
-        self._spans = sorted((off, data) for off, data in ranges.items())
+        self._spans = sorted((off, memoryview(data).cast("B")) for off, data in ranges.items())  # slices: no copy
         self._pos = 0
 
     def readable(self) -> bool:

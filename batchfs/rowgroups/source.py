@@ -38,6 +38,7 @@ import pyarrow as pa
 import trio
 
 from batchfs.cache.diskstore import DiskStore
+from batchfs.cache.entries import Parts
 from batchfs.errors import BatchfsError, TooLarge, TransformError
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
@@ -85,10 +86,11 @@ class Layout:
         return (json.dumps(doc, indent=1) + "\n").encode()
 
 
-def pack(g: Group) -> bytes:
-    """A transformed row group as one disk-cache entry: a JSON index, then the files' bytes."""
+def pack(g: Group) -> Parts:
+    """A transformed row group as one disk-cache entry: a JSON index, then the files' bytes
+    (as parts: the store writes them one after the other, never joined in memory)."""
     head = json.dumps({"files": [[k, len(v)] for k, v in g.files.items()], "unsupported": g.unsupported}).encode()
-    return struct.pack("<I", len(head)) + head + b"".join(g.files.values())
+    return Parts([struct.pack("<I", len(head)) + head, *g.files.values()])
 
 
 def unpack(blob: bytes | memoryview) -> Group:
@@ -291,12 +293,12 @@ class RowGroupSource:
     async def _fetch_and_transform(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int,
                                    spans: list[tuple[int, int]]) -> Group:
         md = lay.metadata
-        got: dict[int, bytes] = {}
+        got: dict[int, bytes] = {}  # as the client returns them (bytes or a buffer): never copied
         sem = trio.Semaphore(self.config.fetch_parallel)
 
         async def fetch(off: int, n: int) -> None:
             async with sem:
-                got[off] = bytes(await self.client.get(bucket, key, off, off + n, info.version or None))
+                got[off] = await self.client.get(bucket, key, off, off + n, info.version or None)
 
         async with trio.open_nursery() as nursery:
             for off, n in spans:

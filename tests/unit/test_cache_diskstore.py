@@ -13,7 +13,7 @@ import xxhash
 
 from batchfs.cache.chunks import MemoryChunkCache
 from batchfs.cache.diskstore import DiskStore
-from batchfs.cache.entries import HEADER, du
+from batchfs.cache.entries import HEADER, Parts, du
 from tests.support.engine import KiB, MiB, engine, memory_client, read_all
 
 
@@ -159,3 +159,23 @@ async def test_warm_disk_cache_serves_a_new_engine_without_gets(tmp_path: Path):
     client.put("b", "small", b"replaced")
     async with engine(client, **kw) as eng:
         assert await read_all(eng, "small") == b"replaced"
+
+
+@pytest.mark.trio
+async def test_an_entry_given_in_parts_reads_back_as_their_concatenation(tmp_path: Path):
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    parts = [os.urandom(n) for n in (17, 5 * MiB + 3, 0, 300 * KiB)]
+    small = [b"ab", bytearray(b"cd"), memoryview(b"ef")]
+    cache.put("big", Parts(parts))  # a file entry, written slice by slice
+    cache.put("small", Parts(small))  # a SQLite blob
+    await _drain(cache)
+    assert bytes(await cache.get("big")) == b"".join(parts)
+    assert bytes(await cache.get("small")) == b"abcdef"
+    (f,) = list((tmp_path / "c").rglob("*.val"))
+    with open(f, "r+b") as fh:  # the digest covers every part
+        fh.seek(5 * MiB)
+        byte = fh.read(1)
+        fh.seek(5 * MiB)
+        fh.write(bytes([byte[0] ^ 1]))
+    assert await cache.get("big") is None
+    cache.close()
