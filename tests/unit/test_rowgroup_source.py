@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -135,6 +136,17 @@ async def test_bad_input_is_a_clear_error_and_fetches_nothing_it_does_not_need()
     with pytest.raises(TransformError, match="no row group 9"):
         await src.group("b", "t.parquet", info, 9)
     assert client.get_ranges == []
+    # a forged object: a real footer behind 4 bytes, so every chunk it names lies past the end
+    data = _parquet()
+    (meta_len,) = struct.unpack("<I", data[-8:-4])
+    client.put("b", "forged.parquet", b"PAR1" + data[-8 - meta_len:])
+    forged = await _info(client, "forged.parquet")
+    big = RowGroupSource(client, None)
+    assert (await big.layout("b", "forged.parquet", forged)).num_row_groups == 4  # the footer itself is fine
+    client.get_ranges.clear()
+    with pytest.raises(TransformError, match="outside the object"):
+        await big.group("b", "forged.parquet", forged, 0)
+    assert client.get_ranges == []  # refused before any fetch
 
 
 @pytest.mark.trio
