@@ -23,10 +23,15 @@ from pathlib import Path
 from aiohttp import web
 
 from server.api import connlimits, listener
-from server.api.app import build_app
+from server.api import clusterapi
+from server.api.app import build_app, build_gateway_app
+from server.api.daemon_api import NODE_INFO
+from server.api.gateway import Gateway
+from server.cluster.join import Membership
+from server.cluster.secret import ClusterSecret
 from batchfs.wire.units import parse_size
 from server.config import ServerConfig, load_toml
-from server.api.state import INFLIGHT, METRICS, NODE
+from server.api.state import CLUSTER_SECRET, INFLIGHT, METRICS, NODE
 from server.store.store import Store
 
 _DEFAULTS = ServerConfig()
@@ -180,6 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=field, type=typ, metavar=metavar, help=f"{text} (default: {default})")
     p.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help=f"log verbosity, to stderr (default: {d.log_level})")
+    c = p.add_argument_group("cluster (docs/cluster.md)")
+    c.add_argument("--role", choices=["node", "gateway", "target"],
+                   help="node: gateway and target in one process; gateway: routes clients to targets and "
+                   "owns the cluster map (kept in its --data directory, no objects); target: stores "
+                   f"objects and joins a gateway (default: {d.role})")
+    c.add_argument("--join", dest="join_url", metavar="URL",
+                   help="a target's gateway, e.g. http://10.0.0.1:8080 (required with --role target)")
+    c.add_argument("--cluster-secret-file", dest="cluster_secret_file", type=Path, metavar="FILE",
+                   help="the secret every gateway and target of the cluster shares (at least 32 characters, "
+                   "mode 0600: openssl rand -hex 32 > FILE); requests between nodes are signed with it; required "
+                   "with --role gateway or target")
+    c.add_argument("--advertise-url", dest="advertise_url", metavar="URL",
+                   help="the URL clients and other nodes use to reach this node (default: "
+                   "http://HOST:PORT of --listen, with the port the kernel chose for port 0)")
     return p
 
 
@@ -200,6 +219,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
+    for field in ("role", "join_url", "cluster_secret_file", "advertise_url"):
+        if getattr(args, field) is not None:
+            values[field] = getattr(args, field)
     if args.create_data_dirs:
         values["create_data_dirs"] = True
     values.setdefault("s3_access_key", os.environ.get("BATCHFS_S3_ACCESS_KEY") or None)
@@ -278,7 +300,7 @@ async def serve(config: ServerConfig) -> None:
     # scan may judge them; anything this process writes is younger.
     started_ns = time.time_ns()
     log = logging.getLogger(__name__)
-    app = build_app(config)
+    app, on_bound = _build(config)
     # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
     # is only the final cut for connections still busy after that. aiohttp's keep-alive timer
     # is our idle timeout; connlimits adds the header and body timeouts and the counts.
@@ -294,7 +316,10 @@ async def serve(config: ServerConfig) -> None:
     # listener.Listener); net.core.somaxconn caps it.
     listeners = [listener.Listener.bind(guards[0], config.host, config.port, _BACKLOG)]
     host, port = listeners[0].address
-    print(f"batchfs-server: listening on http://{host}:{port}", flush=True)
+    url = config.advertise_url or f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    background = on_bound(url)  # a gateway's map learns its URL; a target starts joining
+    print(f"batchfs-server: listening on http://{host}:{port}" + (f" ({config.role})" if config.role != "node" else ""),
+          flush=True)
     if config.admin_listen:
         admin_limits = dataclasses.replace(limits, max_connections=connlimits.ADMIN_MAX_CONNECTIONS,
                                            max_per_client=connlimits.ADMIN_MAX_PER_CLIENT,
@@ -309,7 +334,8 @@ async def serve(config: ServerConfig) -> None:
         a_host, a_port = listeners[1].address
         print(f"batchfs-server: admin (health, metrics) on http://{a_host}:{a_port}", flush=True)
     stop_scan = threading.Event()
-    scan = asyncio.create_task(_orphan_scan(app[NODE].target_store, started_ns, stop_scan))
+    scan = asyncio.create_task(_orphan_scan(app[NODE].target_store, started_ns, stop_scan)
+                               if config.role != "gateway" else asyncio.sleep(0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -317,6 +343,8 @@ async def serve(config: ServerConfig) -> None:
     await stop.wait()
     stop_scan.set()  # the scan checks it between batches of files
     await scan
+    if background is not None:
+        background.cancel()
     inflight = app[INFLIGHT]
     log.info("shutting down: stopped accepting, draining %d requests in flight", inflight.count)
     for lst in listeners:
@@ -327,6 +355,28 @@ async def serve(config: ServerConfig) -> None:
         guard.restricted.pre_shutdown()
         await guard.restricted.shutdown(_FINAL_CUT_SECONDS)
     await runner.cleanup()
+
+
+def _build(config: ServerConfig):
+    """The application for the node's role, and what to do once it listens at a URL."""
+    if config.role == "node":
+        return build_app(config), lambda url: None
+    secret = ClusterSecret.load(Path(config.cluster_secret_file))
+    state = Path(config.data_dirs[0]) / ".batchfs"
+    state.mkdir(parents=True, exist_ok=True)
+    if config.role == "gateway":
+        gateway = Gateway(state / "gateway-map.json", secret)
+        app = build_gateway_app(config, gateway, secret)
+        return app, lambda url: gateway.bound(url)
+    members: list[Membership] = []
+
+    def cluster_routes(app: web.Application) -> None:
+        app[CLUSTER_SECRET] = secret
+        members.append(Membership(config.join_url, secret, app[NODE_INFO]["id"], state / "cluster-map.json"))
+        clusterapi.add_routes(app, members[0])
+
+    app = build_app(config, add_routes=cluster_routes)
+    return app, lambda url: asyncio.get_running_loop().create_task(members[0].run(url))
 
 
 async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> None:
@@ -360,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     for w in warnings:
         logging.getLogger(__name__).warning("%s", w)
+    if config.cluster_secret_file is not None:
+        try:
+            ClusterSecret.load(Path(config.cluster_secret_file))  # refused here, with the reason
+        except ValueError as e:
+            parser.error(str(e))
     try:
         asyncio.run(serve(config))
     except OSError as e:  # e.g. address in use

@@ -94,6 +94,13 @@ class ServerConfig:
     # Graceful shutdown: requests in flight get this long after SIGTERM.
     shutdown_timeout_seconds: float = 30 * SECONDS
     log_level: str = "INFO"
+    # Cluster (docs/cluster.md): "node" is gateway and target in one process (the default);
+    # "gateway" routes and owns the cluster map (kept in its --data directory); "target" stores
+    # and joins the gateway at join_url. Gateways and targets share a secret file.
+    role: str = "node"
+    join_url: str | None = None
+    cluster_secret_file: Path | None = None
+    advertise_url: str | None = None  # how others reach this node; default http://HOST:PORT it listens on
 
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
@@ -117,6 +124,17 @@ class ServerConfig:
             raise ValueError("meta_cache_entries must be >= 0")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.role not in ("node", "gateway", "target"):
+            raise ValueError(f"role must be node, gateway or target, got {self.role!r}")
+        if self.role == "target" and not self.join_url:
+            raise ValueError("a target needs the gateway to join: --join http://GATEWAY:PORT")
+        if self.role != "target" and self.join_url:
+            raise ValueError("--join is for targets (--role target)")
+        if self.role != "node" and self.cluster_secret_file is None:
+            raise ValueError(f"a {self.role} needs --cluster-secret-file FILE (the same file on every gateway "
+                             "and target; make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")
+        if self.role == "node" and self.cluster_secret_file is not None:
+            raise ValueError("--cluster-secret-file is for gateways and targets (--role gateway|target)")
         if self.metrics_auth not in ("token", "none"):
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
@@ -162,6 +180,10 @@ def load_toml(path: Path) -> dict:
             if isinstance(value, str):
                 value = [value]
             value = tuple(Path(v) for v in value)
+        elif name == "cluster_secret_file":
+            if not isinstance(value, str):
+                raise ValueError(f"{path}: {key}: expected a file name")
+            value = Path(value)
         elif name == "auth_token_file":
             if not isinstance(value, str):
                 raise ValueError(f"{path}: {key}: expected a file name")

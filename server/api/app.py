@@ -18,7 +18,7 @@ from server.api import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
-from server.api.state import API_KEY, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, InFlight
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, InFlight
 from server.node import LocalNode
 from server.store.store import Store
 
@@ -86,7 +86,25 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def build_app(config: ServerConfig, store: Store | None = None) -> web.Application:
+def build_gateway_app(config: ServerConfig, gateway, secret) -> web.Application:
+    """A gateway's application (``server.api.gateway``): no store, the same boundary, access
+    check and metrics as a node's."""
+    from server.api import gateway as gateway_api
+
+    app = web.Application(middlewares=[error_boundary, auth.check_access], client_max_size=config.max_json_bytes)
+    app[CONFIG] = config
+    app[METRICS] = Metrics()
+    app[INFLIGHT] = InFlight()
+    app[CLUSTER_SECRET] = secret
+    app.router.add_get("/metrics", metrics_handler)
+    gateway_api.add_routes(app, gateway)
+    auth.guard_expect(app)
+    return app
+
+
+def build_app(config: ServerConfig, store: Store | None = None, add_routes=None) -> web.Application:
+    """A node's (or target's) application; ``add_routes(app)`` adds routes before the S3 API's
+    catch-all (a target's cluster routes)."""
     store = store or Store(config.data_dirs, config.chunk_size_bytes, config.meta_cache_entries)
     # client_max_size caps every body read whole (JSON requests); object PUTs are streamed.
     # check_access inside error_boundary: its refusals are rendered and counted like any error.
@@ -98,6 +116,8 @@ def build_app(config: ServerConfig, store: Store | None = None) -> web.Applicati
     app[INFLIGHT] = InFlight()
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)
+    if add_routes is not None:
+        add_routes(app)
     from server.api import getbatch, s3
 
     getbatch.add_routes(app)

@@ -8,6 +8,9 @@ otherwise. The table classifies a request by its path:
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
                           one is configured; "none" leaves it open (labels are operations and
                           status codes, never bucket or object names: tests/server/test_auth.py checks)
+    /v1/cluster/autoreg   between cluster nodes: an HMAC of the request with the cluster secret
+    /v1/cluster/map       (``Batchfs-Cluster``, server.cluster.secret), whatever else is configured;
+                          403 without a valid one, or on a node with no cluster secret
     /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``
     anything else         the S3 API (``/s3/...`` and the root): SigV4
 
@@ -43,9 +46,12 @@ from server.errors import StoreError
 from server.tokens import token_digest
 from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
-from server.api.state import API_KEY, CONFIG, OP_KEY
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
+from server.cluster.secret import HEADER as CLUSTER_HEADER
 
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
+# between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
+CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map"})
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")
@@ -90,6 +96,8 @@ def route_class(path: str) -> str:
     a native path."""
     if path in OPEN_PATHS:
         return "open"
+    if path in CLUSTER_PATHS:
+        return "cluster"
     if path == METRICS_PATH:
         return "metrics"
     if path == NATIVE_PREFIX or path.startswith(NATIVE_PREFIX + "/"):
@@ -130,7 +138,7 @@ def authorize(request: web.Request) -> None:
 def _authorize(request: web.Request) -> None:
     config = request.app[CONFIG]
     kind = route_class(request.rel_url.path_safe)
-    if kind == "open":
+    if kind in ("open", "cluster"):  # cluster: checked by check_access, which has the body
         return
     if kind == "metrics":
         if config.metrics_auth == "token" and config.auth_token_digests:
@@ -151,6 +159,8 @@ async def check_access(request: web.Request, handler):
     """Must run inside ``server.api.app.error_boundary`` (which renders the refusals)."""
     try:
         authorize(request)
+        if route_class(request.rel_url.path_safe) == "cluster":
+            await _check_cluster(request)
     except StoreError as e:
         request[OP_KEY] = "denied"
         if route_class(request.rel_url.path_safe) == "s3":
@@ -158,6 +168,19 @@ async def check_access(request: web.Request, handler):
             request[CODE_KEY] = e.code if isinstance(e, S3Error) else "AccessDenied"
         raise
     return await handler(request)
+
+
+async def _check_cluster(request: web.Request) -> None:
+    secret = request.app.get(CLUSTER_SECRET)
+    if secret is None:
+        raise Forbidden("this node is not part of a cluster (no --cluster-secret-file)")
+    cap = request.app[CONFIG].max_json_bytes
+    if request.content_length is not None and request.content_length > cap:
+        raise Forbidden("cluster request body too large")
+    body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
+    if not secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body):
+        raise Forbidden(f"cluster request without a valid {CLUSTER_HEADER} signature (a node of this cluster "
+                        "signs with the shared --cluster-secret-file)")
 
 
 def guard_expect(app: web.Application) -> None:

@@ -19,6 +19,7 @@ import time
 from aiohttp import web
 
 from batchfs.wire import hrw
+from server.api.state import MEMBERSHIP
 from server.errors import BadRequest
 
 NODE_INFO = web.AppKey("node_info", dict)  # this node's identity (id, addresses)
@@ -54,8 +55,13 @@ def smap(request: web.Request) -> dict:
 
 
 async def daemon_get(request: web.Request) -> web.Response:
-    """``GET /v1/daemon?what=smap``; every other ``what`` is refused."""
+    """``GET /v1/daemon?what=smap``; every other ``what`` is refused. A target in a cluster
+    answers with the cluster's map (``server.cluster``), so the SDK sees the whole cluster
+    whichever node it asks."""
     what = request.query.get("what", "")
     if what == "smap":
+        member = request.app.get(MEMBERSHIP)
+        if member is not None and member.smap is not None:
+            return web.json_response(member.smap.wire())
         return web.json_response(smap(request))
     raise BadRequest(f"GET /v1/daemon?what={what!r} is not supported (supported: smap)")

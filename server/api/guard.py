@@ -16,7 +16,9 @@ from server.api.state import read_json
 from server.errors import BadRequest
 
 MSG_KEY = "batchfs.msg"  # request key: the validated action message
-BUCKET_PARAMS = frozenset({"provider", "namespace"})  # every bucket/object route takes these
+# every bucket/object route takes these; pid and utm are what a gateway's redirect adds (the
+# redirecting gateway's id and a timestamp, as AIStore's proxies do): accepted and ignored
+BUCKET_PARAMS = frozenset({"provider", "namespace", "pid", "utm"})
 
 
 def _check_query(request: web.Request, allowed: frozenset[str]) -> None:

@@ -52,6 +52,10 @@ CONFIG = web.AppKey("config", ServerConfig)
 NODE = web.AppKey("node", LocalNode)  # what handlers ask of storage (server.node)
 METRICS = web.AppKey("metrics", Metrics)
 INFLIGHT = web.AppKey("inflight", InFlight)
+# the cluster secret (server.cluster.secret.ClusterSecret) of a gateway or target; absent on a single node
+CLUSTER_SECRET = web.AppKey("cluster_secret", object)
+# a target's membership (server.cluster.join.Membership): the cluster map it serves; absent on a single node
+MEMBERSHIP = web.AppKey("membership", object)
 
 API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
 OP_KEY = "batchfs.op"  # request key: operation label for metrics

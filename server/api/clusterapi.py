@@ -1,0 +1,28 @@
+"""A target's side of the cluster protocol: the gateway pushes new maps here.
+
+``POST /v1/cluster/map`` takes a map (``server.cluster.smap.ClusterMap.to_json``), signed with
+the cluster secret (checked by ``server.api.auth`` before this handler runs). A map older than
+the one held is ignored (``Membership.learn``), so pushes may arrive in any order.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.api.state import MEMBERSHIP, OP_KEY, read_json
+from server.errors import BadRequest
+
+
+async def map_push(request: web.Request) -> web.Response:
+    request[OP_KEY] = "cluster"
+    doc = await read_json(request)
+    try:
+        taken = request.app[MEMBERSHIP].learn(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BadRequest(f"not a cluster map: {e}") from None
+    return web.json_response({"taken": taken})
+
+
+def add_routes(app: web.Application, membership) -> None:
+    app[MEMBERSHIP] = membership
+    app.router.add_post("/v1/cluster/map", map_push)

@@ -1,0 +1,293 @@
+"""``batchfs-server --role gateway``: routes clients to the targets that hold their objects.
+
+A gateway stores no objects. It owns the cluster map (``server.cluster.smap``) when primary,
+answers ``GET /v1/daemon?what=smap`` with it (the SDK places ``direct=True`` reads by it), admits
+targets (``POST /v1/cluster/autoreg``, authenticated with the cluster secret), and serves the
+native API as AIStore's proxies do:
+
+    object GET                       301 to the HRW owner (path and query kept, + pid, utm)
+    object HEAD, PUT, DELETE, POST   307 to the HRW owner (a 307 keeps the method and body)
+    bucket create, destroy           sent to every target; the first failure is the answer
+    bucket HEAD, list buckets        asked of one target (every target holds every bucket)
+    list objects                     every target's page, merged in name order, cut at the
+                                     page size; the token is the last name (AIStore's rule)
+
+Anything else (GetBatch, archive reads, bucket copies, the S3 API) is refused with 501 and a
+message naming it: not yet served through a gateway (docs/cluster.md says what is).
+
+Invariants:
+- Placement is ``ClusterMap.owner`` only: the redirect target is the one the SDK computes.
+- A map change is persisted before it is answered or pushed (a restarted gateway serves the
+  last map it gave out); pushes to targets are best effort (targets also pull on keepalive).
+- Fan-out requests carry the client's Authorization header: targets check it themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import msgpack
+from aiohttp import web
+
+from server.api.state import OP_KEY, read_json
+from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
+from server.errors import BadRequest, NotFound, StoreError
+from server.validate import check_bucket
+
+log = logging.getLogger(__name__)
+
+GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
+FANOUT_TIMEOUT_SECONDS = 60
+LIST_PAGE_DEFAULT = 10_000
+
+
+class NotImplementedThroughGateway(StoreError):
+    status = 501
+
+
+class Unavailable(StoreError):
+    status = 503
+
+
+class Gateway:
+    """The map, its file, the secret, and one HTTP client session to the targets."""
+
+    def __init__(self, map_path: Path, secret: ClusterSecret):
+        """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none)."""
+        self.map_path, self.secret = map_path, secret
+        self.smap = ClusterMap.load(map_path) or ClusterMap.new(ClusterNode(f"gw{uuid.uuid4().hex[:8]}", "", PROXY))
+        self.session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    def bound(self, url: str) -> None:
+        """The gateway listens at ``url`` now: the map says so (persisted) before any client asks."""
+        self.smap = self.smap.with_primary_url(url)
+        self.smap.save(self.map_path)
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FANOUT_TIMEOUT_SECONDS),
+                                             auto_decompress=False)
+        asyncio.get_running_loop().create_task(self.push_map())  # targets learn a restart's URL
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def admit(self, node: ClusterNode) -> ClusterMap:
+        async with self._lock:
+            new = self.smap.with_node(node)
+            if new is not self.smap:
+                new.save(self.map_path)  # persisted before anyone hears of it
+                self.smap = new
+                log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
+                asyncio.get_running_loop().create_task(self.push_map())
+        return self.smap
+
+    async def push_map(self) -> None:
+        body = json.dumps(self.smap.to_json()).encode()
+        for t in self.smap.targets.values():
+            path = "/v1/cluster/map"
+            try:
+                async with self.session.post(t.url + path, data=body, headers={
+                        HEADER: self.secret.sign("POST", path, body), "Content-Type": "application/json"}) as r:
+                    if r.status != 200:
+                        log.warning("map push to %s: HTTP %d", t.id, r.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                log.warning("map push to %s (%s): %s", t.id, t.url, e)
+
+    def targets(self) -> list[ClusterNode]:
+        ts = sorted(self.smap.targets.values(), key=lambda n: n.id)
+        if not ts:
+            raise Unavailable("no target has joined this cluster yet")
+        return ts
+
+    async def forward(self, request: web.Request, target: ClusterNode, body: bytes | None = None,
+                      path_qs: str | None = None) -> tuple[int, dict, bytes]:
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "content-type", "accept")}
+        try:
+            async with self.session.request(request.method, target.url + (path_qs or request.path_qs),
+                                            data=body, headers=headers) as r:
+                return r.status, dict(r.headers), await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise Unavailable(f"target {target.id} ({target.url}) did not answer: {e}") from None
+
+
+def _gw(request: web.Request) -> Gateway:
+    return request.app[GATEWAY]
+
+
+def _passthrough(status: int, headers: dict, body: bytes) -> web.Response:
+    keep = {k: v for k, v in headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server")}
+    return web.Response(status=status, body=body, headers=keep)
+
+
+# -- cluster ----------------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    request[OP_KEY] = "health"
+    return web.Response(text="")
+
+
+async def daemon_get(request: web.Request) -> web.Response:
+    request[OP_KEY] = "daemon"
+    what = request.query.get("what", "")
+    if what != "smap":
+        raise BadRequest(f"GET /v1/daemon?what={what!r} is not supported (supported: smap)")
+    return web.json_response(_gw(request).smap.wire())
+
+
+async def autoreg(request: web.Request) -> web.Response:
+    """A target joins (or says it is still there): ``{"id": ..., "url": ...}``; the map in reply."""
+    request[OP_KEY] = "cluster"
+    doc = await read_json(request)
+    if not isinstance(doc, dict) or not isinstance(doc.get("id"), str) or not isinstance(doc.get("url"), str):
+        raise BadRequest('autoreg wants {"id": NODE_ID, "url": "http://HOST:PORT"}')
+    if not doc["url"].startswith(("http://", "https://")) or not doc["id"].isascii() or not doc["id"]:
+        raise BadRequest(f"autoreg: bad node id or URL: {doc['id']!r} {doc['url']!r}")
+    gw = _gw(request)
+    if gw.smap.node(doc["id"]) is not None and gw.smap.node(doc["id"]).kind == PROXY:
+        raise BadRequest(f"{doc['id']} is a gateway's id")
+    smap = await gw.admit(ClusterNode(doc["id"], doc["url"], TARGET))
+    return web.json_response(smap.to_json())
+
+
+async def cluster_map(request: web.Request) -> web.Response:
+    request[OP_KEY] = "cluster"
+    return web.json_response(_gw(request).smap.to_json())
+
+
+# -- objects ----------------------------------------------------------------------------------
+async def object_redirect(request: web.Request) -> web.Response:
+    request[OP_KEY] = "redirect"
+    bucket, name = check_bucket(request.match_info["bucket"]), request.match_info["obj"]
+    gw = _gw(request)
+    owner = gw.smap.owner(bucket, name)
+    if owner is None:
+        raise Unavailable("no target has joined this cluster yet")
+    qs = request.query_string
+    location = (f"{owner.url}{request.rel_url.raw_path}?{qs + '&' if qs else ''}"
+                f"pid={gw.smap.primary}&utm={time.time_ns()}")
+    # AIStore: 301 for GET (cacheable, the client follows it), 307 for the rest (method and body kept)
+    status = 301 if request.method == "GET" else 307
+    return web.Response(status=status, headers={"Location": location})
+
+
+# -- buckets ----------------------------------------------------------------------------------
+async def to_all(request: web.Request) -> web.Response:
+    """Create or destroy a bucket (or any bucket action) on every target."""
+    request[OP_KEY] = "bucket"
+    check_bucket(request.match_info["bucket"])
+    gw = _gw(request)
+    body = await request.read()
+    if request.method == "POST":
+        try:
+            msg = json.loads(body) if body.strip() else {}
+        except ValueError as e:
+            raise BadRequest(f"malformed JSON request body: {e}") from None
+        if not isinstance(msg, dict) or msg.get("action") not in ("create-bck",):
+            raise NotImplementedThroughGateway(
+                f"bucket action {msg.get('action') if isinstance(msg, dict) else msg!r} is not served through a "
+                "gateway yet (served: create-bck; docs/cluster.md)")
+    answers = await asyncio.gather(*(gw.forward(request, t, body) for t in gw.targets()))
+    for status, headers, reply in answers:
+        if status >= 300:
+            return _passthrough(status, headers, reply)
+    return _passthrough(*answers[0])
+
+
+async def to_one(request: web.Request) -> web.Response:
+    """Bucket HEAD and the bucket list: every target has every bucket; ask the first."""
+    request[OP_KEY] = "bucket"
+    gw = _gw(request)
+    return _passthrough(*await gw.forward(request, gw.targets()[0], await request.read()))
+
+
+async def list_objects(request: web.Request) -> web.Response:
+    request[OP_KEY] = "list"
+    bucket = check_bucket(request.match_info["bucket"])
+    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
+    if not isinstance(msg, dict) or msg.get("action") != "list":
+        raise NotImplementedThroughGateway(f"GET /v1/buckets/{bucket} with action "
+                                           f"{msg.get('action') if isinstance(msg, dict) else msg!r} is not served "
+                                           "through a gateway yet (served: list)")
+    value = dict(msg.get("value") or {})
+    pagesize = value.get("pagesize") or LIST_PAGE_DEFAULT
+    if not isinstance(pagesize, int) or isinstance(pagesize, bool) or pagesize < 0:
+        raise BadRequest("pagesize must be a non-negative integer")
+    value["pagesize"] = pagesize
+    value.pop("uuid", None)
+    gw = _gw(request)
+    body = json.dumps({"action": "list", "value": value}).encode()
+    request_headers = {"Accept": "application/json"}
+    pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in gw.targets()))
+    merged: dict[str, dict] = {}
+    more = False
+    for entries, token in pages:
+        more |= bool(token)
+        for e in entries:
+            merged.setdefault(e["n"], e)  # a name on two targets (a copy) is listed once
+    names = sorted(merged)
+    page = [merged[n] for n in names[:pagesize]]
+    more |= len(names) > pagesize
+    reply = {"UUID": msg.get("value", {}).get("uuid") or gw.smap.uuid, "Entries": page, "Flags": 0,
+             "ContinuationToken": page[-1]["n"] if more and page else ""}
+    if request.headers.get("Accept", "").startswith("application/json"):
+        return web.json_response(reply)
+    return web.Response(body=msgpack.packb(reply), headers={"Content-Type": "application/msgpack"})
+
+
+async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: bytes,
+                    headers: dict) -> tuple[list[dict], str]:
+    hdrs = {**headers, **({"Authorization": request.headers["Authorization"]}
+                          if "Authorization" in request.headers else {}), "Content-Type": "application/json"}
+    try:
+        async with gw.session.get(t.url + request.path_qs, data=body, headers=hdrs) as r:
+            raw = await r.read()
+            if r.status == 404:
+                raise NotFound(json.loads(raw).get("message", "not found") if raw else "not found")
+            if r.status != 200:
+                raise StoreError(f"target {t.id}: HTTP {r.status}: {raw[:300]!r}")
+            doc = json.loads(raw)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise Unavailable(f"target {t.id} ({t.url}) did not answer: {e}") from None
+    return doc.get("Entries") or [], doc.get("ContinuationToken") or ""
+
+
+def _refuse(request: web.Request):
+    raise NotImplementedThroughGateway(f"{request.method} {request.path} is not served through a gateway yet "
+                                       "(docs/cluster.md lists what is): send it to a target, or use a single node")
+
+
+async def refuse(request: web.Request) -> web.Response:
+    request[OP_KEY] = "refused"
+    _refuse(request)
+
+
+def add_routes(app: web.Application, gateway: Gateway) -> None:
+    app[GATEWAY] = gateway
+    app.on_startup.append(gateway.start)
+    app.on_cleanup.append(gateway.stop)
+    r = app.router
+    r.add_get("/v1/health", health)
+    r.add_get("/v1/daemon", daemon_get)
+    r.add_post("/v1/cluster/autoreg", autoreg)
+    r.add_get("/v1/cluster/map", cluster_map)
+    obj = r"/v1/objects/{bucket}/{obj:[\s\S]+}"
+    for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
+        r.add_route(method, obj, object_redirect)
+    r.add_get("/v1/buckets", to_one)
+    r.add_get("/v1/buckets/", to_one)
+    r.add_head("/v1/buckets/{bucket}", to_one)
+    r.add_post("/v1/buckets/{bucket}", to_all)
+    r.add_delete("/v1/buckets/{bucket}", to_all)
+    r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
+    r.add_route("*", "/{tail:.*}", refuse)
+

@@ -1,0 +1,76 @@
+"""A target's membership: it joins its gateway, keeps saying it is there, and keeps the map.
+
+``Membership.run()`` posts ``{"id", "url"}`` to the gateway's ``/v1/cluster/autoreg`` (signed
+with the cluster secret) until the gateway admits it, then again every ``KEEPALIVE_SECONDS``
+(admission is idempotent: the same id and URL change nothing), learning the map from each
+answer; the gateway also pushes new maps (``learn``). The last map is kept in the target's data
+directory, so a restarted target knows its cluster before the gateway answers.
+
+Invariants: a map is taken only if its version is newer than the one held (a late push never
+rolls the map back); the loop never ends on an error, it logs and retries with backoff (a
+gateway that restarts is rejoined without operator steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import aiohttp
+
+from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster.smap import ClusterMap
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_SECONDS = 10.0
+RETRY_MAX_SECONDS = 5.0
+
+
+class Membership:
+    def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path):
+        self.gateway_url, self.secret, self.node_id, self.map_path = gateway_url.rstrip("/"), secret, node_id, map_path
+        self.url = ""  # this target's URL, set once it listens
+        try:
+            self.smap: ClusterMap | None = ClusterMap.load(map_path)
+        except ValueError as e:
+            log.warning("%s: starting without it", e)
+            self.smap = None
+        self.joined = asyncio.Event()
+
+    def learn(self, doc: dict) -> bool:
+        """Take the map in ``doc`` if it is newer than ours; True if taken."""
+        new = ClusterMap.from_json(doc)
+        if self.smap is not None and new.version <= self.smap.version and new.uuid == self.smap.uuid:
+            return False
+        self.smap = new
+        try:
+            new.save(self.map_path)
+        except OSError as e:
+            log.warning("cannot keep the cluster map in %s: %s", self.map_path, e)
+        return True
+
+    async def run(self, url: str) -> None:
+        self.url = url
+        body = json.dumps({"id": self.node_id, "url": url}).encode()
+        path = "/v1/cluster/autoreg"
+        delay = 0.1
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            while True:
+                try:
+                    async with session.post(self.gateway_url + path, data=body, headers={
+                            HEADER: self.secret.sign("POST", path, body), "Content-Type": "application/json"}) as r:
+                        text = await r.text()
+                        if r.status != 200:
+                            raise RuntimeError(f"HTTP {r.status}: {text[:300]}")
+                        if self.learn(json.loads(text)) or not self.joined.is_set():
+                            log.info("in cluster %s map v%d via %s", self.smap.uuid, self.smap.version,
+                                     self.gateway_url)
+                        self.joined.set()
+                        delay = KEEPALIVE_SECONDS
+                except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as e:
+                    log.warning("joining %s: %s (retrying)", self.gateway_url, e)
+                    delay = min(RETRY_MAX_SECONDS, delay * 2) if delay < KEEPALIVE_SECONDS else 0.5
+                await asyncio.sleep(delay)

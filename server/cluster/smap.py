@@ -1,0 +1,130 @@
+"""The cluster map: which gateways and targets exist, at which URLs, under which version.
+
+The primary gateway owns it: a target that joins (``POST /v1/cluster/autoreg``) or leaves makes
+a new version, which the gateway persists before answering and then pushes to every node.
+``wire()`` is AIStore's Smap JSON (``core/meta/smap.go``: ``pmap``, ``tmap``, ``proxy_si``,
+``uuid``, ``version`` as a string, each node's ``id_digest``), so the official SDK finds the
+targets and places objects itself (``get_reader(direct=True)``).
+
+Invariants:
+- Placement is HRW exactly as AIStore's (``batchfs.wire.hrw``): ``owner`` of an object is the
+  target maximising xoshiro256(id_digest ^ digest(uname)); ``ranked`` lists all targets in
+  that order (copies go to the first ones).
+- Versions only grow; ``save`` is atomic (write, fsync, rename), so a restarted gateway
+  starts from the last map it answered with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid as uuidlib
+from pathlib import Path
+
+from batchfs.wire import hrw
+
+PROXY, TARGET = "proxy", "target"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterNode:
+    id: str
+    url: str  # how clients and other nodes reach it: http://HOST:PORT
+    kind: str  # PROXY or TARGET
+
+    @property
+    def digest(self) -> int:
+        return hrw.digest(self.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterMap:
+    version: int
+    uuid: str
+    primary: str  # the primary gateway's id
+    nodes: tuple[ClusterNode, ...]
+    created: str
+
+    @classmethod
+    def new(cls, primary: ClusterNode) -> "ClusterMap":
+        return cls(1, uuidlib.uuid4().hex[:10], primary.id, (primary,),
+                   time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
+
+    @property
+    def targets(self) -> dict[str, ClusterNode]:
+        return {n.id: n for n in self.nodes if n.kind == TARGET}
+
+    @property
+    def proxies(self) -> dict[str, ClusterNode]:
+        return {n.id: n for n in self.nodes if n.kind == PROXY}
+
+    def node(self, node_id: str) -> ClusterNode | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def with_node(self, node: ClusterNode) -> "ClusterMap":
+        """This map with ``node`` added or its URL updated; the same map if nothing changed."""
+        old = self.node(node.id)
+        if old == node:
+            return self
+        nodes = tuple(n for n in self.nodes if n.id != node.id) + (node,)
+        return dataclasses.replace(self, version=self.version + 1, nodes=nodes)
+
+    def with_primary_url(self, url: str) -> "ClusterMap":
+        me = self.node(self.primary)
+        return self if me is None or me.url == url else self.with_node(dataclasses.replace(me, url=url))
+
+    # -- placement ----------------------------------------------------------------------------
+    def ranked(self, bucket: str, objname: str) -> list[ClusterNode]:
+        targets = self.targets
+        if not targets:
+            return []
+        order = hrw.ranked(hrw.digest(hrw.uname(bucket, objname)), {i: n.digest for i, n in targets.items()})
+        return [targets[i] for i in order]
+
+    def owner(self, bucket: str, objname: str) -> ClusterNode | None:
+        ranked = self.ranked(bucket, objname)
+        return ranked[0] if ranked else None
+
+    # -- wire and disk --------------------------------------------------------------------------
+    def wire(self) -> dict:
+        def snode(n: ClusterNode) -> dict:
+            scheme, _, hostport = n.url.partition("://")
+            host, _, port = hostport.rpartition(":")
+            net = {"node_ip_addr": host.strip("[]"), "daemon_port": port, "direct_url": n.url}
+            return {"public_net": net, "intra_data_net": net, "intra_control_net": net, "daemon_type": n.kind,
+                    "daemon_id": n.id, "flags": 0, "id_digest": n.digest}
+
+        primary = self.node(self.primary)
+        return {"pmap": {i: snode(n) for i, n in self.proxies.items()},
+                "tmap": {i: snode(n) for i, n in self.targets.items()},
+                "proxy_si": snode(primary) if primary else None, "uuid": self.uuid,
+                "creation_time": self.created, "version": str(self.version)}
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "uuid": self.uuid, "primary": self.primary, "created": self.created,
+                "nodes": [dataclasses.asdict(n) for n in self.nodes]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "ClusterMap":
+        return cls(int(doc["version"]), str(doc["uuid"]), str(doc["primary"]),
+                   tuple(ClusterNode(str(n["id"]), str(n["url"]), str(n["kind"])) for n in doc["nodes"]),
+                   str(doc["created"]))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "ClusterMap | None":
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cluster map {path} is unreadable ({e}): move it away to start a new cluster") from None

@@ -1,0 +1,83 @@
+"""tests/cluster: a real cluster — one gateway and three targets with two mountpaths each, as
+separate ``batchfs-server`` processes on loopback sharing a cluster secret."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.processes import ServerProcess
+
+SECRET = "cluster-secret-for-tests-" + "0123456789abcdef" * 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def secret_file(path: Path, text: str = SECRET) -> Path:
+    path.write_text(text + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+class Cluster:
+    def __init__(self, base: Path, targets: int = 3):
+        self.base = base
+        self.secret = secret_file(base / "secret")
+        self.gw_port = free_port()
+        self.gateway = self._gateway()
+        self.targets = [ServerProcess([base / f"t{i}" / "d1", base / f"t{i}" / "d2"], "--role", "target",
+                                      "--join", f"http://127.0.0.1:{self.gw_port}",
+                                      "--cluster-secret-file", str(self.secret)) for i in range(targets)]
+
+    def _gateway(self) -> ServerProcess:
+        return ServerProcess([self.base / "gw"], "--role", "gateway", "--listen", f"127.0.0.1:{self.gw_port}",
+                             "--cluster-secret-file", str(self.secret))
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def smap(self) -> dict:
+        return httpx.get(f"{self.url}/v1/daemon?what=smap", timeout=10).json()
+
+    def wait_joined(self, n: int, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            smap = self.smap()
+            if len(smap["tmap"]) >= n:
+                return smap
+            time.sleep(0.1)
+        raise TimeoutError(f"only {len(self.smap()['tmap'])} of {n} targets joined in {timeout} s")
+
+    def start(self) -> "Cluster":
+        self.gateway.start()
+        for t in self.targets:
+            t.start()
+        self.wait_joined(len(self.targets))
+        return self
+
+    def restart_gateway(self) -> None:
+        self.gateway.stop()
+        self.gateway = self._gateway().start()
+
+    def stop(self) -> None:
+        for p in [*self.targets, self.gateway]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c.start()
+    finally:
+        c.stop()

@@ -1,0 +1,126 @@
+"""A gateway and three targets: the SDK's calls through the gateway (redirects to the HRW owner),
+``direct=True`` reads placed by the SDK itself, listing merged across targets with paging, bucket
+create/destroy on every target, intra-cluster requests refused without the secret, a gateway
+restart that keeps the map, and clear refusals for what a gateway does not serve yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import httpx
+import pytest
+from aistore.sdk import Client
+
+from batchfs.wire import hrw
+from tests.cluster.conftest import SECRET, secret_file
+from tests.support.processes import ServerProcess
+
+
+def _owner(smap: dict, bucket: str, name: str) -> str:
+    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)[0]
+
+
+def test_sdk_through_the_gateway_lands_on_the_hrw_owner(cluster):
+    smap = cluster.smap()
+    assert len(smap["tmap"]) == 3 and len(smap["pmap"]) == 1 and int(smap["version"]) >= 4
+    assert all(n["id_digest"] == hrw.digest(i) for i, n in smap["tmap"].items())
+    client = Client(cluster.url)
+    b = client.bucket("routed")
+    b.create()
+    rng = random.Random(1)
+    blobs = {f"dir{i % 4}/obj-{i:03d}": os.urandom(rng.choice([0, 1, 1000, 70_000])) for i in range(60)}
+    for name, data in blobs.items():
+        b.object(name).get_writer().put_content(data)
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    owners = set()
+    for name, data in blobs.items():
+        assert b.object(name).get_reader().read_all() == data
+        assert b.object(name).get_reader(direct=True).read_all() == data  # placed by the SDK
+        assert int(b.object(name).head().size) == len(data)
+        owner = _owner(smap, "routed", name)
+        owners.add(owner)
+        for node_id, url in urls.items():  # stored on the owner only (one copy for now)
+            r = httpx.head(f"{url}/v1/objects/routed/{name}", timeout=10)
+            assert r.status_code == (200 if node_id == owner else 404), (name, node_id, owner)
+    assert owners == set(urls)  # 60 names spread over all three targets
+    # a redirect is AIStore's: 301 for GET, 307 for the rest, to the owner with pid and utm
+    r = httpx.get(f"{cluster.url}/v1/objects/routed/dir0/obj-000", follow_redirects=False, timeout=10)
+    assert r.status_code == 301 and r.headers["location"].startswith(urls[_owner(smap, "routed", "dir0/obj-000")])
+    assert "pid=" in r.headers["location"] and "utm=" in r.headers["location"]
+    r = httpx.put(f"{cluster.url}/v1/objects/routed/x", content=b"x", follow_redirects=False, timeout=10)
+    assert r.status_code == 307
+    # listing: merged across targets, sorted, paged by the gateway
+    names = [e.name for e in b.list_all_objects(page_size=7)]
+    assert names == sorted(blobs)
+    assert [e.name for e in b.list_all_objects(prefix="dir2/")] == sorted(n for n in blobs if n.startswith("dir2/"))
+    for name in list(blobs)[:10]:
+        b.object(name).delete()
+    assert [e.name for e in b.list_all_objects(page_size=13)] == sorted(set(blobs) - set(list(blobs)[:10]))
+    assert "routed" in [x.name for x in client.cluster().list_buckets()]
+    b.delete()
+    for url in urls.values():  # destroyed on every target
+        assert httpx.head(f"{url}/v1/buckets/routed", timeout=10).status_code == 404
+
+
+def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
+    client = Client(cluster.url)
+    client.bucket("refusals").create(exist_ok=True)
+    r = httpx.request("GET", f"{cluster.url}/v1/ml/moss", json={"in": []}, timeout=10)
+    assert r.status_code == 501 and "not served through a gateway yet" in r.json()["message"]
+    r = httpx.post(f"{cluster.url}/v1/buckets/refusals", json={"action": "copy-bck", "value": {}}, timeout=10)
+    assert r.status_code == 501 and "copy-bck" in r.json()["message"]
+    r = httpx.get(f"{cluster.url}/s3/refusals", timeout=10)
+    assert r.status_code == 501
+
+
+def test_cluster_requests_need_the_secret(cluster, tmp_path):
+    body = json.dumps({"id": "intruder", "url": "http://127.0.0.1:1"}).encode()
+    for headers in ({}, {"Batchfs-Cluster": "1:" + "0" * 64}, {"Batchfs-Cluster": "garbage"}):
+        r = httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10)
+        assert r.status_code == 403, r.text
+    target = cluster.targets[0].url
+    r = httpx.post(f"{target}/v1/cluster/map", content=b"{}", timeout=10)
+    assert r.status_code == 403
+    assert "intruder" not in cluster.smap()["tmap"]
+    # a node started with another secret cannot join
+    other = ServerProcess([tmp_path / "x1"], "--role", "target", "--join", cluster.url,
+                          "--cluster-secret-file", str(secret_file(tmp_path / "other", "x" * 40)))
+    with other:
+        deadline = time.monotonic() + 15
+        while "cluster request without a valid" not in "".join(other.output) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "HTTP 403" in "".join(other.output)
+        assert len(cluster.smap()["tmap"]) == 3
+
+
+def test_a_restarted_gateway_keeps_the_map_and_clients_keep_working(cluster):
+    client = Client(cluster.url)
+    b = client.bucket("restart")
+    b.create(exist_ok=True)
+    b.object("kept").get_writer().put_content(b"still here")
+    before = cluster.smap()
+    cluster.restart_gateway()
+    after = cluster.smap()  # at once: from the gateway's own file, before any target rejoins
+    assert after["tmap"].keys() == before["tmap"].keys() and after["uuid"] == before["uuid"]
+    assert int(after["version"]) >= int(before["version"])
+    assert Client(cluster.url).bucket("restart").object("kept").get_reader().read_all() == b"still here"
+
+
+def test_secret_files_and_roles_are_checked_before_starting(tmp_path):
+    weak = secret_file(tmp_path / "weak", "short")
+    loose = tmp_path / "loose"
+    loose.write_text(SECRET)
+    os.chmod(loose, 0o644)
+    for args, why in ((["--role", "gateway"], "needs --cluster-secret-file"),
+                      (["--role", "target", "--cluster-secret-file", str(weak)], "--join"),
+                      (["--role", "gateway", "--cluster-secret-file", str(weak)], "shorter than 32"),
+                      (["--role", "gateway", "--cluster-secret-file", str(loose)], "accessible by other users"),
+                      (["--join", "http://x"], "--join is for targets")):
+        p = ServerProcess([tmp_path / "d"], *args)
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            p.start(timeout=10)
+        assert why in "".join(p.output), (args, "".join(p.output)[-500:])
