@@ -183,6 +183,15 @@ async def _check_cluster(request: web.Request) -> None:
                         "signs with the shared --cluster-secret-file)")
 
 
+async def cluster_signed(request: web.Request) -> bool:
+    """Whether a request on an ordinary route (a GetBatch a designated target sends a sender)
+    comes from a node of the cluster: False without the header, Forbidden with a bad one."""
+    if CLUSTER_HEADER not in request.headers:
+        return False
+    await _check_cluster(request)
+    return True
+
+
 def guard_expect(app: web.Application) -> None:
     """Answer ``Expect: 100-continue`` only for requests that pass the check.
 

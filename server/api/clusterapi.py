@@ -7,9 +7,10 @@ the one held is ignored (``Membership.learn``), so pushes may arrive in any orde
 
 from __future__ import annotations
 
+import aiohttp
 from aiohttp import web
 
-from server.api.state import MEMBERSHIP, OP_KEY, read_json
+from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
 from server.errors import BadRequest
 
 
@@ -23,6 +24,18 @@ async def map_push(request: web.Request) -> web.Response:
     return web.json_response({"taken": taken})
 
 
+async def _open_peers(app: web.Application) -> None:
+    # one session: its connections to the other targets are kept and reused (GetBatch senders)
+    app[PEERS] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                       auto_decompress=False)
+
+
+async def _close_peers(app: web.Application) -> None:
+    await app[PEERS].close()
+
+
 def add_routes(app: web.Application, membership) -> None:
     app[MEMBERSHIP] = membership
+    app.on_startup.append(_open_peers)
+    app.on_cleanup.append(_close_peers)
     app.router.add_post("/v1/cluster/map", map_push)

@@ -12,8 +12,11 @@ native API as AIStore's proxies do:
     list objects                     every target's page, merged in name order, cut at the
                                      page size; the token is the last name (AIStore's rule)
 
-Anything else (GetBatch, archive reads, bucket copies, the S3 API) is refused with 501 and a
-message naming it: not yet served through a gateway (docs/cluster.md says what is).
+    GetBatch                         307 to the designated target: the one owning most entries;
+                                     it gathers the others' from their owners (getbatch_cluster)
+
+Anything else (archive reads, bucket copies, the S3 API) is refused with 501 and a message
+naming it: not yet served through a gateway (docs/cluster.md says what is).
 
 Invariants:
 - Placement is ``ClusterMap.owner`` only: the redirect target is the one the SDK computes.
@@ -261,6 +264,27 @@ async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: byt
     return doc.get("Entries") or [], doc.get("ContinuationToken") or ""
 
 
+async def moss_redirect(request: web.Request) -> web.Response:
+    """GetBatch: 307 to the designated target — the one that owns most of the entries (AIStore's
+    ``coloc``), so the fewest bytes cross between targets; it gathers the rest from the others."""
+    request[OP_KEY] = "getbatch"
+    gw = _gw(request)
+    targets = gw.targets()
+    default_bucket = request.match_info.get("bucket") or None
+    counts: dict[str, int] = {}
+    try:
+        doc = json.loads(await request.read())
+        for item in doc.get("in") or []:
+            bucket, name = item.get("bucket") or default_bucket, item.get("objname")
+            if isinstance(bucket, str) and isinstance(name, str):
+                owner = gw.smap.owner(bucket, name)
+                counts[owner.id] = counts.get(owner.id, 0) + 1
+    except (ValueError, AttributeError, TypeError):
+        pass  # the target answers the 400 a single node gives
+    dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
+    return web.Response(status=307, headers={"Location": f"{dt.url}{request.rel_url.raw_path_qs}"})
+
+
 def _refuse(request: web.Request):
     raise NotImplementedThroughGateway(f"{request.method} {request.path} is not served through a gateway yet "
                                        "(docs/cluster.md lists what is): send it to a target, or use a single node")
@@ -289,5 +313,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_post("/v1/buckets/{bucket}", to_all)
     r.add_delete("/v1/buckets/{bucket}", to_all)
     r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
+    for path in ("/v1/ml/moss", "/v1/ml/moss/", "/v1/ml/moss/{bucket}"):
+        r.add_get(path, moss_redirect, allow_head=False)
     r.add_route("*", "/{tail:.*}", refuse)
 

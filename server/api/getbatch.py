@@ -52,7 +52,10 @@ from server.getbatch.request import Entry, parse_request
 from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
-from server.api.state import CONFIG, METRICS, NODE, OP_KEY, read_json
+from server.api import auth
+from server.api.daemon_api import NODE_INFO
+from server.api.getbatch_cluster import moss_across
+from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +261,21 @@ async def moss(request: web.Request) -> web.StreamResponse:
         if default_bucket:
             check_bucket(default_bucket)
             node.require_bucket(default_bucket)
+        signed = await auth.cluster_signed(request)  # a designated target's sub-request: serve it here
         req = parse_request(await read_json(request), default_bucket, config)
+        member = app.get(MEMBERSHIP)
+        if not signed and member is not None and member.smap is not None and len(member.smap.targets) > 1:
+            req.check_upto(req.n, items)  # every entry: the 400/404 before anything goes to other targets
+            me = member.smap.node(app[NODE_INFO]["id"])
+            if me is None or any(member.smap.owner(e.bucket, e.objname) != me for e in req.entries):
+                throttle = state.admission.admit()  # the designated target's admission control
+                try:
+                    if throttle:
+                        await state.admission.throttle(config.getbatch_throttle_seconds)
+                    return await moss_across(request, req, member.smap, me or _unknown(app),
+                                             app[CLUSTER_SECRET], app[PEERS], config.getbatch_max_buffered_bytes)
+                finally:
+                    state.admission.leave()
         req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
         throttle = state.admission.admit()  # counted from here on: leave() in the finally below
     except StoreError:
@@ -312,6 +329,12 @@ async def moss(request: web.Request) -> web.StreamResponse:
         metrics.gb_rxwait_ns.inc(job.rxwait_ns)
         state.admission.leave()
         trim_if_idle(state.budget)
+
+
+def _unknown(app: web.Application):
+    from server.cluster.smap import TARGET, ClusterNode
+
+    return ClusterNode(app[NODE_INFO]["id"], "", TARGET)  # not in the map yet: a DT all the same
 
 
 async def _on_cleanup(app: web.Application) -> None:

@@ -56,6 +56,7 @@ INFLIGHT = web.AppKey("inflight", InFlight)
 CLUSTER_SECRET = web.AppKey("cluster_secret", object)
 # a target's membership (server.cluster.join.Membership): the cluster map it serves; absent on a single node
 MEMBERSHIP = web.AppKey("membership", object)
+PEERS = web.AppKey("peers", object)  # a target's aiohttp.ClientSession to the other targets
 
 API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
 OP_KEY = "batchfs.op"  # request key: operation label for metrics

@@ -13,7 +13,7 @@ import pytest
 from aistore.sdk import ArchiveConfig
 from aistore.sdk.archive_config import ArchiveMode
 
-from tests.server.test_getbatch import blob, make_shard, sdk_client
+from tests.support.getbatch import blob, make_shard, sdk_client
 
 
 def _members() -> dict[str, bytes]:

@@ -1,0 +1,242 @@
+"""GetBatch across targets: this target is the designated target (DT) of a request whose
+entries live on several targets, and assembles one archive from what the senders stream it.
+
+The gateway redirects a client's GetBatch (307) to the target that owns most of its entries.
+There, ``moss`` sees entries owned by other targets (``ClusterMap.owner``) and hands the request
+here:
+
+    check every entry (syntax, buckets)            -- the 400/404 a single node gives
+    partition entries by owner, keeping their order
+    one sub-request per owner (this target too), each a plain GetBatch of its entries in
+    order, signed with the cluster secret so the owner serves it from its own store; all
+    opened concurrently over the DT's persistent peer connections
+    any sub-request not 200: that answer is the reply (nothing sent yet)
+    200, then for entry i: the next member of its owner's stream, copied byte for byte
+    (headers, data, padding), then the archive's end
+
+Members are byte-identical to what one node holding every object would send: the senders build
+them with the same header function for the same names, sizes and times.
+
+Invariants:
+- Strict order: entry i of the request is member i of the reply, whichever target holds it.
+- Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes;
+  a sender ahead of the DT waits in TCP (its own watchdog bounds how long).
+- A sender that fails or ends early after the 200 truncates the reply (no end-of-archive), as
+  a single node's failure after its 200 does: readers compare the member count.
+- Served here: plain TAR, streamed (``strm``) or buffered (``strm: false``: the senders'
+  multipart replies read whole, at most ``getbatch_max_buffered_bytes`` together, merged into
+  one with their metadata in request order). Other output formats across targets are refused
+  (501) with a message; within one target they are served as always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import tarfile
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from server.archive.writers import MIME_TYPES
+from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster.smap import ClusterMap, ClusterNode
+from server.errors import PayloadTooLarge, StoreError
+from server.getbatch.request import MossReq
+
+log = logging.getLogger(__name__)
+
+COPY_BYTES = 1 << 20
+_BLOCK = tarfile.BLOCKSIZE
+_ZERO = b"\0" * _BLOCK
+_PREFIX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+
+class NotAcrossTargets(StoreError):
+    status = 501
+
+
+class SenderFailed(StoreError):
+    status = 502
+
+
+def partition(req: MossReq, smap: ClusterMap) -> tuple[list[ClusterNode], dict[str, list[int]]]:
+    """Each checked entry's owner, and the entries of each owner in request order."""
+    owners = [smap.owner(e.bucket, e.objname) for e in req.entries]
+    groups: dict[str, list[int]] = {}
+    for i, node in enumerate(owners):
+        groups.setdefault(node.id, []).append(i)
+    return owners, groups
+
+
+def _padded(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
+
+
+def _pax_size(data: bytes) -> int | None:
+    """The ``size`` record of a PAX extended header (``LEN size=VALUE\\n`` records), if any."""
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        record = data[space + 1:pos + length - 1]
+        key, _, value = record.partition(b"=")
+        if key == b"size":
+            return int(value)
+        pos += length
+    return None
+
+
+class _Bytes:
+    """An archive already in memory, read like a stream (a buffered sender's part)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = memoryview(data), 0
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise asyncio.IncompleteReadError(bytes(self.data[self.pos:]), n)
+        self.pos += n
+        return bytes(self.data[self.pos - n:self.pos])
+
+
+class _Members:
+    """One sender's TAR archive, read member by member (headers parsed by ``tarfile``)."""
+
+    def __init__(self, node: ClusterNode, stream):
+        self.node, self.stream = node, stream  # anything with ``await readexactly(n)``
+
+    async def _read(self, n: int) -> bytes:
+        try:
+            return await self.stream.readexactly(n)
+        except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
+            raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
+
+    async def copy_one(self, write) -> None:
+        pax_size = None
+        while True:
+            block = await self._read(_BLOCK)
+            if block == _ZERO:
+                raise SenderFailed(f"moss: sender {self.node.id} sent fewer members than it was asked for")
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as e:
+                raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
+            await write(block)
+            if info.type in _PREFIX_TYPES:  # a header for the member that follows
+                data = await self._read(_padded(info.size))
+                if info.type == tarfile.XHDTYPE:
+                    pax_size = _pax_size(data[:info.size])
+                await write(data)
+                continue
+            left = _padded(info.size if pax_size is None else pax_size)
+            while left:
+                chunk = await self._read(min(COPY_BYTES, left))
+                left -= len(chunk)
+                await write(chunk)
+            return
+
+
+async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode],
+                    subs: dict[str, aiohttp.ClientResponse], cap: int) -> web.Response:
+    """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
+    multipart reply whose metadata and members are in request order — the senders' own entries,
+    error messages included."""
+    metas: dict[str, list] = {}
+    archives: dict[str, _Members] = {}
+    total = 0
+    for node_id, r in subs.items():
+        reader = aiohttp.MultipartReader.from_response(r)
+        while (part := await reader.next()) is not None:
+            data = await part.read()
+            total += len(data)
+            if total > cap:
+                raise PayloadTooLarge(f"moss: buffered (strm false) reply over the {cap}-byte cap "
+                                      "(getbatch_max_buffered_bytes); use strm true to stream it")
+            if part.name == "metadata":
+                metas[node_id] = json.loads(data)["out"]
+            elif part.name == "archive":
+                archives[node_id] = _Members(_node_of(owners, node_id), _Bytes(data))
+    out: list[bytes] = []
+    metadata = []
+    taken = {n: 0 for n in subs}
+
+    async def keep(data: bytes) -> None:
+        out.append(data)
+
+    for node in owners:
+        metadata.append(metas[node.id][taken[node.id]])
+        taken[node.id] += 1
+        await archives[node.id].copy_one(keep)
+    out.append(_ZERO * 2)
+    mp = aiohttp.MultipartWriter("mixed")
+    part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
+    part.set_content_disposition("form-data", name="metadata")
+    part = mp.append(b"".join(out), {"Content-Type": MIME_TYPES[".tar"]})
+    part.set_content_disposition("form-data", name="archive")
+    return web.Response(body=mp, status=200)
+
+
+def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
+    return next(n for n in owners if n.id == node_id)
+
+
+async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
+                      secret: ClusterSecret, session: aiohttp.ClientSession, cap: int) -> web.StreamResponse:
+    if req.mime != ".tar":
+        raise NotAcrossTargets(
+            "moss: this request's entries are on several targets, where only plain TAR is served yet "
+            f"(this one asks for {req.mime}); send mime .tar")
+    owners, groups = partition(req, smap)
+    nodes = {n.id: n for n in owners}
+    order = list(dict.fromkeys(n.id for n in owners))  # owners by their first entry
+
+    async def open_sub(node_id: str) -> aiohttp.ClientResponse:
+        body = json.dumps({"in": [req.items[i] for i in groups[node_id]], "mime": ".tar", "coer": req.coer,
+                           "onob": req.onob, "strm": req.strm}).encode()
+        path_qs = request.rel_url.raw_path_qs
+        headers = {HEADER: secret.sign("GET", path_qs, body), "Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        try:
+            return await session.request("GET", nodes[node_id].url + path_qs, data=body, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise SenderFailed(f"moss: sender {node_id} ({nodes[node_id].url}) did not answer: {e}") from None
+
+    subs: dict[str, aiohttp.ClientResponse] = {}
+    try:
+        results = await asyncio.gather(*(open_sub(n) for n in order), return_exceptions=True)
+        for node_id, r in zip(order, results):
+            if isinstance(r, BaseException):
+                raise r
+            subs[node_id] = r
+        for node_id in order:  # the first failure, in entry order, is the answer
+            r = subs[node_id]
+            if r.status != 200:
+                body = await r.read()
+                return web.Response(status=r.status, body=body,
+                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+        if not req.strm:
+            return await _buffered(request, req, owners, subs, cap)
+        resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[".tar"],
+                                                       "Ais-Designated-Target": me.id})
+        await resp.prepare(request)
+        members = {n: _Members(nodes[n], r.content) for n, r in subs.items()}
+        try:
+            for node in owners:
+                await members[node.id].copy_one(resp.write)
+            await resp.write(_ZERO * 2)
+            await resp.write_eof()
+        except (StoreError, ConnectionError) as e:
+            # after the 200 the only signal left is truncation: no end-of-archive
+            log.warning("moss (designated target): stream truncated: %s", getattr(e, "message", e))
+            if request.transport is not None:
+                request.transport.close()
+        return resp
+    finally:
+        for r in subs.values():
+            r.close()

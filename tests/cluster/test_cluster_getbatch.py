@@ -1,0 +1,139 @@
+"""GetBatch across targets: the gateway redirects to the designated target (the owner of most
+entries), which gathers the other targets' entries from them and sends one archive in request
+order — objects, ranges, shard members, duplicates and placeholders from every target, through
+the SDK and raw; errors before the 200 are a single node's; what is not served across targets
+yet is refused with 501."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+
+import httpx
+import pytest
+
+from batchfs.wire import hrw
+from tests.support.getbatch import blob, make_shard, moss, sdk_client, tar_members
+
+
+def _owner(smap: dict, bucket: str, name: str) -> str:
+    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)[0]
+
+
+@pytest.fixture(scope="module")
+def data(cluster) -> dict:
+    client = sdk_client(cluster.url)
+    b = client.bucket("gbx")
+    b.create(exist_ok=True)
+    objs = {f"o/{i:03d}.bin": blob(f"o{i}", random.Random(i).choice([0, 10, 10_240, 100_000])) for i in range(90)}
+    objs["big.bin"] = blob("big", 3 * (1 << 20) + 11)
+    objs["name-" + "x" * 150 + ".bin"] = b"a long name: a PAX header"
+    members = {"m/1.jpg": blob("m1", 5000), "m/2.txt": blob("m2", 777)}
+    objs["shard.tar"] = make_shard("tar", members)
+    for name, data in objs.items():
+        b.object(name).get_writer().put_content(data)
+    smap = cluster.smap()
+    assert len({_owner(smap, "gbx", n) for n in objs}) == 3  # entries on every target
+    return {"objs": objs, "members": members, "smap": smap}
+
+
+def test_sdk_batch_across_targets_is_in_order_and_byte_exact(cluster, data):
+    objs, members = data["objs"], data["members"]
+    rng = random.Random(7)
+    names = [n for n in objs if n != "shard.tar"]
+    entries = [(n, {}, objs[n]) for n in rng.sample(names, len(names))]
+    entries += [(names[3], {}, objs[names[3]])] * 3  # duplicates
+    entries += [("big.bin", {"start": (1 << 20) - 5, "length": 100}, objs["big.bin"][(1 << 20) - 5:(1 << 20) + 95]),
+                ("shard.tar", {"archpath": "m/2.txt"}, members["m/2.txt"]),
+                ("missing.bin", {}, None)]
+    rng.shuffle(entries)
+    client = sdk_client(cluster.url)
+    batch = client.batch(bucket=client.bucket("gbx"), output_format=".tar", streaming_get=True)
+    for name, kw, _ in entries:
+        batch.add(name, **kw)
+    got = list(batch.get())
+    assert len(got) == len(entries)
+    for (name, kw, expected), (out, body) in zip(entries, got):
+        assert out.obj_name == name
+        if expected is None:
+            assert body == b"" and out.err_msg
+        else:
+            assert body == expected, name
+
+
+def test_raw_moss_through_the_gateway_redirects_to_the_owner_of_most_entries(cluster, data):
+    objs, smap = data["objs"], data["smap"]
+    names = sorted(objs)[:40]
+    body = {"in": [{"objname": n} for n in names], "mime": ".tar", "strm": True}
+    r = moss(cluster.url, "gbx", body)
+    assert r.status_code == 200
+    assert [m for m, _ in tar_members(r.content)] == [f"gbx/{n}" for n in names]
+    assert [d for _, d in tar_members(r.content)] == [objs[n] for n in names]
+    counts: dict[str, int] = {}
+    for n in names:
+        counts[_owner(smap, "gbx", n)] = counts.get(_owner(smap, "gbx", n), 0) + 1
+    redirect = httpx.request("GET", f"{cluster.url}/v1/ml/moss/gbx", json=body, follow_redirects=False, timeout=10)
+    assert redirect.status_code == 307
+    dt = max(counts, key=counts.get)
+    assert redirect.headers["location"].startswith(smap["tmap"][dt]["public_net"]["direct_url"])
+    assert r.headers["Ais-Designated-Target"] == dt
+    # the archive ends properly (two zero blocks), so tar reads it to the end without complaint
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
+        assert len(tf.getmembers()) == len(names)
+
+
+def test_many_entries_and_errors_across_targets(cluster, data):
+    objs = data["objs"]
+    names = sorted(objs)
+    rng = random.Random(3)
+    many = [rng.choice(names) for _ in range(3000)]
+    r = moss(cluster.url, "gbx", {"in": [{"objname": n} for n in many], "strm": True}, timeout=120)
+    assert r.status_code == 200
+    got = tar_members(r.content)
+    assert [m for m, _ in got] == [f"gbx/{n}" for n in many]
+    assert all(d == objs[n] for (_, d), n in zip(got, many))
+    # coer: a placeholder in its place; without it, a 404 before anything is sent
+    body = {"in": [{"objname": names[0]}, {"objname": "gone"}, {"objname": names[-1]}], "coer": True, "strm": True}
+    got = tar_members(moss(cluster.url, "gbx", body).content)
+    assert [m for m, _ in got] == [f"gbx/{names[0]}", "__404__/gbx/gone", f"gbx/{names[-1]}"]
+    r = moss(cluster.url, "gbx", {"in": [{"objname": names[0]}, {"objname": "gone"}, {"objname": names[-1]}]})
+    assert r.status_code == 404 and "gone" in r.json()["message"]
+    r = moss(cluster.url, "gbx", {"in": [{"objname": names[0]}, {"objname": "../x"}]})
+    assert r.status_code == 400
+    r = moss(cluster.url, "nosuchbucket", {"in": [{"objname": "a"}]})
+    assert r.status_code == 404
+
+
+def test_buffered_across_targets_has_metadata_in_order(cluster, data):
+    objs, members = data["objs"], data["members"]
+    names = sorted(objs)[5:35]
+    client = sdk_client(cluster.url)
+    batch = client.batch(bucket=client.bucket("gbx"), output_format=".tar", streaming_get=False)
+    entries = [(n, {}, objs[n]) for n in names] + [("gone.bin", {}, None),
+                                                    ("shard.tar", {"archpath": "m/1.jpg"}, members["m/1.jpg"])]
+    for name, kw, _ in entries:
+        batch.add(name, **kw)
+    got = list(batch.get())
+    assert len(got) == len(entries)
+    for (name, kw, expected), (out, body) in zip(entries, got):
+        assert out.obj_name == name and (out.archpath or "") == kw.get("archpath", "")
+        if expected is None:
+            assert body == b"" and "does not exist" in out.err_msg
+        else:
+            assert body == expected and out.size == len(expected) and not out.err_msg
+
+
+def test_not_served_across_targets_yet_is_refused(cluster, data):
+    names = sorted(data["objs"])
+    r = moss(cluster.url, "gbx", {"in": [{"objname": n} for n in names[:30]], "mime": ".tgz"})
+    assert r.status_code == 501 and "several targets" in r.json()["message"], r.text
+
+
+def test_a_forged_sender_request_is_refused(cluster, data):
+    target = cluster.targets[0].url
+    name = sorted(data["objs"])[0]
+    r = httpx.request("GET", f"{target}/v1/ml/moss/gbx", json={"in": [{"objname": name}]},
+                      headers={"Batchfs-Cluster": "1:" + "0" * 64}, timeout=10)
+    assert r.status_code == 403
