@@ -170,25 +170,29 @@ async def check_access(request: web.Request, handler):
     return await handler(request)
 
 
-async def _check_cluster(request: web.Request) -> None:
+async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     secret = request.app.get(CLUSTER_SECRET)
     if secret is None:
         raise Forbidden("this node is not part of a cluster (no --cluster-secret-file)")
-    cap = request.app[CONFIG].max_json_bytes
-    if request.content_length is not None and request.content_length > cap:
-        raise Forbidden("cluster request body too large")
-    body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
+    body = b""
+    if with_body:
+        cap = request.app[CONFIG].max_json_bytes
+        if request.content_length is not None and request.content_length > cap:
+            raise Forbidden("cluster request body too large")
+        body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
     if not secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body):
         raise Forbidden(f"cluster request without a valid {CLUSTER_HEADER} signature (a node of this cluster "
                         "signs with the shared --cluster-secret-file)")
 
 
-async def cluster_signed(request: web.Request) -> bool:
-    """Whether a request on an ordinary route (a GetBatch a designated target sends a sender)
-    comes from a node of the cluster: False without the header, Forbidden with a bad one."""
+async def cluster_signed(request: web.Request, with_body: bool = True) -> bool:
+    """Whether a request on an ordinary route (a GetBatch a designated target sends a sender, a
+    copy of an object) comes from a node of the cluster: False without the header, Forbidden
+    with a bad one. ``with_body=False``: the signature does not cover the body (an object's
+    copy; its checksum, in the signed query, does)."""
     if CLUSTER_HEADER not in request.headers:
         return False
-    await _check_cluster(request)
+    await _check_cluster(request, with_body)
     return True
 
 

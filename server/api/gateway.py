@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
 FANOUT_TIMEOUT_SECONDS = 60
+HEALTH_SECONDS = 1.0  # how often every target's health is probed
+PROBE_SECONDS = 1.0
+DOWN_AFTER = 2  # failed probes in a row before a target is routed around
 LIST_PAGE_DEFAULT = 10_000
 
 
@@ -68,6 +71,9 @@ class Gateway:
         self.smap = ClusterMap.load(map_path) or ClusterMap.new(ClusterNode(f"gw{uuid.uuid4().hex[:8]}", "", PROXY))
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
+        self.down: set[str] = set()  # targets that failed DOWN_AFTER health probes in a row
+        self._fails: dict[str, int] = {}
+        self._watcher: asyncio.Task | None = None
 
     def bound(self, url: str) -> None:
         """The gateway listens at ``url`` now: the map says so (persisted) before any client asks."""
@@ -78,10 +84,48 @@ class Gateway:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FANOUT_TIMEOUT_SECONDS),
                                              auto_decompress=False)
         asyncio.get_running_loop().create_task(self.push_map())  # targets learn a restart's URL
+        self._watcher = asyncio.get_running_loop().create_task(self.watch())
 
     async def stop(self, app: web.Application) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.session is not None:
             await self.session.close()
+
+    async def watch(self) -> None:
+        """Probe every target's health every HEALTH_SECONDS: DOWN_AFTER failures in a row mark
+        it down (routing then skips it), one success marks it up again."""
+        while True:
+            await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
+            await asyncio.sleep(HEALTH_SECONDS)
+
+    async def _probe(self, t: ClusterNode) -> None:
+        try:
+            async with self.session.get(t.url + "/v1/health", timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            self._fails[t.id] = 0
+            if t.id in self.down:
+                self.down.discard(t.id)
+                log.info("target %s is up again", t.id)
+            return
+        self._fails[t.id] = self._fails.get(t.id, 0) + 1
+        if self._fails[t.id] >= DOWN_AFTER and t.id not in self.down:
+            self.down.add(t.id)
+            log.warning("target %s (%s) is down: routing around it", t.id, t.url)
+
+    def holder(self, bucket: str, name: str) -> ClusterNode:
+        """The first target holding a copy of the object that is not down."""
+        ranked = self.smap.ranked(bucket, name)
+        if not ranked:
+            raise Unavailable("no target has joined this cluster yet")
+        for node in ranked[:self.smap.copies]:
+            if node.id not in self.down:
+                return node
+        raise Unavailable(f"ais://{bucket}/{name}: every target holding a copy "
+                          f"({', '.join(n.id for n in ranked[:self.smap.copies])}) is down")
 
     async def admit(self, node: ClusterNode) -> ClusterMap:
         async with self._lock:
@@ -105,10 +149,12 @@ class Gateway:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("map push to %s (%s): %s", t.id, t.url, e)
 
-    def targets(self) -> list[ClusterNode]:
+    def targets(self, alive: bool = False) -> list[ClusterNode]:
         ts = sorted(self.smap.targets.values(), key=lambda n: n.id)
+        if alive:
+            ts = [t for t in ts if t.id not in self.down]
         if not ts:
-            raise Unavailable("no target has joined this cluster yet")
+            raise Unavailable("no target has joined this cluster yet" if not alive else "every target is down")
         return ts
 
     async def forward(self, request: web.Request, target: ClusterNode, body: bytes | None = None,
@@ -167,14 +213,22 @@ async def cluster_map(request: web.Request) -> web.Response:
     return web.json_response(_gw(request).smap.to_json())
 
 
+async def cluster_status(request: web.Request) -> web.Response:
+    """``GET /v1/cluster/status``: the map with each node's state as this gateway sees it."""
+    request[OP_KEY] = "cluster"
+    gw = _gw(request)
+    nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
+              "alive": n.kind != TARGET or n.id not in gw.down} for n in gw.smap.nodes]
+    return web.json_response({"uuid": gw.smap.uuid, "version": gw.smap.version, "copies": gw.smap.copies,
+                              "nodes": nodes})
+
+
 # -- objects ----------------------------------------------------------------------------------
 async def object_redirect(request: web.Request) -> web.Response:
     request[OP_KEY] = "redirect"
     bucket, name = check_bucket(request.match_info["bucket"]), request.match_info["obj"]
     gw = _gw(request)
-    owner = gw.smap.owner(bucket, name)
-    if owner is None:
-        raise Unavailable("no target has joined this cluster yet")
+    owner = gw.holder(bucket, name)  # the HRW owner, or the next copy's target while it is down
     qs = request.query_string
     location = (f"{owner.url}{request.rel_url.raw_path}?{qs + '&' if qs else ''}"
                 f"pid={gw.smap.primary}&utm={time.time_ns()}")
@@ -210,7 +264,7 @@ async def to_one(request: web.Request) -> web.Response:
     """Bucket HEAD and the bucket list: every target has every bucket; ask the first."""
     request[OP_KEY] = "bucket"
     gw = _gw(request)
-    return _passthrough(*await gw.forward(request, gw.targets()[0], await request.read()))
+    return _passthrough(*await gw.forward(request, gw.targets(alive=True)[0], await request.read()))
 
 
 async def list_objects(request: web.Request) -> web.Response:
@@ -230,7 +284,11 @@ async def list_objects(request: web.Request) -> web.Response:
     gw = _gw(request)
     body = json.dumps({"action": "list", "value": value}).encode()
     request_headers = {"Accept": "application/json"}
-    pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in gw.targets()))
+    live = gw.targets(alive=True)
+    if len(gw.smap.targets) - len(live) >= gw.smap.copies:
+        raise Unavailable(f"{len(gw.smap.targets) - len(live)} targets are down ({', '.join(sorted(gw.down))}): with "
+                          f"{gw.smap.copies} copies of each object, a listing would miss objects")
+    pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in live))
     merged: dict[str, dict] = {}
     more = False
     for entries, token in pages:
@@ -269,7 +327,7 @@ async def moss_redirect(request: web.Request) -> web.Response:
     ``coloc``), so the fewest bytes cross between targets; it gathers the rest from the others."""
     request[OP_KEY] = "getbatch"
     gw = _gw(request)
-    targets = gw.targets()
+    targets = gw.targets(alive=True)
     default_bucket = request.match_info.get("bucket") or None
     counts: dict[str, int] = {}
     try:
@@ -277,10 +335,10 @@ async def moss_redirect(request: web.Request) -> web.Response:
         for item in doc.get("in") or []:
             bucket, name = item.get("bucket") or default_bucket, item.get("objname")
             if isinstance(bucket, str) and isinstance(name, str):
-                owner = gw.smap.owner(bucket, name)
+                owner = gw.holder(bucket, name)
                 counts[owner.id] = counts.get(owner.id, 0) + 1
-    except (ValueError, AttributeError, TypeError):
-        pass  # the target answers the 400 a single node gives
+    except (ValueError, AttributeError, TypeError, Unavailable):
+        pass  # the target answers the 400 (or 503) a single node gives
     dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
     return web.Response(status=307, headers={"Location": f"{dt.url}{request.rel_url.raw_path_qs}"})
 
@@ -304,6 +362,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_get("/v1/daemon", daemon_get)
     r.add_post("/v1/cluster/autoreg", autoreg)
     r.add_get("/v1/cluster/map", cluster_map)
+    r.add_get("/v1/cluster/status", cluster_status)
     obj = r"/v1/objects/{bucket}/{obj:[\s\S]+}"
     for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
         r.add_route(method, obj, object_redirect)

@@ -21,8 +21,9 @@ Invariants:
 - Strict order: entry i of the request is member i of the reply, whichever target holds it.
 - Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes;
   a sender ahead of the DT waits in TCP (its own watchdog bounds how long).
-- A sender that fails or ends early after the 200 truncates the reply (no end-of-archive), as
-  a single node's failure after its 200 does: readers compare the member count.
+- A sender that cannot be reached before the 200 is replaced by the targets of its entries' next
+  copies (all senders are opened again); one that fails or ends early after the 200 truncates
+  the reply (no end-of-archive), as a single node's failure after its 200 does.
 - Served here: plain TAR, streamed (``strm``) or buffered (``strm: false``: the senders'
   multipart replies read whole, at most ``getbatch_max_buffered_bytes`` together, merged into
   one with their metadata in request order). Other output formats across targets are refused
@@ -62,9 +63,17 @@ class SenderFailed(StoreError):
     status = 502
 
 
-def partition(req: MossReq, smap: ClusterMap) -> tuple[list[ClusterNode], dict[str, list[int]]]:
-    """Each checked entry's owner, and the entries of each owner in request order."""
-    owners = [smap.owner(e.bucket, e.objname) for e in req.entries]
+def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset()) -> tuple[list[ClusterNode], dict[str, list[int]]]:
+    """Each checked entry's holder — the first of its copies' targets not in ``down`` — and the
+    entries of each holder in request order."""
+    owners = []
+    for e in req.entries:
+        ranked = smap.ranked(e.bucket, e.objname)[:smap.copies]
+        node = next((n for n in ranked if n.id not in down), None)
+        if node is None:
+            raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: every target holding a copy "
+                               f"({', '.join(n.id for n in ranked)}) is unreachable")
+        owners.append(node)
     groups: dict[str, list[int]] = {}
     for i, node in enumerate(owners):
         groups.setdefault(node.id, []).append(i)
@@ -191,9 +200,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         raise NotAcrossTargets(
             "moss: this request's entries are on several targets, where only plain TAR is served yet "
             f"(this one asks for {req.mime}); send mime .tar")
-    owners, groups = partition(req, smap)
-    nodes = {n.id: n for n in owners}
-    order = list(dict.fromkeys(n.id for n in owners))  # owners by their first entry
+    down: set[str] = set()
 
     async def open_sub(node_id: str) -> aiohttp.ClientResponse:
         body = json.dumps({"in": [req.items[i] for i in groups[node_id]], "mime": ".tar", "coer": req.coer,
@@ -204,16 +211,29 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             headers["Authorization"] = request.headers["Authorization"]
         try:
             return await session.request("GET", nodes[node_id].url + path_qs, data=body, headers=headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise SenderFailed(f"moss: sender {node_id} ({nodes[node_id].url}) did not answer: {e}") from None
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+            down.add(node_id)  # its entries go to the targets of their next copies
+            raise
 
     subs: dict[str, aiohttp.ClientResponse] = {}
     try:
-        results = await asyncio.gather(*(open_sub(n) for n in order), return_exceptions=True)
-        for node_id, r in zip(order, results):
-            if isinstance(r, BaseException):
-                raise r
-            subs[node_id] = r
+        for _ in range(len(smap.targets)):  # a sender that cannot be reached: its copies' holders instead
+            owners, groups = partition(req, smap, down)
+            nodes = {n.id: n for n in owners}
+            order = list(dict.fromkeys(n.id for n in owners))  # holders by their first entry
+            results = await asyncio.gather(*(open_sub(n) for n in order), return_exceptions=True)
+            if not any(isinstance(r, BaseException) for r in results):
+                subs = dict(zip(order, results))
+                break
+            for r in results:
+                if isinstance(r, aiohttp.ClientResponse):
+                    r.close()
+            failed = next(r for r in results if isinstance(r, BaseException))
+            if not isinstance(failed, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):
+                raise SenderFailed(f"moss: a sender did not answer: {failed}")
+            log.warning("moss: sender(s) %s unreachable: their entries go to the next copies", sorted(down))
+        else:
+            raise SenderFailed(f"moss: no set of reachable senders holds every entry (unreachable: {sorted(down)})")
         for node_id in order:  # the first failure, in entry order, is the answer
             r = subs[node_id]
             if r.status != 200:

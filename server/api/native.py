@@ -31,7 +31,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import daemon_api
+from server.api import auth, daemon_api, replicas
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -103,17 +103,22 @@ async def cluster_get(request: web.Request) -> web.Response:
 GET_OBJECT_PARAMS = ["latest-ver", *archget.ARCH_PARAMS]
 
 
-@accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle"])
+@accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
+          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM])
 async def put_object(request: web.Request) -> web.Response:
-    """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py)."""
+    """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py).
+    In a cluster, the object's other copies are made before the answer (``replicas``)."""
     request[OP_KEY] = "put"
     bucket, name = _names(request)
     q = request.query
     if bool_param(request, "latest-ver") or bool_param(request, "synchronize"):
         raise BadRequest("latest-ver and synchronize apply to remote buckets; only ais:// buckets exist here")
+    copy_of = await _replica_write(request)
     if "object_to" in q:
+        replicas.refuse_single_copy_writes(request.app, "a server-side copy", bucket, name)
         return await _copy_object(request, bucket, name)
     if "append_type" in q or "append_handle" in q:
+        replicas.refuse_single_copy_writes(request.app, "an append", bucket, name)
         return await _append(request, bucket, name)
     node = request.app[NODE]
     writer = node.writer(bucket, name)
@@ -143,7 +148,22 @@ async def put_object(request: web.Request) -> web.Response:
                                       f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
+    if copy_of is not None and meta.cksum != copy_of:  # a copy is stored only as it was sent
+        await asyncio.to_thread(node.delete, bucket, name)
+        raise BadRequest(f"ais://{bucket}/{name}: copy arrived with checksum {meta.cksum}, sent as {copy_of}")
+    if copy_of is None:
+        await replicas.put_copies(request, bucket, name, meta)
     return web.Response(text="", headers=object_headers(meta))
+
+
+async def _replica_write(request: web.Request) -> str | None:
+    """The checksum a copy was sent with, when this PUT or DELETE is another target's copy of
+    an object (signed, ``?replica=1``); None for a client's request."""
+    if replicas.REPLICA_PARAM not in request.query:
+        return None
+    if not await auth.cluster_signed(request, with_body=False):
+        raise BadRequest(f"{replicas.REPLICA_PARAM}=1 is for requests between targets of a cluster")
+    return request.query.get(replicas.CKSUM_PARAM, "")
 
 
 async def _read_body(request: web.Request, write) -> int:
@@ -329,11 +349,19 @@ async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict
     return resp
 
 
-@accepts()
+@accepts([replicas.REPLICA_PARAM])
 async def delete_object(request: web.Request) -> web.Response:
     request[OP_KEY] = "delete"
     bucket, name = _names(request)
-    await asyncio.to_thread(request.app[NODE].delete, bucket, name)
+    copy = await _replica_write(request) is not None
+    try:
+        await asyncio.to_thread(request.app[NODE].delete, bucket, name)
+    except NotFound:
+        if copy or not await replicas.delete_copies(request, bucket, name):
+            raise
+        return web.Response(text="")
+    if not copy:
+        await replicas.delete_copies(request, bucket, name)
     return web.Response(text="")
 
 

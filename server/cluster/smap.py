@@ -9,7 +9,7 @@ targets and places objects itself (``get_reader(direct=True)``).
 Invariants:
 - Placement is HRW exactly as AIStore's (``batchfs.wire.hrw``): ``owner`` of an object is the
   target maximising xoshiro256(id_digest ^ digest(uname)); ``ranked`` lists all targets in
-  that order (copies go to the first ones).
+  that order; an object's ``copies`` copies are on the first ones.
 - Versions only grow; ``save`` is atomic (write, fsync, rename), so a restarted gateway
   starts from the last map it answered with.
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 from batchfs.wire import hrw
 
 PROXY, TARGET = "proxy", "target"
+COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,11 @@ class ClusterMap:
     @property
     def proxies(self) -> dict[str, ClusterNode]:
         return {n.id: n for n in self.nodes if n.kind == PROXY}
+
+    @property
+    def copies(self) -> int:
+        """Copies of every object: two once the cluster has two targets (one before)."""
+        return min(COPIES, len(self.targets)) or 1
 
     def node(self, node_id: str) -> ClusterNode | None:
         return next((n for n in self.nodes if n.id == node_id), None)

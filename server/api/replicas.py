@@ -1,0 +1,117 @@
+"""Copies of objects on other targets: a target that stores an object for a client sends it on
+to the other targets of the object's first ``copies`` HRW ranks before it answers.
+
+    client PUT -> (gateway 307) -> holder stores, commits
+                                -> PUT ?replica=1&cksum=C to each other copy target, signed
+                                <- every copy committed: 200 to the client; any failure: 503
+
+A replica write is a signed PUT (``Batchfs-Cluster`` over the method, path and query — the body
+is not hashed, it may be gigabytes; ``cksum`` in the signed query binds it instead): the
+receiving target stores it, checks the object's checksum against ``cksum`` (a mismatch is
+deleted and refused) and never copies it further. DELETE goes to every copy the same way.
+
+Invariants:
+- A PUT is acknowledged only once every copy is committed on its target: a 200 means
+  ``copies`` durable copies; a 503 names the copy that failed (the holder's own copy may stay,
+  the client retries).
+- A copy is sent from the committed object, read back with its checksums verified: a copy is
+  never made of bytes that do not match what was stored.
+- Only plain PUTs are copied; appends and server-side copies are refused in a cluster with
+  copies > 1 (they would leave a single copy), with a 501 saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
+from server.api.daemon_api import NODE_INFO
+from server.cluster.secret import HEADER
+from server.cluster.smap import ClusterNode
+from server.errors import StoreError
+from server.store.meta import ObjectMeta
+
+REPLICA_PARAM = "replica"
+CKSUM_PARAM = "cksum"
+COPY_PIECE_BYTES = 8 << 20
+
+
+class CopyFailed(StoreError):
+    status = 503
+
+
+class NotWithCopies(StoreError):
+    status = 501
+
+
+def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNode]:
+    """The other targets that keep a copy of ``bucket/name`` (none on a single node)."""
+    member = app.get(MEMBERSHIP)
+    if member is None or member.smap is None:
+        return []
+    smap = member.smap
+    me = app[NODE_INFO]["id"]
+    return [n for n in smap.ranked(bucket, name)[:smap.copies] if n.id != me]
+
+
+def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name: str) -> None:
+    if copy_targets(app, bucket, name):
+        raise NotWithCopies(f"{what} of ais://{bucket}/{name} is not served in a cluster that keeps copies yet "
+                            "(it would leave one copy): PUT the whole object instead")
+
+
+def _path(bucket: str, name: str) -> str:
+    return f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}"
+
+
+async def _put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta) -> None:
+    path_qs = f"{_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
+    obj = await asyncio.to_thread(app[NODE].open, bucket, name)
+
+    async def body():
+        for off in range(0, meta.size, COPY_PIECE_BYTES):
+            yield await asyncio.to_thread(obj.pread, off, min(off + COPY_PIECE_BYTES, meta.size))
+
+    headers = {HEADER: app[CLUSTER_SECRET].sign("PUT", path_qs), "Content-Length": str(meta.size)}
+    try:
+        async with app[PEERS].put(node.url + path_qs, data=body() if meta.size else b"", headers=headers) as r:
+            if r.status != 200:
+                raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} failed: HTTP {r.status}: "
+                                 f"{(await r.text())[:300]}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise CopyFailed(f"ais://{bucket}/{name}: stored, but its copy on target {node.id} ({node.url}) "
+                         f"failed ({e}); not acknowledged — retry the PUT") from None
+    finally:
+        obj.close()  # the body was sent (or failed): no reader is left
+
+
+async def put_copies(request: web.Request, bucket: str, name: str, meta: ObjectMeta) -> None:
+    """Send the committed object to every other copy target; CopyFailed if any copy failed."""
+    targets = copy_targets(request.app, bucket, name)
+    results = await asyncio.gather(*(_put_copy(request.app, t, bucket, name, meta) for t in targets),
+                                   return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
+    """Delete the object's other copies; how many existed. CopyFailed if a target did not answer."""
+    app = request.app
+    path_qs = f"{_path(bucket, name)}?{REPLICA_PARAM}=1"
+    found = 0
+    for node in copy_targets(app, bucket, name):
+        try:
+            async with app[PEERS].delete(node.url + path_qs,
+                                         headers={HEADER: app[CLUSTER_SECRET].sign("DELETE", path_qs)}) as r:
+                if r.status == 200:
+                    found += 1
+                elif r.status != 404:
+                    raise CopyFailed(f"ais://{bucket}/{name}: deleting its copy on {node.id}: HTTP {r.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} could not be deleted ({e})") from None
+    return found

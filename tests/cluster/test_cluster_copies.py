@@ -1,0 +1,98 @@
+"""Two copies of every object, on its first two HRW targets: a PUT is acknowledged once both
+are committed, DELETE removes both, a copy with the wrong checksum is refused; with a target
+killed (-9), every object stays readable through the gateway, listings stay complete and
+GetBatch stays byte-exact, while a PUT that cannot make both copies fails with 503; the target
+rejoins when it comes back."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from batchfs.wire import hrw
+from server.cluster.secret import ClusterSecret
+from tests.cluster.conftest import SECRET
+from tests.support.getbatch import blob, sdk_client
+
+
+def _ranked(smap: dict, bucket: str, name: str) -> list[str]:
+    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)
+
+
+def _status(cluster) -> dict:
+    return {n["id"]: n for n in httpx.get(f"{cluster.url}/v1/cluster/status", timeout=10).json()["nodes"]}
+
+
+def _wait_alive(cluster, node_id: str, alive: bool, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _status(cluster).get(node_id, {}).get("alive") is alive:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{node_id} not {'up' if alive else 'down'} within {timeout} s")
+
+
+def test_copies_survive_a_dead_target(cluster):
+    smap = cluster.smap()
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    assert httpx.get(f"{cluster.url}/v1/cluster/status", timeout=10).json()["copies"] == 2
+    client = sdk_client(cluster.url)
+    b = client.bucket("copies")
+    b.create()
+    rng = random.Random(5)
+    objs = {f"c/{i:02d}": blob(f"c{i}", rng.choice([0, 100, 20_000, 9 * (1 << 20) + 1])) for i in range(40)}
+    for name, data in objs.items():
+        b.object(name).get_writer().put_content(data)
+    for name in objs:  # on its first two HRW targets, nowhere else
+        ranked = _ranked(smap, "copies", name)
+        for node_id, url in urls.items():
+            r = httpx.head(f"{url}/v1/objects/copies/{name}", timeout=10)
+            assert r.status_code == (200 if node_id in ranked[:2] else 404), (name, node_id)
+    for name in list(objs)[:5]:  # DELETE removes both copies
+        b.object(name).delete()
+        for url in urls.values():
+            assert httpx.head(f"{url}/v1/objects/copies/{name}", timeout=10).status_code == 404
+        del objs[name]
+    # a copy that does not arrive as it was sent is refused and not kept
+    secret = ClusterSecret(SECRET.encode())
+    path_qs = "/v1/objects/copies/forged?replica=1&cksum=0000000000000000"
+    target = next(iter(urls.values()))
+    r = httpx.put(target + path_qs, content=b"tampered", timeout=10,
+                  headers={"Batchfs-Cluster": secret.sign("PUT", path_qs)})
+    assert r.status_code == 400 and "checksum" in r.text
+    assert httpx.head(f"{target}/v1/objects/copies/forged", timeout=10).status_code == 404
+    r = httpx.put(f"{target}/v1/objects/copies/forged?replica=1", content=b"x", timeout=10)
+    assert r.status_code == 400  # replica=1 from a client: refused
+
+    victim = cluster.targets[1]
+    victim_id = next(i for i, u in urls.items() if u == victim.url)
+    victim.proc.kill()
+    victim.proc.wait()
+    _wait_alive(cluster, victim_id, False)
+    for name, data in objs.items():  # every object, from whichever copy is alive
+        assert b.object(name).get_reader().read_all() == data, name
+    assert [e.name for e in b.list_all_objects(page_size=9)] == sorted(objs)
+    batch = client.batch(bucket=b, output_format=".tar", streaming_get=True)
+    names = sorted(objs)
+    rng.shuffle(names)
+    for name in names:
+        batch.add(name)
+    got = list(batch.get())
+    assert [out.obj_name for out, _ in got] == names
+    assert all(body == objs[out.obj_name] for out, body in got)
+    # a PUT that needs the dead target for a copy is not acknowledged; one that does not is
+    dead_pair = next(f"n/{i}" for i in range(100) if victim_id in _ranked(smap, "copies", f"n/{i}")[:2])
+    live_pair = next(f"n/{i}" for i in range(100) if victim_id not in _ranked(smap, "copies", f"n/{i}")[:2])
+    r = httpx.put(f"{cluster.url}/v1/objects/copies/{dead_pair}", content=b"new", follow_redirects=True, timeout=20)
+    assert r.status_code == 503 and victim_id in r.text
+    r = httpx.put(f"{cluster.url}/v1/objects/copies/{live_pair}", content=b"new", follow_redirects=True, timeout=20)
+    assert r.status_code == 200
+    # back: the same data directories, so the same id; it rejoins and is routed to again
+    cluster.targets[1] = victim = type(victim)(victim.data_dirs, *victim.args).start()
+    _wait_alive(cluster, victim_id, True)
+    for name, data in objs.items():
+        assert b.object(name).get_reader().read_all() == data, name
