@@ -31,7 +31,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, daemon_api, replicas
+from server.api import auth, daemon_api, neighbours, replicas
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -100,7 +100,7 @@ async def cluster_get(request: web.Request) -> web.Response:
 # -- objects --------------------------------------------------------------------------------
 # The archive parameters go to server/api/archget.py (the hook at the top of get_object), which
 # serves one member or refuses the rest with a 400.
-GET_OBJECT_PARAMS = ["latest-ver", *archget.ARCH_PARAMS]
+GET_OBJECT_PARAMS = ["latest-ver", neighbours.GFN_PARAM, *archget.ARCH_PARAMS]
 
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
@@ -254,15 +254,20 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
     return web.Response(text="", headers={"Ais-Append-Handle": handle})
 
 
-@accepts(["props"])
-async def head_object(request: web.Request) -> web.Response:
+@accepts(["props", neighbours.GFN_PARAM])
+async def head_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "head"
     bucket, name = _names(request)
     props = [p for p in request.query.get("props", "").split(",") if p]
     unknown = set(props) - KNOWN_PROPS
     if unknown:
         raise BadRequest(f"unknown object properties: {', '.join(sorted(unknown))}")
-    meta = request.app[NODE].lookup(bucket, name)
+    try:
+        meta = request.app[NODE].lookup(bucket, name)
+    except NotFound as e:
+        if await neighbours.is_gfn(request):
+            raise
+        return await neighbours.read_from_neighbours(request, bucket, name, e)
     headers = object_headers(meta)
     headers.update({"Content-Length": str(meta.size), "Ais-Present": "true", "Ais-Name": name,
                     "Ais-Bucket-Name": bucket, "Ais-Bucket-Provider": "ais",
@@ -281,7 +286,13 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
-    obj = request.app[NODE].open(bucket, name, None if header is None else lambda meta: parse_range(header, meta.size))
+    try:
+        obj = request.app[NODE].open(bucket, name,
+                                     None if header is None else lambda meta: parse_range(header, meta.size))
+    except NotFound as e:
+        if await neighbours.is_gfn(request):
+            raise
+        return await neighbours.read_from_neighbours(request, bucket, name, e)  # placed here, stored elsewhere
     try:
         return await send_object(request, obj)
     finally:

@@ -16,6 +16,18 @@ from tests.support.processes import ServerProcess
 SECRET = "cluster-secret-for-tests-" + "0123456789abcdef" * 2
 
 
+def holds(url: str, bucket: str, name: str) -> bool:
+    """Whether the target at ``url`` itself stores the object: a signed HEAD ``?gfn=1`` (the
+    request a neighbour sends), which never asks other targets."""
+    from server.cluster.secret import ClusterSecret
+
+    path_qs = f"/v1/objects/{bucket}/{name}?gfn=1"
+    r = httpx.head(url + path_qs, timeout=10,
+                   headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("HEAD", path_qs)})
+    assert r.status_code in (200, 404), r.status_code
+    return r.status_code == 200
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

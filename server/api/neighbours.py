@@ -1,0 +1,114 @@
+"""Get from neighbour (AIStore's GFN) for object reads: a target asked for an object it does not
+hold asks the other targets before it answers 404.
+
+Why: placement follows the cluster map, and the map changes — a target that joins becomes the
+HRW owner of names it never received, and the gateway sends their readers to it. Until data is
+moved (rebalance, not built yet), the object is still on the targets that held it; GFN finds it
+there, so a join never makes a stored object unreadable.
+
+    client GET -> target (not here) -> signed GET ?gfn=1 to each other target, HRW order
+                                    <- the first 200/206 is streamed back as it arrives
+
+Invariants:
+- A GFN request is signed with the cluster secret and never asks further (no loops, no fan-out
+  from a stray client: ``?gfn=1`` without a valid signature is refused).
+- The bytes are the neighbour's, verified there as every read is; they are relayed in pieces of
+  at most PIECE_BYTES, never held whole.
+- 404 only when every other target answered 404; a neighbour that fails or cannot be reached is
+  skipped, and if none had the object and one failed, the answer is 503 (it may be there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+
+from server.api import auth
+from server.api.daemon_api import NODE_INFO
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, PEERS
+from server.cluster.secret import HEADER
+from server.errors import BadRequest, StoreError
+
+GFN_PARAM = "gfn"
+PIECE_BYTES = 1 << 20
+ASK_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)  # a hung neighbour is skipped, not waited on
+# the neighbour's headers a reply keeps (the object's own: size, checksums, version, range)
+_KEPT = ("Content-Length", "Content-Range", "Content-Type", "ETag", "Last-Modified", "Accept-Ranges",
+         "Ais-Checksum-Type", "Ais-Checksum-Value", "Ais-Atime", "Ais-Version", "Ais-Chunks-Count",
+         "Ais-Chunks-Max-Chunk-Size", "Ais-Present", "Ais-Name", "Ais-Bucket-Name", "Ais-Bucket-Provider",
+         "Ais-Mirror-Copies")
+
+
+class NeighbourFailed(StoreError):
+    status = 503
+
+
+async def is_gfn(request: web.Request) -> bool:
+    """Whether this read is another target's GFN (signed; BadRequest if it claims to be and is not)."""
+    if GFN_PARAM not in request.query:
+        return False
+    if not await auth.cluster_signed(request, with_body=False):
+        raise BadRequest(f"{GFN_PARAM}=1 is for requests between targets of a cluster")
+    return True
+
+
+def _neighbours(app: web.Application, bucket: str, name: str) -> list:
+    member = app.get(MEMBERSHIP)
+    if member is None or member.smap is None:
+        return []
+    me = app[NODE_INFO]["id"]
+    return [n for n in member.smap.ranked(bucket, name) if n.id != me]
+
+
+async def read_from_neighbours(request: web.Request, bucket: str, name: str,
+                               not_found: StoreError) -> web.StreamResponse:
+    """Relay the object (GET or HEAD, the client's Range kept) from the first other target that
+    has it; ``not_found`` re-raised when none has, NeighbourFailed when one could not answer."""
+    app = request.app
+    others = _neighbours(app, bucket, name)
+    if not others:  # a single node, or a target alone: nobody to ask
+        raise not_found
+    query = [(k, v) for k, v in request.query.items() if k != GFN_PARAM] + [(GFN_PARAM, "1")]
+    path_qs = (f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}?"
+               + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query))
+    headers = {HEADER: app[CLUSTER_SECRET].sign(request.method, path_qs)}
+    if "Range" in request.headers:
+        headers["Range"] = request.headers["Range"]
+    failed = []
+    for node in others:
+        try:
+            async with app[PEERS].request(request.method, node.url + path_qs, headers=headers,
+                                          timeout=ASK_TIMEOUT) as r:
+                if r.status == 404:
+                    continue
+                if r.status not in (200, 206):
+                    if r.status < 500:  # the object is there and the request is wrong: the same answer
+                        return web.Response(status=r.status, body=await r.read(),
+                                            headers={k: r.headers[k] for k in _KEPT if k in r.headers})
+                    failed.append(f"{node.id}: HTTP {r.status}")
+                    continue
+                kept = {k: r.headers[k] for k in _KEPT if k in r.headers}
+                if request.method == "HEAD":
+                    return web.Response(status=r.status, headers=kept)
+                resp = web.StreamResponse(status=r.status, headers=kept)
+                await resp.prepare(request)
+                try:
+                    async for piece in r.content.iter_chunked(PIECE_BYTES):
+                        await resp.write(piece)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    # the 200 and part of the body are out: cut the connection, so the client
+                    # sees a short body against its Content-Length, never a wrong one
+                    if request.transport is not None:
+                        request.transport.abort()
+                    raise ConnectionResetError(f"GFN from {node.id} broke mid-object") from None
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            failed.append(f"{node.id}: {e}")
+    if failed:
+        raise NeighbourFailed(f"ais://{bucket}/{name} is not on this target, and the targets that may hold it "
+                              f"could not be asked ({'; '.join(failed)})")
+    raise not_found
