@@ -18,6 +18,10 @@ of the sides. Reported: medians over ``--runs`` rounds, ratios of medians, the d
 sample, the server's requests per sample (from /metrics), and the load average.
 
     python -m bench.bench_batch [--runs 3] [--sides plans,noplans,s3fs,rclone,local,floor]
+                                [--rtt-ms 5] [--workers 4]
+
+``--rtt-ms`` puts every side behind the same emulated network (bench/delayline.py, its own
+process): the mounts (and so the loader and the TAR views) reach the server only through it.
 
 Run as root (FUSE mounts). Data is written straight into the server's store before it starts.
 """
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from batchfs.loader import PathDataset
 from batchfs.sampler import EpochSampler, PlanSampler
 from bench.bench_mount import mount_side, request_counts
+from bench.delayline import LineProcess
 from server.store.store import Store
 from tests.support.procstat import cpu_seconds
 from tests.support.processes import ServerProcess
@@ -120,13 +125,16 @@ def read_each(root: Path, listing: list[str]) -> tuple[float, int]:
 # ---------------------------------------------------------------- (b) the loader
 
 
+WORKERS = 2  # DataLoader workers (--workers)
+
+
 def run_loader(paths: list[str], seed: int, size: int, plan_mount: Path | None = None) -> float:
-    """Samples/s of one epoch of a DataLoader (2 workers) over ``paths`` in a seeded random order."""
+    """Samples/s of one epoch of a DataLoader (``WORKERS`` workers) over ``paths`` in a seeded random order."""
     from torch.utils.data import BatchSampler, DataLoader
 
     bs = BatchSampler(EpochSampler(len(paths), seed=seed), LOADER_BATCH, False)
     sampler = PlanSampler(bs, paths, mount=plan_mount, window=8) if plan_mount else bs
-    dl = DataLoader(PathDataset(paths), batch_sampler=sampler, num_workers=2, collate_fn=list)
+    dl = DataLoader(PathDataset(paths), batch_sampler=sampler, num_workers=WORKERS, collate_fn=list)
     t = time.perf_counter()
     n = 0
     for batch in dl:
@@ -153,7 +161,13 @@ def main() -> int:
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--tests", default="a,ttfb,b")
     ap.add_argument("--work", type=Path, default=None, help="work dir (default: a new one under /tmp)")
+    ap.add_argument("--workers", type=int, default=2, help="(b) DataLoader num_workers (default: 2)")
+    ap.add_argument("--rtt-ms", type=float, default=None,
+                    help="put every side behind an emulated network (bench/delayline.py) of this round-trip "
+                    "time, milliseconds; 0 is the line without delay (default: no line, direct loopback)")
     a = ap.parse_args()
+    global WORKERS
+    WORKERS = a.workers
     sides = [s for s in a.sides.split(",") if s]
     tests = a.tests.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench-batch-", dir=a.work))
@@ -171,6 +185,9 @@ def main() -> int:
     load(work / "data", sets)
     print(f"loaded {sum(n for n, _ in sets.values())} objects in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     server = ServerProcess([work / "data"], "--log-level", "WARNING").start()
+    line = None if a.rtt_ms is None else LineProcess(server.url, a.rtt_ms)
+    url = server.url if line is None else line.url
+    line_cpu0 = 0.0 if line is None else cpu_seconds(line.pid)
     res: dict[str, list[float]] = {}
     reqs: dict[str, dict[str, float]] = {}
     cpu: dict[str, list[float]] = {}
@@ -183,7 +200,7 @@ def main() -> int:
         """A fresh mount of ``side``; counts the daemon's CPU and the server's requests per
         sample (``per`` samples) from the mount, or from the last ``start()``."""
         mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
-        m = mount_side(MOUNT_KIND[side], BUCKET, mnt, server.url, work)
+        m = mount_side(MOUNT_KIND[side], BUCKET, mnt, url, work)
         base = {}
 
         def start() -> None:
@@ -252,6 +269,9 @@ def main() -> int:
                         note(tag, v)
                         print(f"round {r} (b) {tag}: {v:.0f} samples/s", file=sys.stderr)
     finally:
+        if line is not None:
+            a.line_cpu_s = cpu_seconds(line.pid) - line_cpu0
+            line.close()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
     report(res, reqs, cpu, a, sizes, sides)
@@ -262,7 +282,9 @@ def report(res, reqs, cpu, a, sizes, sides) -> None:
     med = {k: statistics.median(v) for k, v in res.items()}
     head = os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"\n{a.runs} rounds, medians; commit {head or '?'}; load average at the end "
+    net = "direct loopback" if a.rtt_ms is None else f"through the delay line at RTT {a.rtt_ms:g} ms"
+    print(f"\n{a.runs} rounds, medians; {net}; DataLoader num_workers={a.workers}; commit {head or '?'}; "
+          f"load average at the end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
     if "a view s" in med:
         mb = a.batch * a.size / 1e6
@@ -299,6 +321,8 @@ def report(res, reqs, cpu, a, sizes, sides) -> None:
     if cpu:
         print("\ndaemon CPU per sample (median), ms: " + ", ".join(
             f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in cpu.items()))
+    if getattr(a, "line_cpu_s", None) is not None:
+        print(f"delay line CPU over the whole run: {a.line_cpu_s:.1f} s")
     print("server requests per sample (last round): " + "; ".join(
         f"{k}: " + ", ".join(f"{op} {n:.3g}" for op, n in sorted(ops.items())) for k, ops in reqs.items()))
     print("\nall rounds:", json.dumps({k: [round(x, 4) for x in v] for k, v in res.items()}))

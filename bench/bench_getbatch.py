@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.delayline import LineProcess
 from tests.support.processes import ServerProcess
 
 KiB, MiB = 1024, 1024 * 1024
@@ -228,6 +229,9 @@ def main() -> int:
                    help="comma-separated client thread counts (each shares one httpx.Client)")
     p.add_argument("--skip-rss", action="store_true")
     p.add_argument("--only", choices=["table", "ttfb", "rss"])
+    p.add_argument("--rtt-ms", type=float, default=None,
+                   help="send both sides through an emulated network (bench/delayline.py) of this round-trip "
+                   "time, milliseconds (default: no line, direct loopback)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-getbatch-") as tmpdir:
         tmp = Path(tmpdir)
@@ -238,20 +242,26 @@ def main() -> int:
             srv = ServerProcess([tmp / "d1", tmp / "d2"])
             srv.start()
             print(f"server pid {srv.proc.pid} (for py-spy)", flush=True)
+            net_line = None if args.rtt_ms is None else LineProcess(srv.url, args.rtt_ms)
+            url = srv.url if net_line is None else net_line.url
+            if net_line is not None:
+                out[0] += f" --rtt-ms {args.rtt_ms:g}"
             try:
                 most = max(thread_counts)
                 limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
                 with httpx.Client(timeout=120, limits=limits) as client:
-                    client.post(f"{srv.url}/v1/buckets/bench", json={"action": "create-bck"}).raise_for_status()
-                    names = {size: load(client, srv.url, "bench", label.replace(" ", ""), size, count)
+                    client.post(f"{url}/v1/buckets/bench", json={"action": "create-bck"}).raise_for_status()
+                    names = {size: load(client, url, "bench", label.replace(" ", ""), size, count)
                              for size, label, count in SIZES}
                     if args.only in (None, "table"):
                         for threads in thread_counts:
-                            out += table1(client, srv.url, "bench", names, args, threads) + [""]
+                            out += table1(client, url, "bench", names, args, threads) + [""]
                     if args.only in (None, "ttfb"):
-                        ttfb_names = names.get(10 * KiB) or load(client, srv.url, "bench", "10KiB", 10 * KiB, 1024)
-                        out += ttfb(client, srv.url, "bench", ttfb_names, args) + [""]
+                        ttfb_names = names.get(10 * KiB) or load(client, url, "bench", "10KiB", 10 * KiB, 1024)
+                        out += ttfb(client, url, "bench", ttfb_names, args) + [""]
             finally:
+                if net_line is not None:
+                    net_line.close()
                 srv.stop()
                 problems = [line for line in srv.output if "WARNING" in line or "ERROR" in line or "Traceback" in line]
                 if problems:  # a benchmark over a misbehaving server measures nothing

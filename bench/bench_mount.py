@@ -41,6 +41,7 @@ from batchfs.mount.daemon import is_mounted
 from server.store.store import Store
 from batchfs.loader import PathDataset
 from tests.support.procstat import cpu_seconds
+from bench.delayline import LineProcess
 from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
@@ -322,6 +323,9 @@ def main() -> int:
     p.add_argument("--keep", action="store_true",
                    help="keep the generated data for the next run (it may occupy GiBs of RAM in /dev/shm)")
     p.add_argument("--profile", type=Path, default=None, help="write py-spy raw profiles of the batchfs daemon here")
+    p.add_argument("--rtt-ms", type=float, default=None,
+                   help="put every side (and curl) behind an emulated network (bench/delayline.py) of this "
+                   "round-trip time, milliseconds (default: no line, direct loopback)")
     a = p.parse_args()
     sides = a.sides.split(",")
     tests = a.tests.split(",")
@@ -338,8 +342,9 @@ def main() -> int:
     cpu: dict[str, dict[str, list[float]]] = {}  # test -> side -> daemon CPU seconds per round
     server = ServerProcess([work / "data"], "--chunk-size", str(CHUNK), "--log-level", "WARNING").start()
     mounts: list[Mount] = []
+    line = None if a.rtt_ms is None else LineProcess(server.url, a.rtt_ms)
     try:
-        url = server.url
+        url = server.url if line is None else line.url
 
         def run_side(side: str, bucket: str, test: str, fn: Callable[[Path], float]) -> float:
             mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
@@ -407,6 +412,8 @@ def main() -> int:
     finally:
         for m in mounts:
             m.close()
+        if line is not None:
+            line.close()
         server.stop()
     report(results, rss, a, sides)
     per = {"seq": 1, "loader": a.loader_reads, "find": a.many}
@@ -437,7 +444,8 @@ def report(results: dict, rss: dict, a, sides: list[str]) -> None:
     peers = [s for s in sides if not s.startswith("batchfs")]
     cols = sides + ["curl"]
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"\n{a.runs} rounds, medians; commit {head or '?'}; load average at the end {os.getloadavg()[0]:.1f}\n")
+    net = "direct loopback" if a.rtt_ms is None else f"every side through the delay line at RTT {a.rtt_ms:g} ms"
+    print(f"\n{a.runs} rounds, medians; {net}; commit {head or '?'}; load average at the end {os.getloadavg()[0]:.1f}\n")
     print(f"| test | {' | '.join(cols)} | batchfs / faster peer | batchfs / curl | target |")
     print("|---|" + "---|" * (len(cols) + 3))
     rows = [("seq", f"(a) sequential read {a.big_gib} GiB, MiB/s", True, "≥ 1.5× peer, ≥ 0.5× curl"),

@@ -346,6 +346,44 @@ def selftest(rtts_ms: list[float], bulk_mib: int) -> int:
     return 0 if ok else 1
 
 
+class LineProcess:
+    """``python -m bench.delayline`` in its own process in front of ``upstream_url``, so its CPU
+    is apart from the measured processes (``pid`` for accounting); ``url`` is where clients go.
+    ``rtt_ms`` 0 still proxies (splice), so every side of a comparison pays the same hop."""
+
+    def __init__(self, upstream_url: str, rtt_ms: float, timeout: float = 30.0):
+        import subprocess
+        from urllib.parse import urlsplit
+
+        u = urlsplit(upstream_url)
+        self.rtt_ms = rtt_ms
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.delayline", "--upstream", f"{u.hostname}:{u.port}",
+                                      "--rtt-ms", str(rtt_ms)], stdout=subprocess.PIPE, text=True,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("delayline: listening on "):
+            self.close()
+            raise RuntimeError(f"the delay line did not start within {timeout} s: {line!r}")
+        self.url = line.split()[-1]
+        self.pid = self.proc.pid
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _hostport(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
