@@ -23,7 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from server.api import connlimits, listener
-from server.api import clusterapi
+from server.api import clusterapi, rebalance
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway import Gateway
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--advertise-url", dest="advertise_url", metavar="URL",
                    help="the URL clients and other nodes use to reach this node (default: "
                    "http://HOST:PORT of --listen, with the port the kernel chose for port 0)")
+    c.add_argument("--rebuild-after", dest="rebuild_after_seconds", type=float, metavar="SECONDS",
+                   help="gateway: a target that fails its health checks this long is dropped from the "
+                   "cluster map and the copies it held are rebuilt on the other targets; it rejoins "
+                   f"when it comes back (default: {d.rebuild_after_seconds:g})")
     return p
 
 
@@ -219,7 +223,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
-    for field in ("role", "join_url", "cluster_secret_file", "advertise_url"):
+    for field in ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     if args.create_data_dirs:
@@ -365,7 +369,7 @@ def _build(config: ServerConfig):
     state = Path(config.data_dirs[0]) / ".batchfs"
     state.mkdir(parents=True, exist_ok=True)
     if config.role == "gateway":
-        gateway = Gateway(state / "gateway-map.json", secret)
+        gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds)
         app = build_gateway_app(config, gateway, secret)
         return app, lambda url: gateway.bound(url)
     members: list[Membership] = []
@@ -374,6 +378,7 @@ def _build(config: ServerConfig):
         app[CLUSTER_SECRET] = secret
         members.append(Membership(config.join_url, secret, app[NODE_INFO]["id"], state / "cluster-map.json"))
         clusterapi.add_routes(app, members[0])
+        rebalance.add_routes(app, members[0])
 
     app = build_app(config, add_routes=cluster_routes)
     return app, lambda url: asyncio.get_running_loop().create_task(members[0].run(url))

@@ -101,6 +101,8 @@ class ServerConfig:
     join_url: str | None = None
     cluster_secret_file: Path | None = None
     advertise_url: str | None = None  # how others reach this node; default http://HOST:PORT it listens on
+    # gateway: a target down this long is dropped from the map, and its copies are rebuilt on others
+    rebuild_after_seconds: float = 120 * SECONDS
 
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""

@@ -51,7 +51,7 @@ from server.cluster.secret import HEADER as CLUSTER_HEADER
 
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
-CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map"})
+CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map", "/v1/cluster/rebalance"})
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")

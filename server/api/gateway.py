@@ -65,9 +65,11 @@ class Unavailable(StoreError):
 class Gateway:
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
-    def __init__(self, map_path: Path, secret: ClusterSecret):
-        """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none)."""
-        self.map_path, self.secret = map_path, secret
+    def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0):
+        """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none); a
+        target down for ``rebuild_after`` seconds is dropped from it (its copies get rebuilt)."""
+        self.map_path, self.secret, self.rebuild_after = map_path, secret, rebuild_after
+        self._down_since: dict[str, float] = {}
         self.smap = ClusterMap.load(map_path) or ClusterMap.new(ClusterNode(f"gw{uuid.uuid4().hex[:8]}", "", PROXY))
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
@@ -97,7 +99,25 @@ class Gateway:
         it down (routing then skips it), one success marks it up again."""
         while True:
             await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
+            await self._give_up_on_dead()
             await asyncio.sleep(HEALTH_SECONDS)
+
+    async def _give_up_on_dead(self) -> None:
+        """Drop from the map every target down for ``rebuild_after`` seconds: the new map makes
+        the other targets copy what it held to the targets that now rank for it (rebuild). When
+        it comes back it joins again like a new target (rebalance moves data to it)."""
+        now = time.monotonic()
+        for tid in [t for t in self.down if now - self._down_since.get(t, now) >= self.rebuild_after]:
+            async with self._lock:
+                new = self.smap.without(tid)
+                new.save(self.map_path)
+                self.smap = new
+            self.down.discard(tid)
+            self._fails.pop(tid, None)
+            self._down_since.pop(tid, None)
+            log.warning("cluster map v%d: target %s dropped after %.0f s down; its copies are rebuilt on the others",
+                        new.version, tid, self.rebuild_after)
+            await self.push_map()
 
     async def _probe(self, t: ClusterNode) -> None:
         try:
@@ -109,11 +129,13 @@ class Gateway:
             self._fails[t.id] = 0
             if t.id in self.down:
                 self.down.discard(t.id)
+                self._down_since.pop(t.id, None)
                 log.info("target %s is up again", t.id)
             return
         self._fails[t.id] = self._fails.get(t.id, 0) + 1
         if self._fails[t.id] >= DOWN_AFTER and t.id not in self.down:
             self.down.add(t.id)
+            self._down_since[t.id] = time.monotonic()
             log.warning("target %s (%s) is down: routing around it", t.id, t.url)
 
     def holder(self, bucket: str, name: str) -> ClusterNode:
@@ -219,6 +241,17 @@ async def cluster_status(request: web.Request) -> web.Response:
     gw = _gw(request)
     nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
               "alive": n.kind != TARGET or n.id not in gw.down} for n in gw.smap.nodes]
+
+    async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
+        path = "/v1/cluster/rebalance"
+        try:
+            async with gw.session.get(entry["url"] + path, headers={HEADER: gw.secret.sign("GET", path)},
+                                      timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+                entry["rebalance"] = await r.json() if r.status == 200 else {"error": f"HTTP {r.status}"}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            entry["rebalance"] = {"error": str(e) or type(e).__name__}
+
+    await asyncio.gather(*(rebalance(e) for e in nodes if e["kind"] == TARGET and e["alive"]))
     return web.json_response({"uuid": gw.smap.uuid, "version": gw.smap.version, "copies": gw.smap.copies,
                               "nodes": nodes})
 

@@ -104,7 +104,7 @@ GET_OBJECT_PARAMS = ["latest-ver", neighbours.GFN_PARAM, *archget.ARCH_PARAMS]
 
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
-          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM])
+          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM])
 async def put_object(request: web.Request) -> web.Response:
     """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py).
     In a cluster, the object's other copies are made before the answer (``replicas``)."""
@@ -122,6 +122,7 @@ async def put_object(request: web.Request) -> web.Response:
         return await _append(request, bucket, name)
     node = request.app[NODE]
     writer = node.writer(bucket, name)
+    precondition = None if copy_of is None else replicas.copy_precondition(request, writer, copy_of)
     try:
         length = request.content_length
         if length is not None and length <= PUT_INLINE_MAX:
@@ -129,7 +130,7 @@ async def put_object(request: web.Request) -> web.Response:
 
             def write_all() -> ObjectMeta:
                 writer.write(data)
-                return writer.commit()
+                return writer.commit_if(precondition)
 
             meta = await asyncio.to_thread(write_all)
         else:
@@ -137,7 +138,7 @@ async def put_object(request: web.Request) -> web.Response:
                 await asyncio.to_thread(writer.write, piece)
             if length is not None and writer.size != length:  # never commit a short body
                 raise BadRequest(f"request body of {writer.size} bytes, Content-Length said {length}")
-            meta = await asyncio.to_thread(writer.commit)
+            meta = await asyncio.to_thread(writer.commit_if, precondition)
     except asyncio.IncompleteReadError:
         await asyncio.shield(asyncio.to_thread(writer.abort))
         raise ConnectionResetError("client closed the connection mid-body") from None
@@ -148,9 +149,6 @@ async def put_object(request: web.Request) -> web.Response:
                                       f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
-    if copy_of is not None and meta.cksum != copy_of:  # a copy is stored only as it was sent
-        await asyncio.to_thread(node.delete, bucket, name)
-        raise BadRequest(f"ais://{bucket}/{name}: copy arrived with checksum {meta.cksum}, sent as {copy_of}")
     if copy_of is None:
         await replicas.put_copies(request, bucket, name, meta)
     return web.Response(text="", headers=object_headers(meta))

@@ -32,11 +32,12 @@ from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.api.daemon_api import NODE_INFO
 from server.cluster.secret import HEADER
 from server.cluster.smap import ClusterNode
-from server.errors import StoreError
+from server.errors import BadRequest, StoreError
 from server.store.meta import ObjectMeta
 
 REPLICA_PARAM = "replica"
 CKSUM_PARAM = "cksum"
+EXPECT_PARAM = "expect"  # a rebalance copy: commit only over this version ("none": only if absent)
 COPY_PIECE_BYTES = 8 << 20
 
 
@@ -46,6 +47,29 @@ class CopyFailed(StoreError):
 
 class NotWithCopies(StoreError):
     status = 501
+
+
+class CopyRefused(StoreError):
+    status = 412
+
+
+def copy_precondition(request: web.Request, writer, cksum: str):
+    """The check a copy's commit runs in the catalog transaction: the bytes are the ones sent
+    (else 400, nothing committed) and, for a rebalance copy (``expect``), the version being
+    replaced is the one the sender saw — so a copy never overwrites a newer write (412)."""
+    expect = request.query.get(EXPECT_PARAM)
+    where = f"ais://{writer.bucket}/{writer.name}"
+
+    def check(current: ObjectMeta | None) -> None:
+        if writer.cksum != cksum:
+            raise BadRequest(f"{where}: copy arrived with checksum {writer.cksum}, sent as {cksum}; not stored")
+        if expect is None:
+            return
+        if expect == "none" and current is not None:
+            raise CopyRefused(f"{where}: exists here already (rebalance copy not needed)")
+        if expect != "none" and (current is None or current.cksum != expect):
+            raise CopyRefused(f"{where}: changed here since the sender looked; its copy is not taken")
+    return check
 
 
 def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNode]:
@@ -68,8 +92,13 @@ def _path(bucket: str, name: str) -> str:
     return f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}"
 
 
-async def _put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta) -> None:
+async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,
+                   expect: str | None = None) -> None:
+    """Send this target's committed ``meta`` version to ``node``; with ``expect`` (a rebalance
+    copy) it replaces only that version there ("none": only if absent) — CopyRefused if not."""
     path_qs = f"{_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
+    if expect is not None:
+        path_qs += f"&{EXPECT_PARAM}={quote(expect, safe='')}"
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
 
     async def body():
@@ -79,6 +108,8 @@ async def _put_copy(app: web.Application, node: ClusterNode, bucket: str, name: 
     headers = {HEADER: app[CLUSTER_SECRET].sign("PUT", path_qs), "Content-Length": str(meta.size)}
     try:
         async with app[PEERS].put(node.url + path_qs, data=body() if meta.size else b"", headers=headers) as r:
+            if r.status == 412:
+                raise CopyRefused(await r.text())
             if r.status != 200:
                 raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} failed: HTTP {r.status}: "
                                  f"{(await r.text())[:300]}")
@@ -92,7 +123,7 @@ async def _put_copy(app: web.Application, node: ClusterNode, bucket: str, name: 
 async def put_copies(request: web.Request, bucket: str, name: str, meta: ObjectMeta) -> None:
     """Send the committed object to every other copy target; CopyFailed if any copy failed."""
     targets = copy_targets(request.app, bucket, name)
-    results = await asyncio.gather(*(_put_copy(request.app, t, bucket, name, meta) for t in targets),
+    results = await asyncio.gather(*(put_copy(request.app, t, bucket, name, meta) for t in targets),
                                    return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):

@@ -39,6 +39,7 @@ class Membership:
             log.warning("%s: starting without it", e)
             self.smap = None
         self.joined = asyncio.Event()
+        self.on_change: list = []  # called with each newer map taken (the rebalancer)
 
     def learn(self, doc: dict) -> bool:
         """Take the map in ``doc`` if it is newer than ours; True if taken."""
@@ -50,6 +51,8 @@ class Membership:
             new.save(self.map_path)
         except OSError as e:
             log.warning("cannot keep the cluster map in %s: %s", self.map_path, e)
+        for fn in self.on_change:
+            fn(new)
         return True
 
     async def run(self, url: str) -> None:

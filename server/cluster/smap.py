@@ -77,6 +77,13 @@ class ClusterMap:
         nodes = tuple(n for n in self.nodes if n.id != node.id) + (node,)
         return dataclasses.replace(self, version=self.version + 1, nodes=nodes)
 
+    def without(self, node_id: str) -> "ClusterMap":
+        """This map without the node (a target given up on: its copies get rebuilt elsewhere)."""
+        if self.node(node_id) is None:
+            return self
+        return dataclasses.replace(self, version=self.version + 1,
+                                   nodes=tuple(n for n in self.nodes if n.id != node_id))
+
     def with_primary_url(self, url: str) -> "ClusterMap":
         me = self.node(self.primary)
         return self if me is None or me.url == url else self.with_node(dataclasses.replace(me, url=url))

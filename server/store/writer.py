@@ -115,6 +115,11 @@ class PutWriter:
             if self._block_len == VERIFY_BLOCK:
                 self._end_block()
 
+    @property
+    def cksum(self) -> str:
+        """The checksum of what was written so far (the object's, once every byte is written)."""
+        return self._hash.hexdigest()
+
     def commit(self) -> ObjectMeta:
         if not self._files:
             self._open_next()  # an empty object is one empty file

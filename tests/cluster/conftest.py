@@ -41,8 +41,8 @@ def secret_file(path: Path, text: str = SECRET) -> Path:
 
 
 class Cluster:
-    def __init__(self, base: Path, targets: int = 3):
-        self.base = base
+    def __init__(self, base: Path, targets: int = 3, gateway_args: tuple[str, ...] = ()):
+        self.base, self.gateway_args = base, gateway_args
         self.secret = secret_file(base / "secret")
         self.gw_port = free_port()
         self.gateway = self._gateway()
@@ -52,7 +52,22 @@ class Cluster:
 
     def _gateway(self) -> ServerProcess:
         return ServerProcess([self.base / "gw"], "--role", "gateway", "--listen", f"127.0.0.1:{self.gw_port}",
-                             "--cluster-secret-file", str(self.secret))
+                             "--cluster-secret-file", str(self.secret), *self.gateway_args)
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/v1/cluster/status", timeout=10).json()
+
+    def wait_rebalanced(self, timeout: float = 60.0) -> dict:
+        """Until every live target has walked the current map (server.api.rebalance); the status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            walks = [n.get("rebalance", {}) for n in st["nodes"] if n["kind"] == "target" and n["alive"]]
+            if walks and all(w.get("map_version") == st["version"] and not w.get("running") and w.get("walks", 0) > 0
+                             for w in walks):
+                return st
+            time.sleep(0.2)
+        raise TimeoutError(f"rebalance not done in {timeout} s: {self.status()}")
 
     @property
     def url(self) -> str:

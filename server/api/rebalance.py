@@ -1,0 +1,205 @@
+"""Rebalance and rebuild: after every change of the cluster map, each target walks the objects it
+stores and makes their copies match the new map.
+
+A target joins (rebalance) or is dropped by the gateway after ``--rebuild-after`` seconds down
+(rebuild): either way the map changes, the gateway pushes it, and every target runs the same
+walk over its own objects, one at a time::
+
+    holders = the object's first ``copies`` HRW targets under the new map
+    for each other holder:  signed HEAD ?gfn=1  ->  absent: send a copy (expect=none)
+                                                    older version there: send ours (expect=theirs)
+    if this target is not a holder and every holder answered that it has the object:
+        delete the local copy (only the version looked at)
+
+Invariants:
+- Nothing is deleted before every target the map names for the object has a copy (any version:
+  a newer one there makes ours stale); a target that cannot be asked keeps the local copy, and
+  the next map change walks again.
+- A copy never overwrites a newer write: it is committed only over the version the sender saw
+  (``expect``, checked in the receiver's catalog transaction, 412 otherwise), and "newer" is the
+  later write time of two different versions.
+- One walk at a time per target, one object at a time (bounded work beside client traffic);
+  a newer map stops the walk and starts it again; a restart walks again (the walk is
+  idempotent: what is in place is only looked at).
+- Reads during a walk find objects wherever they are (``neighbours``: get from neighbour).
+
+Known limit: an object deleted while one of its holders was out of the map can come back when
+that target returns (there are no tombstones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+
+from server.api import replicas
+from server.api.daemon_api import NODE_INFO
+from server.api.neighbours import ASK_TIMEOUT, GFN_PARAM
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, METRICS, NODE, PEERS
+from server.cluster.secret import HEADER
+from server.cluster.smap import ClusterMap, ClusterNode
+from server.errors import Conflict, NotFound, StoreError
+
+log = logging.getLogger(__name__)
+
+PAGE = 256  # names listed at a time
+REBALANCER = web.AppKey("rebalancer", object)
+
+
+class _NewMap(Exception):
+    """A newer map arrived mid-walk: start over with it."""
+
+
+class Rebalancer:
+    def __init__(self, app: web.Application):
+        self.app = app
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0,
+                      "failed": 0, "last_error": ""}
+
+    def changed(self, smap: ClusterMap) -> None:
+        self._wake.set()
+
+    async def start(self, app: web.Application) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()  # a restart walks again: an interrupted walk is redone
+
+    async def stop(self, app: web.Application) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        member = self.app[MEMBERSHIP]
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            smap = member.smap
+            if smap is None or len(smap.targets) < 1 or self.app[NODE_INFO]["id"] not in smap.targets:
+                continue
+            self.state.update(running=True, map_version=smap.version)
+            started = time.monotonic()
+            try:
+                await self._walk(smap)
+                log.info("rebalance to map v%d done in %.1f s: %s", smap.version, time.monotonic() - started,
+                         {k: self.state[k] for k in ("checked", "copied", "deleted", "failed")})
+            except _NewMap:
+                self._wake.set()
+            except Exception as e:  # a bug must not end the task: the next map walks again
+                log.exception("rebalance to map v%d failed", smap.version)
+                self.state["last_error"] = repr(e)
+            finally:
+                self.state["running"] = False
+                self.state["walks"] += 1
+
+    async def _sync_buckets(self, smap: ClusterMap) -> None:
+        """Create here every bucket another target has: a target that joins after buckets were
+        created (on every target then) has none of them, and copies sent to it need them."""
+        app, me, node = self.app, self.app[NODE_INFO]["id"], self.app[NODE]
+        path = "/v1/cluster/rebalance"
+        for t in smap.targets.values():
+            if t.id == me:
+                continue
+            try:
+                async with app[PEERS].get(t.url + path, headers={HEADER: app[CLUSTER_SECRET].sign("GET", path)},
+                                          timeout=ASK_TIMEOUT) as r:
+                    theirs = (await r.json()).get("buckets", []) if r.status == 200 else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            for bucket in theirs:
+                if isinstance(bucket, str) and bucket not in node.buckets:
+                    try:
+                        await asyncio.to_thread(node.create_bucket, bucket)
+                    except Conflict:
+                        continue  # created meanwhile (a client's create-bck reached every target)
+                    log.info("bucket %s created here: target %s has it", bucket, t.id)
+
+    async def _walk(self, smap: ClusterMap) -> None:
+        node = self.app[NODE]
+        await self._sync_buckets(smap)
+        for bucket in sorted(node.buckets):
+            after = ""
+            while True:
+                try:
+                    page, after = await asyncio.to_thread(node.list_page, bucket, "", after, PAGE)
+                except NotFound:
+                    break  # the bucket went away
+                for entry in page:
+                    if self._wake.is_set():
+                        raise _NewMap()
+                    await self._one(smap, bucket, entry.name)
+                if not after:
+                    break
+
+    async def _one(self, smap: ClusterMap, bucket: str, name: str) -> None:
+        node, me = self.app[NODE], self.app[NODE_INFO]["id"]
+        try:
+            meta = await asyncio.to_thread(node.lookup, bucket, name)
+        except NotFound:
+            return  # deleted meanwhile
+        self.state["checked"] += 1
+        holders = smap.ranked(bucket, name)[:smap.copies]
+        confirmed = 0
+        for h in holders:
+            if h.id == me:
+                continue
+            try:
+                status, cksum, written_ns = await self._head(h, bucket, name)
+                if status == 404:
+                    await self._copy(h, bucket, name, meta, "none")
+                elif status == 200 and cksum != meta.cksum and meta.atime_ns > written_ns:
+                    await self._copy(h, bucket, name, meta, cksum)  # theirs is older: ours replaces it
+                elif status != 200:
+                    raise replicas.CopyFailed(f"HEAD at {h.id}: HTTP {status}")
+                confirmed += 1
+            except replicas.CopyRefused:
+                confirmed += 1  # it was written there meanwhile: it has a copy, and a newer one
+            except (StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.state["failed"] += 1
+                self.state["last_error"] = f"ais://{bucket}/{name} to {h.id}: {e}"
+                self._count("failed")
+        if me not in {h.id for h in holders} and confirmed == len(holders):
+            def same_version(current) -> None:
+                if current.cksum != meta.cksum or current.version != meta.version:
+                    raise replicas.CopyRefused("rewritten here meanwhile")
+            try:
+                await asyncio.to_thread(node.delete, bucket, name, same_version)
+                self.state["deleted"] += 1
+                self._count("deleted")
+            except (NotFound, replicas.CopyRefused):
+                pass
+
+    async def _head(self, h: ClusterNode, bucket: str, name: str) -> tuple[int, str, int]:
+        app = self.app
+        path_qs = f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}?{GFN_PARAM}=1"
+        async with app[PEERS].head(h.url + path_qs, headers={HEADER: app[CLUSTER_SECRET].sign("HEAD", path_qs)},
+                                   timeout=ASK_TIMEOUT) as r:
+            return r.status, r.headers.get("Ais-Checksum-Value", ""), int(r.headers.get("Ais-Atime", "0") or 0)
+
+    async def _copy(self, h: ClusterNode, bucket: str, name: str, meta, expect: str) -> None:
+        await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)
+        self.state["copied"] += 1
+        self._count("copied")
+
+    def _count(self, what: str) -> None:
+        self.app[METRICS].rebalance.labels(what).inc()
+
+
+async def rebalance_status(request: web.Request) -> web.Response:
+    """``GET /v1/cluster/rebalance`` (signed): this target's walk (counts since it started) and
+    its buckets (a joining target creates the ones it lacks)."""
+    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(request.app[NODE].buckets)})
+
+
+def add_routes(app: web.Application, membership) -> None:
+    r = Rebalancer(app)
+    app[REBALANCER] = r
+    membership.on_change.append(r.changed)
+    app.on_startup.append(r.start)
+    app.on_cleanup.insert(0, r.stop)  # before the peer session closes
+    app.router.add_get("/v1/cluster/rebalance", rebalance_status)

@@ -1,0 +1,130 @@
+"""Rebalance and rebuild (server/api/rebalance.py), with real processes:
+
+- a target joins: every object ends on exactly its first two HRW targets under the new map
+  (copied to the newcomer, removed where it no longer belongs), readable byte for byte;
+- a target dies: after --rebuild-after the gateway drops it, the others rebuild the second copy
+  of everything it held; objects rewritten while it was away are newer than its copies, so when
+  it comes back and rejoins, no holder keeps its stale bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+
+from batchfs.wire import hrw
+from server.cluster.secret import ClusterSecret
+from tests.cluster.conftest import SECRET, Cluster, holds
+from tests.support.getbatch import blob, sdk_client
+from tests.support.processes import ServerProcess
+
+
+def _ranked(smap: dict, bucket: str, name: str) -> list[str]:
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
+
+
+def _stored(url: str, bucket: str, name: str) -> bytes:
+    """The bytes the target at ``url`` itself stores (a neighbour's signed GET, never relayed)."""
+    path_qs = f"/v1/objects/{bucket}/{name}?gfn=1"
+    r = httpx.get(url + path_qs, timeout=10,
+                  headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("GET", path_qs)})
+    assert r.status_code == 200, (url, name, r.status_code)
+    return r.content
+
+
+def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> dict:
+    smap = cluster.smap()
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    for name, data in objs.items():
+        want = _ranked(smap, bucket, name)[:2]
+        for node_id, url in urls.items():
+            assert holds(url, bucket, name) == (node_id in want), (name, node_id, want)
+            if node_id in want:
+                assert _stored(url, bucket, name) == data, (name, node_id)
+    return smap
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
+    cluster = Cluster(tmp_path, targets=2)
+    newcomer = ServerProcess([tmp_path / "t2" / "d1"], "--role", "target",
+                             "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                             "--cluster-secret-file", str(cluster.secret))
+    try:
+        cluster.start()
+        b = sdk_client(cluster.url).bucket("rebal")
+        b.create()
+        rng = random.Random(3)
+        objs = {f"r/{i:03d}": blob(f"r{i}", rng.choice([0, 700, 9 * (1 << 20) + 3])) for i in range(60)}
+        for name, data in objs.items():
+            b.object(name).get_writer().put_content(data)
+        cluster.wait_rebalanced()
+
+        newcomer.start()
+        cluster.wait_joined(3)
+        st = cluster.wait_rebalanced()
+        smap = _placed_exactly(cluster, "rebal", objs)
+        new_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == newcomer.url)
+        moved = sum(new_id in _ranked(smap, "rebal", n)[:2] for n in objs)
+        walks = {n["id"]: n["rebalance"] for n in st["nodes"] if n["kind"] == "target"}
+        assert sum(w["copied"] for w in walks.values()) == moved > 0  # one copy per object the newcomer holds now
+        assert sum(w["deleted"] for w in walks.values()) == moved  # and one let go for each
+        assert all(w["failed"] == 0 for w in walks.values())
+        for name, data in objs.items():
+            assert b.object(name).get_reader().read_all() == data
+            assert b.object(name).get_reader(direct=True).read_all() == data
+        assert sorted(e.name for e in b.list_all_objects(page_size=17)) == sorted(objs)  # no duplicates
+        # the status endpoint of a target is for the cluster only
+        assert httpx.get(f"{newcomer.url}/v1/cluster/rebalance", timeout=10).status_code == 403
+    finally:
+        newcomer.stop()
+        cluster.stop()
+
+
+def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"))
+    try:
+        cluster.start()
+        b = sdk_client(cluster.url).bucket("rebuild")
+        b.create()
+        rng = random.Random(4)
+        objs = {f"d/{i:03d}": blob(f"d{i}", rng.choice([1, 5_000, 3 * (1 << 20)])) for i in range(45)}
+        for name, data in objs.items():
+            b.object(name).get_writer().put_content(data)
+        cluster.wait_rebalanced()
+        smap = cluster.smap()
+        victim = cluster.targets[0]
+        victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == victim.url)
+        held = [n for n in objs if victim_id in _ranked(smap, "rebuild", n)[:2]]
+        assert held
+
+        victim.proc.kill()
+        victim.proc.wait()
+        _wait(lambda: len(cluster.smap()["tmap"]) == 2, 30, "the dead target dropped from the map")
+        cluster.wait_rebalanced()
+        _placed_exactly(cluster, "rebuild", objs)  # two copies of everything on the two left
+
+        rewritten = held[:10]  # newer versions while the victim is away
+        for name in rewritten:
+            objs[name] = blob(f"new-{name}", 4_321)
+            b.object(name).get_writer().put_content(objs[name])
+
+        cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
+        cluster.wait_joined(3)
+        cluster.wait_rebalanced()
+        _placed_exactly(cluster, "rebuild", objs)  # every holder has the newest bytes
+        for name, data in objs.items():
+            assert b.object(name).get_reader().read_all() == data, name
+    finally:
+        cluster.stop()
