@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Sizes are bytes and accept binary units (8MiB, 512k, 1G); durations are seconds. "
         "Options may also come from a TOML file given with --config, keyed by the long option "
         "name without dashes or by the config field (listen = \"HOST:PORT\", data = [\"/disk1\"], "
-        "chunk_size = \"8MiB\"); command-line flags win.",
+        "chunk_size = \"8MiB\"); command-line flags win. "
+        "'batchfs-server cluster-status URL' prints a cluster's nodes and rebalance progress "
+        "from a gateway (see --help there).",
     )
     p.add_argument("--listen", type=_listen, metavar="HOST:PORT",
                    help=f"address to serve on; port 0 picks a free one (default: {d.host}:{d.port})")
@@ -397,6 +399,11 @@ async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cluster-status"]:  # an operator's command, not a server
+        from server.cluster import statuscli
+
+        return statuscli.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

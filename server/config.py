@@ -149,7 +149,8 @@ _ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
             "getbatch_stall_timeout": "getbatch_stall_timeout_seconds",
             "getbatch_max_time": "getbatch_max_time_seconds",
             "header_timeout": "header_timeout_seconds", "idle_timeout": "idle_timeout_seconds",
-            "body_timeout": "body_timeout_seconds"}
+            "body_timeout": "body_timeout_seconds", "join": "join_url",
+            "rebuild_after": "rebuild_after_seconds"}
 
 
 def load_toml(path: Path) -> dict:

@@ -1,0 +1,71 @@
+"""``batchfs-server cluster-status URL``: an operator's view of a cluster, from any gateway.
+
+It reads the gateway's ``GET /v1/cluster/status`` (the map, each node's health as the gateway
+sees it, each live target's rebalance progress) and prints one line per node. Exit status: 0
+when every node is up and no rebalance is running, 3 while a rebalance runs, 4 when a target is
+down, 1 when the gateway cannot be asked (the reason on stderr). A token-protected gateway takes
+the token from ``--token-file`` or ``AIS_AUTHN_TOKEN`` (as the aistore SDK does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+
+def _rebalance(r: dict | None) -> str:
+    if not r:
+        return ""
+    if "error" in r:
+        return f"rebalance: ? ({r['error']})"
+    state = "running" if r.get("running") else "done"
+    text = (f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
+            f"deleted {r.get('deleted', 0)}, failed {r.get('failed', 0)}")
+    return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
+
+
+def render(doc: dict) -> tuple[str, int]:
+    """The table for a status document, and the exit status it calls for."""
+    lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} copies of each object"]
+    rows = []
+    for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):
+        kind = "gateway" + (" (primary)" if n.get("primary") else "") if n["kind"] == "proxy" else "target"
+        rows.append((n["id"], kind, "up" if n["alive"] else "DOWN", n["url"], _rebalance(n.get("rebalance"))))
+    widths = [max(len(r[i]) for r in rows + [("NODE", "ROLE", "STATE", "URL", "")]) for i in range(4)]
+    for r in [("NODE", "ROLE", "STATE", "URL", "")] + rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
+    targets = [n for n in doc["nodes"] if n["kind"] != "proxy"]
+    code = 4 if any(not n["alive"] for n in targets) else \
+        3 if any((n.get("rebalance") or {}).get("running") for n in targets) else 0
+    return "\n".join(lines), code
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description=__doc__.split("\n\n")[0],
+                                epilog="exit status: 0 all up, 3 rebalance running, 4 a target down, 1 no answer")
+    p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
+    p.add_argument("--token-file", type=Path, help="bearer token for a token-protected cluster "
+                   "(default: $AIS_AUTHN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+    a = p.parse_args(argv)
+    token = a.token_file.read_text().strip() if a.token_file else os.environ.get("AIS_AUTHN_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = a.gateway.rstrip("/") + "/v1/cluster/status"
+    try:
+        r = httpx.get(url, headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        print(f"batchfs-server cluster-status: cannot reach {url}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"batchfs-server cluster-status: {url}: HTTP {r.status_code}: {r.text[:300]}"
+              + (" (is it a gateway? single nodes have no cluster status)" if r.status_code == 404 else ""),
+              file=sys.stderr)
+        return 1
+    doc = r.json()
+    text, code = render(doc)
+    print(r.text if a.json else text)
+    return code
