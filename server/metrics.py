@@ -38,6 +38,10 @@ class Metrics:
         self.gb_throttle_ns = Counter("getbatch_throttle_ns", "Time requests slept under load", registry=r)
         self.gb_err_n = Counter("err_getbatch_n", "GetBatch requests failed (incl. 429)", registry=r)
         self.gb_soft_err_n = Counter("err_soft_getbatch_n", "Missing entries tolerated under coer", registry=r)
+        self.gb_gfn_n = Counter("getbatch_gfn_n", "Designated target: entries re-requested from another copy's "
+                                "target after their sender failed mid-batch (get from neighbour)", registry=r)
+        self.gb_gfn_err_n = Counter("err_getbatch_gfn_n", "Designated target: recoveries from another copy that "
+                                    "were not possible (the reply was truncated)", registry=r)
         self.gb_rejected_n = Counter("getbatch_rejected_n", "GetBatch requests refused with 429", registry=r)
         self.gb_pending = Gauge("getbatch_pending", "GetBatch requests in progress", registry=r)
         self.gb_buffered = Gauge("getbatch_buffered_bytes", "Bytes read ahead and not yet sent", registry=r)

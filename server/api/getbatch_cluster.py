@@ -22,8 +22,12 @@ Invariants:
 - Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes;
   a sender ahead of the DT waits in TCP (its own watchdog bounds how long).
 - A sender that cannot be reached before the 200 is replaced by the targets of its entries' next
-  copies (all senders are opened again); one that fails or ends early after the 200 truncates
-  the reply (no end-of-archive), as a single node's failure after its 200 does.
+  copies (all senders are opened again). One that fails, ends early or is silent for
+  ``SENDER_WAIT_SECONDS`` after the 200 is replaced the same way for its remaining entries (get
+  from neighbour): a member it left half-sent is finished from the other copy (its headers
+  dropped, the data already sent skipped, its size checked), so the reply stays byte-exact. Only
+  when no copy is left (or a member was cut inside its headers) is the reply truncated (no
+  end-of-archive), as a single node's failure after its 200 is.
 - Served here: plain TAR, streamed (``strm``) or buffered (``strm: false``: the senders'
   multipart replies read whole, at most ``getbatch_max_buffered_bytes`` together, merged into
   one with their metadata in request order). Other output formats across targets are refused
@@ -41,6 +45,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from server.api.state import METRICS
 from server.archive.writers import MIME_TYPES
 from server.cluster.secret import HEADER, ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
@@ -50,6 +55,7 @@ from server.getbatch.request import MossReq
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 1 << 20
+SENDER_WAIT_SECONDS = 20.0  # AIStore's max_wait: a sender silent this long is given up on
 _BLOCK = tarfile.BLOCKSIZE
 _ZERO = b"\0" * _BLOCK
 _PREFIX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -114,18 +120,40 @@ class _Bytes:
 
 
 class _Members:
-    """One sender's TAR archive, read member by member (headers parsed by ``tarfile``)."""
+    """One sender's TAR archive, read member by member (headers parsed by ``tarfile``).
 
-    def __init__(self, node: ClusterNode, stream):
-        self.node, self.stream = node, stream  # anything with ``await readexactly(n)``
+    What was written of the member being copied is kept (``headers_written``, ``size``,
+    ``data_written``), so that if the sender fails mid-member another copy's target can finish
+    it (``copy_one(resume=...)``)."""
+
+    def __init__(self, node: ClusterNode, stream, wait_seconds: float = SENDER_WAIT_SECONDS):
+        self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: ``await readexactly(n)``
+        self.headers_written = self.data_written = 0
+        self.size: int | None = None  # the current member's padded data size, once its header is out
 
     async def _read(self, n: int) -> bytes:
         try:
-            return await self.stream.readexactly(n)
+            return await asyncio.wait_for(self.stream.readexactly(n), self.wait)
         except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
             raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
+        except asyncio.TimeoutError:
+            raise SenderFailed(f"moss: sender {self.node.id} sent nothing for {self.wait:g} s") from None
 
-    async def copy_one(self, write) -> None:
+    def resume_point(self) -> tuple[int, int] | None:
+        """(padded data size, data bytes written) of a member begun and cut in its data; None if
+        nothing of it was written; SenderFailed when cut inside its headers (not resumable)."""
+        if self.headers_written == 0:
+            return None
+        if self.size is None:
+            raise SenderFailed(f"moss: sender {self.node.id} failed inside a member's headers")
+        return self.size, self.data_written
+
+    async def copy_one(self, write, resume: tuple[int, int] | None = None) -> None:
+        """Copy the next member; with ``resume`` (another sender's ``resume_point``), drop its
+        headers and the data already written, and write the rest (the same bytes: the same
+        object from another copy, checked by size)."""
+        self.headers_written = self.data_written = 0
+        self.size = None
         pax_size = None
         while True:
             block = await self._read(_BLOCK)
@@ -135,18 +163,31 @@ class _Members:
                 info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
             except tarfile.HeaderError as e:
                 raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
-            await write(block)
+            if resume is None:
+                await write(block)
+                self.headers_written += 1
             if info.type in _PREFIX_TYPES:  # a header for the member that follows
                 data = await self._read(_padded(info.size))
                 if info.type == tarfile.XHDTYPE:
                     pax_size = _pax_size(data[:info.size])
-                await write(data)
+                if resume is None:
+                    await write(data)
                 continue
-            left = _padded(info.size if pax_size is None else pax_size)
+            self.size = left = _padded(info.size if pax_size is None else pax_size)
+            if resume is not None:
+                size, skip = resume
+                if size != left:
+                    raise SenderFailed(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
+                                       f"{size}): the member cannot be finished from it")
+                self.headers_written, self.data_written = 1, skip
+                while skip:
+                    skip -= len(await self._read(min(COPY_BYTES, skip)))
+                left -= self.data_written
             while left:
                 chunk = await self._read(min(COPY_BYTES, left))
                 left -= len(chunk)
                 await write(chunk)
+                self.data_written += len(chunk)
             return
 
 
@@ -202,8 +243,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             f"(this one asks for {req.mime}); send mime .tar")
     down: set[str] = set()
 
-    async def open_sub(node_id: str) -> aiohttp.ClientResponse:
-        body = json.dumps({"in": [req.items[i] for i in groups[node_id]], "mime": ".tar", "coer": req.coer,
+    async def open_sub(node_id: str, idx: list[int]) -> aiohttp.ClientResponse:
+        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer,
                            "onob": req.onob, "strm": req.strm}).encode()
         path_qs = request.rel_url.raw_path_qs
         headers = {HEADER: secret.sign("GET", path_qs, body), "Content-Type": "application/json"}
@@ -216,12 +257,13 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             raise
 
     subs: dict[str, aiohttp.ClientResponse] = {}
+    extra: list[aiohttp.ClientResponse] = []  # sub-requests opened to recover a failed sender
     try:
         for _ in range(len(smap.targets)):  # a sender that cannot be reached: its copies' holders instead
             owners, groups = partition(req, smap, down)
             nodes = {n.id: n for n in owners}
             order = list(dict.fromkeys(n.id for n in owners))  # holders by their first entry
-            results = await asyncio.gather(*(open_sub(n) for n in order), return_exceptions=True)
+            results = await asyncio.gather(*(open_sub(n, groups[n]) for n in order), return_exceptions=True)
             if not any(isinstance(r, BaseException) for r in results):
                 subs = dict(zip(order, results))
                 break
@@ -246,17 +288,63 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
         members = {n: _Members(nodes[n], r.content) for n, r in subs.items()}
+        source = [members[n.id] for n in owners]  # entry i comes from source[i]
+        metrics = request.app[METRICS]
+
+        async def recover(first: int, failed: _Members) -> None:
+            """Get from neighbour: the entries from ``first`` on that ``failed`` was to send are
+            asked of the targets of their next copies, one sub-request per target."""
+            down.add(failed.node.id)
+            regroup: dict[str, list[int]] = {}
+            for j in range(first, len(owners)):
+                if source[j] is not failed:
+                    continue
+                e = req.entries[j]
+                ranked = smap.ranked(e.bucket, e.objname)[:smap.copies]
+                node = next((n for n in ranked if n.id not in down), None)
+                if node is None:
+                    raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: no other copy's target is left")
+                nodes[node.id] = node
+                regroup.setdefault(node.id, []).append(j)
+            for node_id, idx in regroup.items():
+                try:
+                    r = await open_sub(node_id, idx)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                    raise SenderFailed(f"moss: {node_id}, asked for another copy, cannot be reached: {e}") from None
+                extra.append(r)
+                if r.status != 200:
+                    raise SenderFailed(f"moss: {node_id}, asked for another copy, answered HTTP {r.status}")
+                m = _Members(nodes[node_id], r.content)
+                for j in idx:
+                    source[j] = m
+                metrics.gb_gfn_n.inc(len(idx))
+
+        i, resume, recoveries = 0, None, 0
         try:
-            for node in owners:
-                await members[node.id].copy_one(resp.write)
+            while i < len(owners):
+                m = source[i]
+                try:
+                    await m.copy_one(resp.write, resume)
+                except SenderFailed as e:
+                    if recoveries >= len(smap.targets):
+                        raise
+                    log.warning("moss (designated target): %s; entry %d on: from the next copies", e.message, i)
+                    resume = m.resume_point()
+                    await recover(i, m)
+                    recoveries += 1
+                    continue
+                resume = None
+                i += 1
             await resp.write(_ZERO * 2)
             await resp.write_eof()
         except (StoreError, ConnectionError) as e:
             # after the 200 the only signal left is truncation: no end-of-archive
+            if isinstance(e, SenderFailed):
+                metrics.gb_gfn_err_n.inc()
             log.warning("moss (designated target): stream truncated: %s", getattr(e, "message", e))
             if request.transport is not None:
                 request.transport.close()
         return resp
     finally:
-        for r in subs.values():
+        for r in [*subs.values(), *extra]:
             r.close()
