@@ -31,7 +31,7 @@ import httpx
 
 from batchfs.wire.retry import backoff_seconds, retryable
 from batchfs.wire.units import SECONDS
-from batchfs.wire.urls import bucket_path, object_path
+from batchfs.wire.urls import MAX_REDIRECTS, bucket_path, object_path
 
 
 
@@ -138,9 +138,16 @@ class _Uploader:
         for attempt in range(self.cfg.retries + 1):
             last = attempt == self.cfg.retries
             try:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    r = self.client.put(url, content=f, headers={"Content-Length": str(size)})
+                for _ in range(MAX_REDIRECTS + 1):
+                    with open(path, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        r = self.client.put(url, content=f, headers={"Content-Length": str(size)})
+                    location = r.headers.get("Location") if r.status_code in (307, 308) else None
+                    if not location:
+                        break
+                    # a cluster gateway sends the PUT to the target that owns the object: the
+                    # body goes again, from the file (a streamed body cannot be replayed)
+                    url = str(httpx.URL(url).join(location))
                 if r.status_code == 200:
                     self.on_bytes(size)
                     return size

@@ -39,11 +39,10 @@ from batchfs.buffers import uninitialized
 from batchfs.objclient.config import ClientConfig
 from batchfs.errors import BackendError, RequestTimeout
 from batchfs.wire.retry import backoff_seconds, retryable
+from batchfs.wire.urls import MAX_REDIRECTS, REDIRECT_STATUS
 
 log = logging.getLogger(__name__)
 
-REDIRECT_STATUS = {301, 302, 303, 307, 308}
-MAX_REDIRECTS = 5
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+# An AIStore gateway redirects object requests to the target that holds the object (301 for
+# GET, 307 for the rest): clients follow at most this many redirects of one request.
+MAX_REDIRECTS = 5
+REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+
 
 def bucket_path(bucket: str) -> str:
     """``/v1/buckets/BUCKET``: listing, bucket properties, bucket actions."""
