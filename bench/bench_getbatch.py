@@ -13,7 +13,8 @@
    and without ``coer``: from sending the (already encoded) request to the first body bytes.
 3. Server RSS (from /proc) while streaming a 2 GiB batch (8 x 256 MiB chunked objects).
 
-The server is a real ``batchfs-server`` process on a free port, in a temporary directory.
+The server is a real ``batchfs-server`` process on a free port, in a temporary directory; with
+``--cluster N`` one gateway and N targets, every request sent to the gateway (redirects followed).
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ def load(client: httpx.Client, url: str, bucket: str, prefix: str, size: int, co
     data = os.urandom(size)
 
     def put(name):
-        client.put(f"{url}/v1/objects/{bucket}/{name}", content=data).raise_for_status()
+        for attempt in range(3):  # through a gateway, a connection it closed after its 307 may fail once
+            try:
+                client.put(f"{url}/v1/objects/{bucket}/{name}", content=data).raise_for_status()
+                return
+            except httpx.TransportError:
+                if attempt == 2:
+                    raise
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         list(ex.map(put, names))
@@ -229,6 +236,11 @@ def main() -> int:
                    help="comma-separated client thread counts (each shares one httpx.Client)")
     p.add_argument("--skip-rss", action="store_true")
     p.add_argument("--only", choices=["table", "ttfb", "rss"])
+    p.add_argument("--cluster", type=int, default=0, metavar="TARGETS",
+                   help="serve from a cluster of one gateway and this many targets (two mountpaths each, "
+                   "two copies of every object) instead of one node; every request goes to the gateway "
+                   "and follows its redirects (individual GETs: 301 to the owner; GetBatch: 307 to the "
+                   "designated target, which gathers from the others)")
     p.add_argument("--rtt-ms", type=float, default=None,
                    help="send both sides through an emulated network (bench/delayline.py) of this round-trip "
                    "time, milliseconds (default: no line, direct loopback)")
@@ -239,9 +251,17 @@ def main() -> int:
         out = [f"BENCH_SIZES={','.join(str(s) for s, _, _ in SIZES)} python -m bench.bench_getbatch --runs {args.runs} "
                f"--seconds {args.seconds} --threads {args.threads}", ""]
         if args.only in (None, "table", "ttfb"):
-            srv = ServerProcess([tmp / "d1", tmp / "d2"])
-            srv.start()
-            print(f"server pid {srv.proc.pid} (for py-spy)", flush=True)
+            if args.cluster:
+                from tests.cluster.conftest import Cluster
+
+                (tmp / "cluster").mkdir()
+                srv = Cluster(tmp / "cluster", targets=args.cluster).start()
+                out[0] += f" --cluster {args.cluster}"
+                print(f"gateway pid {srv.gateway.proc.pid}, targets {[t.proc.pid for t in srv.targets]}", flush=True)
+            else:
+                srv = ServerProcess([tmp / "d1", tmp / "d2"])
+                srv.start()
+                print(f"server pid {srv.proc.pid} (for py-spy)", flush=True)
             net_line = None if args.rtt_ms is None else LineProcess(srv.url, args.rtt_ms)
             url = srv.url if net_line is None else net_line.url
             if net_line is not None:
@@ -249,7 +269,7 @@ def main() -> int:
             try:
                 most = max(thread_counts)
                 limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
-                with httpx.Client(timeout=120, limits=limits) as client:
+                with httpx.Client(timeout=120, limits=limits, follow_redirects=bool(args.cluster)) as client:
                     client.post(f"{url}/v1/buckets/bench", json={"action": "create-bck"}).raise_for_status()
                     names = {size: load(client, url, "bench", label.replace(" ", ""), size, count)
                              for size, label, count in SIZES}
@@ -263,7 +283,9 @@ def main() -> int:
                 if net_line is not None:
                     net_line.close()
                 srv.stop()
-                problems = [line for line in srv.output if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+                outputs = [p.output for p in [srv.gateway, *srv.targets]] if args.cluster else [srv.output]
+                problems = [line for o in outputs for line in o
+                            if "WARNING" in line or "ERROR" in line or "Traceback" in line]
                 if problems:  # a benchmark over a misbehaving server measures nothing
                     print("server log:\n" + "".join(problems[-20:]), file=sys.stderr)
         if args.only in (None, "rss") and not args.skip_rss:
