@@ -133,7 +133,8 @@ class _Members:
 
     async def _read(self, n: int) -> bytes:
         try:
-            return await asyncio.wait_for(self.stream.readexactly(n), self.wait)
+            async with asyncio.timeout(self.wait):  # no task per read, unlike wait_for
+                return await self.stream.readexactly(n)
         except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
             raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
         except asyncio.TimeoutError:
