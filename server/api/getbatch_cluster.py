@@ -19,7 +19,8 @@ them with the same header function for the same names, sizes and times.
 
 Invariants:
 - Strict order: entry i of the request is member i of the reply, whichever target holds it.
-- Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes;
+- Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes,
+  and about ``OUT_BYTES`` of reply gathered before it is written;
   a sender ahead of the DT waits in TCP (its own watchdog bounds how long).
 - A sender that cannot be reached before the 200 is replaced by the targets of its entries' next
   copies (all senders are opened again). One that fails, ends early or is silent for
@@ -55,6 +56,7 @@ from server.getbatch.request import MossReq
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 1 << 20
+OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size (``_Coalesced``)
 SENDER_WAIT_SECONDS = 20.0  # AIStore's max_wait: a sender silent this long is given up on
 _BLOCK = tarfile.BLOCKSIZE
 _ZERO = b"\0" * _BLOCK
@@ -232,6 +234,28 @@ async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode
     return web.Response(body=mp, status=200)
 
 
+class _Coalesced:
+    """The reply's writes gathered into pieces of about ``OUT_BYTES``: a member's header and its
+    data (10 KiB objects: two small pieces) would otherwise each cost a send and a chunk header
+    (py-spy: the socket writes were the DT's largest cost)."""
+
+    def __init__(self, resp: web.StreamResponse):
+        self.resp, self.parts, self.size = resp, [], 0
+
+    async def write(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+        if self.size >= OUT_BYTES:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self.parts:
+            data = b"".join(self.parts)
+            self.parts.clear()
+            self.size = 0
+            await self.resp.write(data)
+
+
 def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
     return next(n for n in owners if n.id == node_id)
 
@@ -320,12 +344,13 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     source[j] = m
                 metrics.gb_gfn_n.inc(len(idx))
 
+        out = _Coalesced(resp)
         i, resume, recoveries = 0, None, 0
         try:
             while i < len(owners):
                 m = source[i]
                 try:
-                    await m.copy_one(resp.write, resume)
+                    await m.copy_one(out.write, resume)
                 except SenderFailed as e:
                     if recoveries >= len(smap.targets):
                         raise
@@ -336,7 +361,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     continue
                 resume = None
                 i += 1
-            await resp.write(_ZERO * 2)
+            await out.write(_ZERO * 2)
+            await out.flush()
             await resp.write_eof()
         except (StoreError, ConnectionError) as e:
             # after the 200 the only signal left is truncation: no end-of-archive
