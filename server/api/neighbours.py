@@ -26,6 +26,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from batchfs.wire.urls import object_path
 from server.api import auth
 from server.api.daemon_api import NODE_INFO
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, PEERS
@@ -72,7 +73,7 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
     if not others:  # a single node, or a target alone: nobody to ask
         raise not_found
     query = [(k, v) for k, v in request.query.items() if k != GFN_PARAM] + [(GFN_PARAM, "1")]
-    path_qs = (f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}?"
+    path_qs = (object_path(bucket, name) + "?"
                + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query))
     headers = {HEADER: app[CLUSTER_SECRET].sign(request.method, path_qs)}
     if "Range" in request.headers:

@@ -32,11 +32,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 
+from batchfs.wire.urls import object_path
 from server.api import replicas
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT, GFN_PARAM
@@ -176,7 +176,7 @@ class Rebalancer:
 
     async def _head(self, h: ClusterNode, bucket: str, name: str) -> tuple[int, str, int]:
         app = self.app
-        path_qs = f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}?{GFN_PARAM}=1"
+        path_qs = f"{object_path(bucket, name)}?{GFN_PARAM}=1"
         async with app[PEERS].head(h.url + path_qs, headers={HEADER: app[CLUSTER_SECRET].sign("HEAD", path_qs)},
                                    timeout=ASK_TIMEOUT) as r:
             return r.status, r.headers.get("Ais-Checksum-Value", ""), int(r.headers.get("Ais-Atime", "0") or 0)

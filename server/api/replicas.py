@@ -28,6 +28,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from batchfs.wire.urls import object_path
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.api.daemon_api import NODE_INFO
 from server.cluster.secret import HEADER
@@ -88,15 +89,11 @@ def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name
                             "(it would leave one copy): PUT the whole object instead")
 
 
-def _path(bucket: str, name: str) -> str:
-    return f"/v1/objects/{quote(bucket, safe='')}/{quote(name, safe='/')}"
-
-
 async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,
                    expect: str | None = None) -> None:
     """Send this target's committed ``meta`` version to ``node``; with ``expect`` (a rebalance
     copy) it replaces only that version there ("none": only if absent) — CopyRefused if not."""
-    path_qs = f"{_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
+    path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
     if expect is not None:
         path_qs += f"&{EXPECT_PARAM}={quote(expect, safe='')}"
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
@@ -133,7 +130,7 @@ async def put_copies(request: web.Request, bucket: str, name: str, meta: ObjectM
 async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
     """Delete the object's other copies; how many existed. CopyFailed if a target did not answer."""
     app = request.app
-    path_qs = f"{_path(bucket, name)}?{REPLICA_PARAM}=1"
+    path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1"
     found = 0
     for node in copy_targets(app, bucket, name):
         try:

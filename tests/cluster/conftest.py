@@ -16,6 +16,13 @@ from tests.support.processes import ServerProcess
 SECRET = "cluster-secret-for-tests-" + "0123456789abcdef" * 2
 
 
+def ranked(smap: dict, bucket: str, name: str) -> list[str]:
+    """Target ids in HRW order for an object, from a map as the SDK reads it (``what=smap``)."""
+    from batchfs.wire import hrw
+
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
+
+
 def holds(url: str, bucket: str, name: str) -> bool:
     """Whether the target at ``url`` itself stores the object: a signed HEAD ``?gfn=1`` (the
     request a neighbour sends), which never asks other targets."""

@@ -10,17 +10,10 @@ import random
 import time
 
 import httpx
-import pytest
 
-from batchfs.wire import hrw
 from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import SECRET, holds
+from tests.cluster.conftest import SECRET, holds, ranked
 from tests.support.getbatch import blob, sdk_client
-
-
-def _ranked(smap: dict, bucket: str, name: str) -> list[str]:
-    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)
 
 
 def _status(cluster) -> dict:
@@ -48,9 +41,9 @@ def test_copies_survive_a_dead_target(cluster):
     for name, data in objs.items():
         b.object(name).get_writer().put_content(data)
     for name in objs:  # on its first two HRW targets, nowhere else
-        ranked = _ranked(smap, "copies", name)
+        want = ranked(smap, "copies", name)[:2]
         for node_id, url in urls.items():
-            assert holds(url, "copies", name) == (node_id in ranked[:2]), (name, node_id)
+            assert holds(url, "copies", name) == (node_id in want), (name, node_id)
     for name in list(objs)[:5]:  # DELETE removes both copies
         b.object(name).delete()
         for url in urls.values():
@@ -84,8 +77,8 @@ def test_copies_survive_a_dead_target(cluster):
     assert [out.obj_name for out, _ in got] == names
     assert all(body == objs[out.obj_name] for out, body in got)
     # a PUT that needs the dead target for a copy is not acknowledged; one that does not is
-    dead_pair = next(f"n/{i}" for i in range(100) if victim_id in _ranked(smap, "copies", f"n/{i}")[:2])
-    live_pair = next(f"n/{i}" for i in range(100) if victim_id not in _ranked(smap, "copies", f"n/{i}")[:2])
+    dead_pair = next(f"n/{i}" for i in range(100) if victim_id in ranked(smap, "copies", f"n/{i}")[:2])
+    live_pair = next(f"n/{i}" for i in range(100) if victim_id not in ranked(smap, "copies", f"n/{i}")[:2])
     r = httpx.put(f"{cluster.url}/v1/objects/copies/{dead_pair}", content=b"new", follow_redirects=True, timeout=20)
     assert r.status_code == 503 and victim_id in r.text
     r = httpx.put(f"{cluster.url}/v1/objects/copies/{live_pair}", content=b"new", follow_redirects=True, timeout=20)

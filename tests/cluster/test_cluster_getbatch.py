@@ -13,13 +13,8 @@ import tarfile
 import httpx
 import pytest
 
-from batchfs.wire import hrw
+from tests.cluster.conftest import ranked
 from tests.support.getbatch import blob, make_shard, moss, sdk_client, tar_members
-
-
-def _owner(smap: dict, bucket: str, name: str) -> str:
-    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)[0]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +30,7 @@ def data(cluster) -> dict:
     for name, data in objs.items():
         b.object(name).get_writer().put_content(data)
     smap = cluster.smap()
-    assert len({_owner(smap, "gbx", n) for n in objs}) == 3  # entries on every target
+    assert len({ranked(smap, "gbx", n)[0] for n in objs}) == 3  # entries on every target
     return {"objs": objs, "members": members, "smap": smap}
 
 
@@ -73,7 +68,7 @@ def test_raw_moss_through_the_gateway_redirects_to_the_owner_of_most_entries(clu
     assert [d for _, d in tar_members(r.content)] == [objs[n] for n in names]
     counts: dict[str, int] = {}
     for n in names:
-        counts[_owner(smap, "gbx", n)] = counts.get(_owner(smap, "gbx", n), 0) + 1
+        counts[ranked(smap, "gbx", n)[0]] = counts.get(ranked(smap, "gbx", n)[0], 0) + 1
     redirect = httpx.request("GET", f"{cluster.url}/v1/ml/moss/gbx", json=body, follow_redirects=False, timeout=10)
     assert redirect.status_code == 307
     dt = max(counts, key=counts.get)

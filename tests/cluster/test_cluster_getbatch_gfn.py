@@ -11,22 +11,17 @@ import tarfile
 
 import httpx
 
-from batchfs.wire import hrw
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import Cluster, ranked
 from tests.support.getbatch import sdk_client
 
 BIG = 64 << 20
-
-
-def _ranked(smap: dict, bucket: str, name: str) -> list[str]:
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
 
 
 def _names_owned(smap: dict, bucket: str, owner: str, prefix: str, n: int) -> list[str]:
     out, i = [], 0
     while len(out) < n:
         name = f"{prefix}{i:04d}"
-        if _ranked(smap, bucket, name)[0] == owner:
+        if ranked(smap, bucket, name)[0] == owner:
             out.append(name)
         i += 1
     return out

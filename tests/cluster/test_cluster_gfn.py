@@ -9,8 +9,7 @@ import random
 
 import httpx
 
-from batchfs.wire import hrw
-from tests.cluster.conftest import holds
+from tests.cluster.conftest import holds, ranked
 from tests.support.getbatch import blob, sdk_client
 
 
@@ -22,10 +21,9 @@ def test_a_target_reads_what_it_does_not_hold_from_its_neighbours(cluster):
     for name, data in objs.items():
         b.object(name).get_writer().put_content(data)
     smap = cluster.smap()
-    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
     urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
     for name, data in objs.items():
-        third = urls[hrw.ranked(hrw.digest(hrw.uname("gfn", name)), nodes)[2]]  # holds no copy
+        third = urls[ranked(smap, "gfn", name)[2]]  # holds no copy
         assert not holds(third, "gfn", name)
         assert httpx.get(f"{third}/v1/objects/gfn/{name}", timeout=10).content == data
         r = httpx.get(f"{third}/v1/objects/gfn/{name}", headers={"Range": "bytes=1-"}, timeout=10)
@@ -36,6 +34,6 @@ def test_a_target_reads_what_it_does_not_hold_from_its_neighbours(cluster):
     for url in urls.values():
         assert httpx.get(f"{url}/v1/objects/gfn/absent", timeout=10).status_code == 404  # every neighbour asked
     # a client cannot pass itself off as a neighbour (to a target that would have to ask on)
-    third = urls[hrw.ranked(hrw.digest(hrw.uname("gfn", "j/00")), nodes)[2]]
+    third = urls[ranked(smap, "gfn", "j/00")[2]]
     r = httpx.get(f"{third}/v1/objects/gfn/j/00?gfn=1", timeout=10)
     assert r.status_code == 400 and "between targets" in r.json()["message"]

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from batchfs.wire import hrw
-from tests.cluster.conftest import Cluster, holds
+from tests.cluster.conftest import Cluster, holds, ranked
 from tests.support.getbatch import sdk_client
 from tests.support.processes import ServerProcess
 
@@ -95,11 +94,10 @@ def test_cluster_against_a_model(tmp_path_factory):
 
             def teardown(self):
                 smap = cluster.smap()
-                digests = {i: n["id_digest"] for i, n in smap["tmap"].items()}
                 urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
                 for name, data in self.model.items():
                     assert self.bucket.object(name).get_reader().read_all() == data, name
-                    want = hrw.ranked(hrw.digest(hrw.uname(self.bucket.name, name)), digests)[:2]
+                    want = ranked(smap, self.bucket.name, name)[:2]
                     for node_id, url in urls.items():  # two copies, where the map puts them, and only there
                         assert holds(url, self.bucket.name, name) == (node_id in want), (name, node_id, want)
 

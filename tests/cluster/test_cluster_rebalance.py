@@ -14,15 +14,10 @@ import time
 
 import httpx
 
-from batchfs.wire import hrw
 from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import SECRET, Cluster, holds
+from tests.cluster.conftest import Cluster, SECRET, holds, ranked
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
-
-
-def _ranked(smap: dict, bucket: str, name: str) -> list[str]:
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
 
 
 def _stored(url: str, bucket: str, name: str) -> bytes:
@@ -38,7 +33,7 @@ def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> di
     smap = cluster.smap()
     urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
     for name, data in objs.items():
-        want = _ranked(smap, bucket, name)[:2]
+        want = ranked(smap, bucket, name)[:2]
         for node_id, url in urls.items():
             assert holds(url, bucket, name) == (node_id in want), (name, node_id, want)
             if node_id in want:
@@ -76,7 +71,7 @@ def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
         st = cluster.wait_rebalanced()
         smap = _placed_exactly(cluster, "rebal", objs)
         new_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == newcomer.url)
-        moved = sum(new_id in _ranked(smap, "rebal", n)[:2] for n in objs)
+        moved = sum(new_id in ranked(smap, "rebal", n)[:2] for n in objs)
         walks = {n["id"]: n["rebalance"] for n in st["nodes"] if n["kind"] == "target"}
         assert sum(w["copied"] for w in walks.values()) == moved > 0  # one copy per object the newcomer holds now
         assert sum(w["deleted"] for w in walks.values()) == moved  # and one let go for each
@@ -106,7 +101,7 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
         smap = cluster.smap()
         victim = cluster.targets[0]
         victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == victim.url)
-        held = [n for n in objs if victim_id in _ranked(smap, "rebuild", n)[:2]]
+        held = [n for n in objs if victim_id in ranked(smap, "rebuild", n)[:2]]
         assert held
 
         victim.proc.kill()

@@ -15,13 +15,8 @@ import pytest
 from aistore.sdk import Client
 
 from batchfs.wire import hrw
-from tests.cluster.conftest import SECRET, holds, secret_file
+from tests.cluster.conftest import SECRET, holds, ranked, secret_file
 from tests.support.processes import ServerProcess
-
-
-def _owner(smap: dict, bucket: str, name: str) -> str:
-    nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), nodes)[0]
 
 
 def test_sdk_through_the_gateway_lands_on_the_hrw_owner(cluster):
@@ -41,16 +36,15 @@ def test_sdk_through_the_gateway_lands_on_the_hrw_owner(cluster):
         assert b.object(name).get_reader().read_all() == data
         assert b.object(name).get_reader(direct=True).read_all() == data  # placed by the SDK
         assert int(b.object(name).head().size) == len(data)
-        owner = _owner(smap, "routed", name)
+        owner = ranked(smap, "routed", name)[0]
         owners.add(owner)
-        nodes = {i: n["id_digest"] for i, n in smap["tmap"].items()}
-        copies = hrw.ranked(hrw.digest(hrw.uname("routed", name)), nodes)[:2]
+        copies = ranked(smap, "routed", name)[:2]
         for node_id, url in urls.items():  # on the owner and the next HRW target (two copies)
             assert holds(url, "routed", name) == (node_id in copies), (name, node_id, copies)
     assert owners == set(urls)  # 60 names spread over all three targets
     # a redirect is AIStore's: 301 for GET, 307 for the rest, to the owner with pid and utm
     r = httpx.get(f"{cluster.url}/v1/objects/routed/dir0/obj-000", follow_redirects=False, timeout=10)
-    assert r.status_code == 301 and r.headers["location"].startswith(urls[_owner(smap, "routed", "dir0/obj-000")])
+    assert r.status_code == 301 and r.headers["location"].startswith(urls[ranked(smap, "routed", "dir0/obj-000")[0]])
     assert "pid=" in r.headers["location"] and "utm=" in r.headers["location"]
     r = httpx.put(f"{cluster.url}/v1/objects/routed/x", content=b"x", follow_redirects=False, timeout=10)
     assert r.status_code == 307
