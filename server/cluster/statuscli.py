@@ -45,10 +45,11 @@ def render(doc: dict) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
+                                "progress, as the gateway at URL sees them.",
                                 epilog="exit status: 0 all up, 3 rebalance running, 4 a target down, 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
-    p.add_argument("--token-file", type=Path, help="bearer token for a token-protected cluster "
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="bearer token for a token-protected cluster "
                    "(default: $AIS_AUTHN_TOKEN)")
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     a = p.parse_args(argv)
