@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import time
 from collections.abc import Iterator
 
 from server.errors import BadRequest, NotFound
@@ -128,10 +129,12 @@ def selected(store: Store, bucket: str, value: dict, extra_keys: set[str]) -> tu
 EVD_KEYS = {"num-workers", "coer", "non-recurs"}
 
 
-def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job) -> None:
+def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
+                   tombstones: bool = False) -> None:
+    """Delete the names; ``tombstones``: remember each delete (a cluster's target, see Store.delete)."""
     def delete(name: str) -> int:
         size = store.lookup(bucket, name).size
-        store.delete(bucket, name)
+        store.delete(bucket, name, None, time.time_ns() if tombstones else None)
         return size
 
     _each(names, delete, missing_is_error, job, bucket)

@@ -22,7 +22,8 @@ class Metrics:
         self.bytes_out = Counter("batchfs_sent_bytes", "Response body bytes sent", ["op"], registry=r)
         self.bytes_in = Counter("batchfs_received_bytes", "Object bytes received by PUTs", registry=r)
         self.rebalance = Counter("batchfs_rebalance_objects", "Objects a cluster target's rebalance or rebuild "
-                                 "copied to other targets, deleted here once placed elsewhere, or failed on",
+                                 "copied to other targets, deleted here once placed elsewhere, deleted here as stale "
+                                 "(a holder deleted them while this target was away), or failed on",
                                  ["what"], registry=r)
         # Reads refused because stored bytes failed their checksum (each one also logged with
         # bucket, object, chunk and file); exposed as batchfs_server_corrupt_reads_total.

@@ -63,8 +63,15 @@ class LocalNode:
     def writer(self, bucket: str, name: str) -> PutWriter:
         return self.target_store.writer(bucket, name)
 
-    def delete(self, bucket: str, name: str, precondition: Callable[[ObjectMeta], None] | None = None) -> None:
-        self.target_store.delete(bucket, name, precondition)
+    def delete(self, bucket: str, name: str, precondition: Callable[[ObjectMeta], None] | None = None,
+               tombstone_ns: int | None = None) -> None:
+        self.target_store.delete(bucket, name, precondition, tombstone_ns)
+
+    def deleted_ns(self, bucket: str, name: str) -> int | None:
+        return self.target_store.deleted_ns(bucket, name)
+
+    def prune_tombstones(self, older_than_ns: int) -> int:
+        return self.target_store.prune_tombstones(older_than_ns)
 
     def scratch_dir(self, purpose: str) -> Path:
         """A directory on this node's storage for work files (multipart uploads): same
@@ -78,8 +85,9 @@ class LocalNode:
     def selected(self, bucket: str, value: dict, extra_keys: set[str]) -> tuple[Iterator[str], bool]:
         return bucket_ops.selected(self.target_store, bucket, value, extra_keys)
 
-    def delete_objects(self, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job) -> None:
-        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job)
+    def delete_objects(self, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
+                       tombstones: bool = False) -> None:
+        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job, tombstones)
 
     def copy_object(self, src_bucket: str, src_name: str, dst_bucket: str, dst_name: str) -> int:
         return bucket_ops.copy_object(self.target_store, src_bucket, src_name, dst_bucket, dst_name)

@@ -104,7 +104,7 @@ GET_OBJECT_PARAMS = ["latest-ver", neighbours.GFN_PARAM, *archget.ARCH_PARAMS]
 
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
-          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM])
+          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM, replicas.WRITTEN_PARAM])
 async def put_object(request: web.Request) -> web.Response:
     """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py).
     In a cluster, the object's other copies are made before the answer (``replicas``)."""
@@ -264,6 +264,7 @@ async def head_object(request: web.Request) -> web.StreamResponse:
         meta = request.app[NODE].lookup(bucket, name)
     except NotFound as e:
         if await neighbours.is_gfn(request):
+            neighbours.say_when_deleted(request, bucket, name, e)
             raise
         return await neighbours.read_from_neighbours(request, bucket, name, e)
     headers = object_headers(meta)
@@ -364,7 +365,8 @@ async def delete_object(request: web.Request) -> web.Response:
     bucket, name = _names(request)
     copy = await _replica_write(request) is not None
     try:
-        await asyncio.to_thread(request.app[NODE].delete, bucket, name)
+        await asyncio.to_thread(request.app[NODE].delete, bucket, name, None,
+                                replicas.tombstone_time(request.app))
     except NotFound:
         if copy or not await replicas.delete_copies(request, bucket, name):
             raise

@@ -15,7 +15,7 @@ import msgpack
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import daemon_api
+from server.api import daemon_api, replicas
 from server.api.guard import MSG_KEY, accepts, bool_param
 from server.api.state import NODE, OP_KEY
 from server.errors import BadRequest, NotFound
@@ -139,7 +139,8 @@ async def bucket_delete(request: web.Request) -> web.Response:
     registry = request.app[jobs.JOBS]
     job = registry.start("delete-listrange", bucket)
     try:
-        await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job)
+        await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job,
+                                replicas.tombstone_time(request.app) is not None)
     finally:
         registry.finish(job, job.error)
     return web.Response(text=job.id)

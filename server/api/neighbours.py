@@ -27,9 +27,9 @@ import aiohttp
 from aiohttp import web
 
 from batchfs.wire.urls import object_path
-from server.api import auth
+from server.api import auth, replicas
 from server.api.daemon_api import NODE_INFO
-from server.api.state import CLUSTER_SECRET, MEMBERSHIP, PEERS
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.cluster.secret import HEADER
 from server.errors import BadRequest, StoreError
 
@@ -56,6 +56,17 @@ async def is_gfn(request: web.Request) -> bool:
     return True
 
 
+def say_when_deleted(request: web.Request, bucket: str, name: str, not_found: StoreError) -> None:
+    """A neighbour's 404 carries the time of the name's tombstone here, if there is one: the
+    rebalance walk of a target that was away learns from it that its copy was deleted."""
+    try:
+        deleted = request.app[NODE].deleted_ns(bucket, name)
+    except StoreError:
+        return
+    if deleted is not None:
+        not_found.headers = {replicas.DELETED_HEADER: str(deleted)}
+
+
 def _neighbours(app: web.Application, bucket: str, name: str) -> list:
     member = app.get(MEMBERSHIP)
     if member is None or member.smap is None:
@@ -78,6 +89,7 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
     headers = {HEADER: app[CLUSTER_SECRET].sign(request.method, path_qs)}
     if "Range" in request.headers:
         headers["Range"] = request.headers["Range"]
+    deleted = await asyncio.to_thread(app[NODE].deleted_ns, bucket, name)
     failed = []
     for node in others:
         try:
@@ -91,6 +103,9 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
                                             headers={k: r.headers[k] for k in _KEPT if k in r.headers})
                     failed.append(f"{node.id}: HTTP {r.status}")
                     continue
+                written = r.headers.get("Ais-Atime", "")
+                if replicas.deleted_after(deleted, int(written) if written.isdigit() else 0):
+                    continue  # deleted here after that copy was written: it is stale, not the object
                 kept = {k: r.headers[k] for k in _KEPT if k in r.headers}
                 if request.method == "HEAD":
                     return web.Response(status=r.status, headers=kept)

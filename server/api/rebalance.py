@@ -6,8 +6,11 @@ A target joins (rebalance) or is dropped by the gateway after ``--rebuild-after`
 walk over its own objects, one at a time::
 
     holders = the object's first ``copies`` HRW targets under the new map
-    for each other holder:  signed HEAD ?gfn=1  ->  absent: send a copy (expect=none)
-                                                    older version there: send ours (expect=theirs)
+    ask each other holder (signed HEAD ?gfn=1): its version and write time, or its tombstone
+    if a holder deleted the name after our version was written:
+        delete the local copy, keep the tombstone; done
+    for each other holder:  absent: send a copy (expect=none)
+                            older version there: send ours (expect=theirs)
     if this target is not a holder and every holder answered that it has the object:
         delete the local copy (only the version looked at)
 
@@ -18,13 +21,20 @@ Invariants:
 - A copy never overwrites a newer write: it is committed only over the version the sender saw
   (``expect``, checked in the receiver's catalog transaction, 412 otherwise), and "newer" is the
   later write time of two different versions.
+- A copy never brings back a deleted object: targets of a cluster keep a tombstone per delete
+  (``Store.delete``) for ``TOMBSTONE_KEEP_SECONDS``; a copy whose version was written before the
+  receiver's tombstone is refused in the same transaction (so a delete racing the copy wins
+  too), and the sender then deletes its own copy. Reads relayed from a neighbour (GFN) skip a
+  copy older than the asking target's tombstone the same way.
 - One walk at a time per target, one object at a time (bounded work beside client traffic);
   a newer map stops the walk and starts it again; a restart walks again (the walk is
   idempotent: what is in place is only looked at).
 - Reads during a walk find objects wherever they are (``neighbours``: get from neighbour).
 
-Known limit: an object deleted while one of its holders was out of the map can come back when
-that target returns (there are no tombstones).
+Known limits: "before" compares the clocks of two targets (a delete and a write of the same name
+within their clock skew may be ordered wrongly); a target away longer than the tombstones are
+kept may bring deleted objects back; until its walk reaches an object, a returning target lists
+(and, as the object's first holder, serves) its stale copy.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ from server.errors import Conflict, NotFound, StoreError
 log = logging.getLogger(__name__)
 
 PAGE = 256  # names listed at a time
+# How long a target remembers a delete: one away longer may bring deleted objects back
+TOMBSTONE_KEEP_SECONDS = 14 * 24 * 3600
 REBALANCER = web.AppKey("rebalancer", object)
 
 
@@ -60,7 +72,7 @@ class Rebalancer:
         self.app = app
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0,
+        self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0, "stale": 0,
                       "failed": 0, "last_error": ""}
 
     def changed(self, smap: ClusterMap) -> None:
@@ -121,6 +133,7 @@ class Rebalancer:
 
     async def _walk(self, smap: ClusterMap) -> None:
         node = self.app[NODE]
+        await asyncio.to_thread(node.prune_tombstones, time.time_ns() - TOMBSTONE_KEEP_SECONDS * 10**9)
         await self._sync_buckets(smap)
         for bucket in sorted(node.buckets):
             after = ""
@@ -144,12 +157,24 @@ class Rebalancer:
             return  # deleted meanwhile
         self.state["checked"] += 1
         holders = smap.ranked(bucket, name)[:smap.copies]
-        confirmed = 0
-        for h in holders:
-            if h.id == me:
-                continue
+        others = [h for h in holders if h.id != me]
+        seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its HEAD's status, cksum, time
+        for h in others:
             try:
-                status, cksum, written_ns = await self._head(h, bucket, name)
+                seen[h.id] = await self._head(h, bucket, name)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self._failed(bucket, name, h, e)
+        # a holder deleted the name after our version was written: ours is not to be copied
+        deleted = max((t for status, _, t in seen.values() if status == 404), default=None)
+        if replicas.deleted_after(deleted, meta.atime_ns):
+            await self._drop(bucket, name, meta, deleted)
+            return
+        confirmed = 0
+        for h in others:
+            if h.id not in seen:
+                continue
+            status, cksum, written_ns = seen[h.id]
+            try:
                 if status == 404:
                     await self._copy(h, bucket, name, meta, "none")
                 elif status == 200 and cksum != meta.cksum and meta.atime_ns > written_ns:
@@ -157,29 +182,45 @@ class Rebalancer:
                 elif status != 200:
                     raise replicas.CopyFailed(f"HEAD at {h.id}: HTTP {status}")
                 confirmed += 1
+            except replicas.CopyDeleted as e:  # deleted there between our HEAD and the copy
+                await self._drop(bucket, name, meta, e.deleted_ns)
+                return
             except replicas.CopyRefused:
                 confirmed += 1  # it was written there meanwhile: it has a copy, and a newer one
             except (StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.state["failed"] += 1
-                self.state["last_error"] = f"ais://{bucket}/{name} to {h.id}: {e}"
-                self._count("failed")
+                self._failed(bucket, name, h, e)
         if me not in {h.id for h in holders} and confirmed == len(holders):
-            def same_version(current) -> None:
-                if current.cksum != meta.cksum or current.version != meta.version:
-                    raise replicas.CopyRefused("rewritten here meanwhile")
-            try:
-                await asyncio.to_thread(node.delete, bucket, name, same_version)
-                self.state["deleted"] += 1
-                self._count("deleted")
-            except (NotFound, replicas.CopyRefused):
-                pass
+            await self._drop(bucket, name, meta, None)
+
+    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None) -> None:
+        """Remove the local copy if it is still ``meta``'s version: it has moved to its holders
+        (``deleted_ns`` None), or it was deleted while this target was away (kept as a
+        tombstone here, so the delete outlives this copy too)."""
+        def same_version(current) -> None:
+            if current.cksum != meta.cksum or current.version != meta.version:
+                raise replicas.CopyRefused("rewritten here meanwhile")
+        try:
+            await asyncio.to_thread(self.app[NODE].delete, bucket, name, same_version, deleted_ns)
+        except (NotFound, replicas.CopyRefused):
+            return
+        what = "deleted" if deleted_ns is None else "stale"
+        self.state[what] += 1
+        self._count(what)
+
+    def _failed(self, bucket: str, name: str, h: ClusterNode, e: Exception) -> None:
+        self.state["failed"] += 1
+        self.state["last_error"] = f"ais://{bucket}/{name} to {h.id}: {e}"
+        self._count("failed")
 
     async def _head(self, h: ClusterNode, bucket: str, name: str) -> tuple[int, str, int]:
+        """A holder's (status, checksum, time): the write time of its version (200), or of its
+        tombstone (404; 0 if it has none)."""
         app = self.app
         path_qs = f"{object_path(bucket, name)}?{GFN_PARAM}=1"
         async with app[PEERS].head(h.url + path_qs, headers={HEADER: app[CLUSTER_SECRET].sign("HEAD", path_qs)},
                                    timeout=ASK_TIMEOUT) as r:
-            return r.status, r.headers.get("Ais-Checksum-Value", ""), int(r.headers.get("Ais-Atime", "0") or 0)
+            when = r.headers.get("Ais-Atime" if r.status == 200 else replicas.DELETED_HEADER, "")
+            return r.status, r.headers.get("Ais-Checksum-Value", ""), int(when) if when.isdigit() else 0
 
     async def _copy(self, h: ClusterNode, bucket: str, name: str, meta, expect: str) -> None:
         await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)

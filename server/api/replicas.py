@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import quote
 
 import aiohttp
@@ -39,6 +40,8 @@ from server.store.meta import ObjectMeta
 REPLICA_PARAM = "replica"
 CKSUM_PARAM = "cksum"
 EXPECT_PARAM = "expect"  # a rebalance copy: commit only over this version ("none": only if absent)
+WRITTEN_PARAM = "written"  # a rebalance copy: when its version was written (ns), against tombstones
+DELETED_HEADER = "Batchfs-Deleted-Ns"  # on a refusal or a peer's 404: when the name was deleted there
 COPY_PIECE_BYTES = 8 << 20
 
 
@@ -54,6 +57,20 @@ class CopyRefused(StoreError):
     status = 412
 
 
+class CopyDeleted(CopyRefused):
+    """412: the receiver deleted the name after the copy's version was written."""
+
+    def __init__(self, message: str, deleted_ns: int):
+        super().__init__(message)
+        self.deleted_ns = deleted_ns
+        self.headers = {DELETED_HEADER: str(deleted_ns)}
+
+
+def deleted_after(deleted_ns: int | None, written_ns: int) -> bool:
+    """Whether a tombstone makes a version written at ``written_ns`` stale."""
+    return deleted_ns is not None and deleted_ns > written_ns
+
+
 def copy_precondition(request: web.Request, writer, cksum: str):
     """The check a copy's commit runs in the catalog transaction: the bytes are the ones sent
     (else 400, nothing committed) and, for a rebalance copy (``expect``), the version being
@@ -65,7 +82,12 @@ def copy_precondition(request: web.Request, writer, cksum: str):
         if writer.cksum != cksum:
             raise BadRequest(f"{where}: copy arrived with checksum {writer.cksum}, sent as {cksum}; not stored")
         if expect is None:
-            return
+            return  # a client's PUT being copied: the newest write, whatever was deleted before
+        deleted = request.app[NODE].deleted_ns(writer.bucket, writer.name)  # in the commit's lock
+        written = request.query.get(WRITTEN_PARAM, "")
+        if deleted_after(deleted, int(written) if written.isdigit() else 0):
+            raise CopyDeleted(f"{where}: deleted here after that version was written; its copy is not taken",
+                              deleted)
         if expect == "none" and current is not None:
             raise CopyRefused(f"{where}: exists here already (rebalance copy not needed)")
         if expect != "none" and (current is None or current.cksum != expect):
@@ -83,6 +105,12 @@ def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNo
     return [n for n in smap.ranked(bucket, name)[:smap.copies] if n.id != me]
 
 
+def tombstone_time(app: web.Application) -> int | None:
+    """The time a delete here is remembered as (``Store.delete``'s ``tombstone_ns``): now on a
+    cluster's target, None on a single node (which keeps no tombstones)."""
+    return time.time_ns() if app.get(MEMBERSHIP) is not None else None
+
+
 def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name: str) -> None:
     if copy_targets(app, bucket, name):
         raise NotWithCopies(f"{what} of ais://{bucket}/{name} is not served in a cluster that keeps copies yet "
@@ -95,7 +123,7 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
     copy) it replaces only that version there ("none": only if absent) — CopyRefused if not."""
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
     if expect is not None:
-        path_qs += f"&{EXPECT_PARAM}={quote(expect, safe='')}"
+        path_qs += f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
 
     async def body():
@@ -106,6 +134,9 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
     try:
         async with app[PEERS].put(node.url + path_qs, data=body() if meta.size else b"", headers=headers) as r:
             if r.status == 412:
+                deleted = r.headers.get(DELETED_HEADER, "")
+                if deleted.isdigit():
+                    raise CopyDeleted(await r.text(), int(deleted))
                 raise CopyRefused(await r.text())
             if r.status != 200:
                 raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} failed: HTTP {r.status}: "

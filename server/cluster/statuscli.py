@@ -24,7 +24,7 @@ def _rebalance(r: dict | None) -> str:
         return f"rebalance: ? ({r['error']})"
     state = "running" if r.get("running") else "done"
     text = (f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
-            f"deleted {r.get('deleted', 0)}, failed {r.get('failed', 0)}")
+            f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
 
 

@@ -37,6 +37,9 @@ CREATE TABLE IF NOT EXISTS blocksums(
     bucket TEXT NOT NULL, name TEXT NOT NULL, tag TEXT NOT NULL, block_size INTEGER NOT NULL,
     sums BLOB NOT NULL,
     PRIMARY KEY (bucket, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tombstones(
+    bucket TEXT NOT NULL, name TEXT NOT NULL, deleted_ns INTEGER NOT NULL,
+    PRIMARY KEY (bucket, name)) WITHOUT ROWID;
 """
 
 

@@ -23,6 +23,10 @@ Invariants:
   request is O(page size × mountpaths), whatever the bucket holds.
 - Metadata of recently read objects is kept in a bounded LRU (``metacache``); every write
   invalidates it after its catalog commit.
+- In a cluster, a delete leaves a tombstone (bucket, name, time) in the home catalog, in the
+  transaction that removes the row when the row is at home; a commit of the name removes it.
+  Tombstones let a target that was away learn that its copy was deleted (``rebalance``); on a
+  single node none are written.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class Store:
                 db.execute("DELETE FROM buckets WHERE name = ?", (bucket,))
                 db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
                 db.execute("DELETE FROM blocksums WHERE bucket = ?", (bucket,))
+                db.execute("DELETE FROM tombstones WHERE bucket = ?", (bucket,))
             shutil.rmtree(mp.objs / bucket, ignore_errors=True)
         self.meta_cache.invalidate()
         self.sums_cache.clear()
@@ -229,35 +234,64 @@ class Store:
                            (bucket, name, tag, VERIFY_BLOCK, sums))
             else:
                 db.execute("DELETE FROM blocksums WHERE bucket = ? AND name = ?", (bucket, name))
+            db.execute("DELETE FROM tombstones WHERE bucket = ? AND name = ?", (bucket, name))
         self.meta_cache.invalidate((bucket, name))
         if old is not None:
             self._forget(*old, drop_row=old[0] is not home)
         return meta
 
-    def _forget(self, mp: Mountpath, meta: ObjectMeta, drop_row: bool = True) -> None:
-        """Remove a version: its catalog row (if still there), then its files."""
+    def _forget(self, mp: Mountpath, meta: ObjectMeta, drop_row: bool = True,
+                tombstone_ns: int | None = None) -> None:
+        """Remove a version: its catalog row (if still there), then its files; with
+        ``tombstone_ns``, record the delete in the home catalog (the same transaction when the
+        row is at home, else just before)."""
+        home = self.home(meta.bucket, meta.name)
+        if tombstone_ns is not None and mp is not home:
+            with home.writer() as db:
+                _tombstone(db, meta.bucket, meta.name, tombstone_ns)
         if drop_row:
             with mp.writer() as db:
                 db.execute("DELETE FROM objects WHERE bucket = ? AND name = ? AND tag = ?",
                            (meta.bucket, meta.name, meta.tag))
                 db.execute("DELETE FROM blocksums WHERE bucket = ? AND name = ? AND tag = ?",
                            (meta.bucket, meta.name, meta.tag))
+                if tombstone_ns is not None and mp is home:
+                    _tombstone(db, meta.bucket, meta.name, tombstone_ns)
             self.meta_cache.invalidate((meta.bucket, meta.name))
         for path, _ in self.chunk_files(meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
     def delete(self, bucket: str, name: str,
-               precondition: Callable[[ObjectMeta], None] | None = None) -> None:
+               precondition: Callable[[ObjectMeta], None] | None = None,
+               tombstone_ns: int | None = None) -> None:
         """Delete the current version. ``precondition(version)`` may refuse (S3's If-Match);
-        a PUT committed after the check survives, since only that version's row goes."""
+        a PUT committed after the check survives, since only that version's row goes.
+        ``tombstone_ns``: remember the delete as of that time (a cluster's targets do)."""
         self.require_bucket(bucket)
         found = self.find_stored(bucket, name)
         if found is None:
+            if tombstone_ns is not None:  # nothing here, but the delete still happened
+                with self.home(bucket, name).writer() as db:
+                    _tombstone(db, bucket, name, tombstone_ns)
             raise NotFound(f"ais://{bucket}/{name} does not exist")
         if precondition is not None:
             precondition(found[1])
-        self._forget(*found)
+        self._forget(*found, tombstone_ns=tombstone_ns)
+
+    def deleted_ns(self, bucket: str, name: str) -> int | None:
+        """When the name was last deleted here, if a tombstone says so (and no commit since)."""
+        row = self.home(bucket, name).reader().execute(
+            "SELECT deleted_ns FROM tombstones WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
+        return None if row is None else row[0]
+
+    def prune_tombstones(self, older_than_ns: int) -> int:
+        """Forget deletes older than ``older_than_ns``; how many were forgotten."""
+        n = 0
+        for mp in self.mountpaths:
+            with mp.writer() as db:
+                n += db.execute("DELETE FROM tombstones WHERE deleted_ns < ?", (older_than_ns,)).rowcount
+        return n
 
     def chunk_files(self, meta: ObjectMeta) -> list[tuple[Path, int]]:
         return [(self.by_id[c.mp].data_path(meta.bucket, meta.name, meta.tag, i), c.size)
@@ -386,3 +420,9 @@ class OrphanReport:
         return (f"{self.checked} chunk files in {self.buckets} buckets checked, {self.removed} orphans removed "
                 f"({self.removed_bytes} bytes), {self.unknown} other files left, in {self.seconds:.2f} s"
                 + (" (stopped early)" if self.stopped else ""))
+
+
+def _tombstone(db, bucket: str, name: str, deleted_ns: int) -> None:
+    """Record a delete; an earlier record of a later delete is kept (MAX)."""
+    db.execute("INSERT INTO tombstones VALUES (?, ?, ?) ON CONFLICT(bucket, name) "
+               "DO UPDATE SET deleted_ns = MAX(deleted_ns, excluded.deleted_ns)", (bucket, name, deleted_ns))

@@ -99,6 +99,32 @@ class Cluster:
         self.wait_joined(len(self.targets))
         return self
 
+    def target_id(self, index: int) -> str:
+        """The map's id of ``self.targets[index]``."""
+        url = self.targets[index].url
+        return next(i for i, n in self.smap()["tmap"].items() if n["public_net"]["direct_url"] == url)
+
+    def kill_until_dropped(self, index: int, timeout: float = 30.0) -> None:
+        """kill -9 ``self.targets[index]``, wait until the gateway drops it (``--rebuild-after``)
+        and the others have rebuilt the copies it held."""
+        victim = self.targets[index]
+        left = len(self.smap()["tmap"]) - 1
+        victim.proc.kill()
+        victim.proc.wait()
+        deadline = time.monotonic() + timeout
+        while len(self.smap()["tmap"]) != left:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the dead target was not dropped from the map")
+            time.sleep(0.2)
+        self.wait_rebalanced()
+
+    def bring_back(self, index: int) -> None:
+        """Start ``self.targets[index]`` again on its data; wait until it rejoined and every walk is done."""
+        victim = self.targets[index]
+        self.targets[index] = type(victim)(victim.data_dirs, *victim.args).start()
+        self.wait_joined(len(self.targets))
+        self.wait_rebalanced()
+
     def restart_gateway(self) -> None:
         self.gateway.stop()
         self.gateway = self._gateway().start()

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 
@@ -39,16 +38,6 @@ def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> di
             if node_id in want:
                 assert _stored(url, bucket, name) == data, (name, node_id)
     return smap
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
@@ -99,15 +88,11 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
             b.object(name).get_writer().put_content(data)
         cluster.wait_rebalanced()
         smap = cluster.smap()
-        victim = cluster.targets[0]
-        victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == victim.url)
+        victim_id = cluster.target_id(0)
         held = [n for n in objs if victim_id in ranked(smap, "rebuild", n)[:2]]
         assert held
 
-        victim.proc.kill()
-        victim.proc.wait()
-        _wait(lambda: len(cluster.smap()["tmap"]) == 2, 30, "the dead target dropped from the map")
-        cluster.wait_rebalanced()
+        cluster.kill_until_dropped(0)
         _placed_exactly(cluster, "rebuild", objs)  # two copies of everything on the two left
 
         rewritten = held[:10]  # newer versions while the victim is away
@@ -115,9 +100,7 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
             objs[name] = blob(f"new-{name}", 4_321)
             b.object(name).get_writer().put_content(objs[name])
 
-        cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
-        cluster.wait_joined(3)
-        cluster.wait_rebalanced()
+        cluster.bring_back(0)
         _placed_exactly(cluster, "rebuild", objs)  # every holder has the newest bytes
         for name, data in objs.items():
             assert b.object(name).get_reader().read_all() == data, name

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.errors import NotFound
 from server.store.store import Store
 from tests.support.processes import ServerProcess
 from tests.support.store import bulk_clone as _bulk_clone
@@ -173,3 +174,24 @@ def test_range_get_opens_only_its_chunks(tmp_path):
         for whole in (httpx.get(f"{srv.url}/v1/objects/b/big"),
                       httpx.get(f"{srv.url}/v1/objects/b/big", headers={"Range": f"bytes={3 * MiB}-"})):
             assert whole.status_code == 500 and "wrong size" in whole.json()["message"]
+
+
+def test_tombstones_record_deletes_until_a_commit_or_their_age(tmp_path):
+    """A cluster target's deletes leave tombstones (server.api.rebalance reads them); a commit of
+    the name clears it; pruning forgets old ones; a single node's deletes leave none."""
+    store = Store([tmp_path / "a", tmp_path / "b"], 1 * MiB)
+    store.create_bucket("b")
+    store.put_bytes("b", "x", b"1")
+    store.delete("b", "x")
+    assert store.deleted_ns("b", "x") is None  # no tombstone asked for: none kept
+    store.put_bytes("b", "x", b"2")
+    store.delete("b", "x", None, 1_000)
+    assert store.deleted_ns("b", "x") == 1_000
+    with pytest.raises(NotFound):
+        store.delete("b", "x", None, 900)  # absent now: still remembered, the later time kept
+    assert store.deleted_ns("b", "x") == 1_000
+    store.put_bytes("b", "x", b"3")
+    assert store.deleted_ns("b", "x") is None  # written again: not deleted any more
+    store.delete("b", "x", None, 2_000)
+    assert store.prune_tombstones(1_500) == 0 and store.deleted_ns("b", "x") == 2_000
+    assert store.prune_tombstones(2_001) == 1 and store.deleted_ns("b", "x") is None
