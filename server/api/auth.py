@@ -11,7 +11,9 @@ otherwise. The table classifies a request by its path:
     /v1/cluster/autoreg   between cluster nodes: an HMAC of the request with the cluster secret
     /v1/cluster/map       (``Batchfs-Cluster``, server.cluster.secret), whatever else is configured;
                           403 without a valid one, or on a node with no cluster secret
-    /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``
+    /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``; in a
+                          cluster also a request from another node (``Batchfs-Cluster``, checked
+                          here) or a gateway's redirect grant (``bfs_grant``, server.cluster.secret)
     anything else         the S3 API (``/s3/...`` and the root): SigV4
 
 and decides with what the server was configured with:
@@ -47,7 +49,7 @@ from server.tokens import token_digest
 from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
-from server.cluster.secret import HEADER as CLUSTER_HEADER
+from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER
 
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
@@ -58,6 +60,7 @@ METRICS_AUTH_CHOICES = ("token", "none")
 SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified SigV4 request (chains aws-chunked bodies)
 BEARER_REALM = 'Bearer realm="batchfs"'
 _PASSED = "batchfs.auth.passed"  # request key: checked already (by the expect handler)
+_FROM_NODE = "batchfs.auth.node"  # request key: signed by a node of this cluster (verified)
 
 
 class Unauthorized(StoreError):
@@ -145,7 +148,14 @@ def _authorize(request: web.Request) -> None:
             _check_bearer(request, config.auth_token_digests)
         return
     if kind == "native":
+        secret = request.app.get(CLUSTER_SECRET)
+        if secret is not None and CLUSTER_HEADER in request.headers:
+            return  # another node of the cluster: check_access verifies the signature (it needs the body)
         if config.auth_token_digests:
+            if secret is not None and GRANT_PARAM in request.query:
+                if not secret.check_grant(request.method, request.rel_url.raw_path_qs):
+                    raise Unauthorized("invalid or expired redirect grant (bfs_grant): ask the gateway again")
+                return
             _check_bearer(request, config.auth_token_digests)
         elif config.s3_access_key:
             raise Forbidden("the native API is disabled on this server: S3 keys are configured but no "
@@ -159,8 +169,12 @@ async def check_access(request: web.Request, handler):
     """Must run inside ``server.api.app.error_boundary`` (which renders the refusals)."""
     try:
         authorize(request)
-        if route_class(request.rel_url.path_safe) == "cluster":
+        kind = route_class(request.rel_url.path_safe)
+        if kind == "cluster":
             await _check_cluster(request)
+        elif kind == "native" and CLUSTER_HEADER in request.headers:
+            await _check_cluster(request, _body_signed(request))
+            request[_FROM_NODE] = True
     except StoreError as e:
         request[OP_KEY] = "denied"
         if route_class(request.rel_url.path_safe) == "s3":
@@ -185,15 +199,18 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
                         "signs with the shared --cluster-secret-file)")
 
 
-async def cluster_signed(request: web.Request, with_body: bool = True) -> bool:
+def _body_signed(request: web.Request) -> bool:
+    """Whether a node's signature on a native route covers the body: always but for an object
+    PUT (an object's copy — gigabytes, not hashed twice; its checksum, in the signed query,
+    binds it, and the receiving target checks the bytes against it)."""
+    return not (request.method == "PUT" and request.rel_url.path_safe.startswith("/v1/objects/"))
+
+
+async def cluster_signed(request: web.Request) -> bool:
     """Whether a request on an ordinary route (a GetBatch a designated target sends a sender, a
-    copy of an object) comes from a node of the cluster: False without the header, Forbidden
-    with a bad one. ``with_body=False``: the signature does not cover the body (an object's
-    copy; its checksum, in the signed query, does)."""
-    if CLUSTER_HEADER not in request.headers:
-        return False
-    await _check_cluster(request, with_body)
-    return True
+    copy of an object, a get from neighbour) comes from a node of the cluster. ``check_access``
+    verified the signature of every native request that carries one (403 if bad)."""
+    return bool(request.get(_FROM_NODE))
 
 
 def guard_expect(app: web.Application) -> None:

@@ -38,8 +38,8 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
-from server.api.state import OP_KEY, read_json
-from server.cluster.secret import HEADER, ClusterSecret
+from server.api.state import CONFIG, OP_KEY, read_json
+from server.cluster.secret import GRANT_PARAM, HEADER, ClusterSecret
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
 from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
@@ -263,12 +263,22 @@ async def object_redirect(request: web.Request) -> web.Response:
     bucket, name = check_bucket(request.match_info["bucket"]), request.match_info["obj"]
     gw = _gw(request)
     owner = gw.holder(bucket, name)  # the HRW owner, or the next copy's target while it is down
-    qs = request.query_string
-    location = (f"{owner.url}{request.rel_url.raw_path}?{qs + '&' if qs else ''}"
-                f"pid={gw.smap.primary}&utm={time.time_ns()}")
+    qs = request.rel_url.raw_query_string  # as the client encoded it: the target sees the same query
+    path_qs = f"{request.rel_url.raw_path}?{qs + '&' if qs else ''}pid={gw.smap.primary}&utm={time.time_ns()}"
     # AIStore: 301 for GET (cacheable, the client follows it), 307 for the rest (method and body kept)
     status = 301 if request.method == "GET" else 307
-    return web.Response(status=status, headers={"Location": location})
+    return web.Response(status=status, headers={"Location": owner.url + _granted(request, path_qs)})
+
+
+def _granted(request: web.Request, path_qs: str) -> str:
+    """``path_qs`` with a redirect grant when this gateway checked a token (server.cluster.secret):
+    the client's HTTP library drops ``Authorization`` on the way to another port."""
+    if not request.app[CONFIG].auth_token_digests:
+        return path_qs
+    sep = "&" if "?" in path_qs else "?"
+    if sep == "?":  # a grant is the last parameter after "&": give it a first one to follow
+        path_qs, sep = f"{path_qs}?pid={_gw(request).smap.primary}", "&"
+    return f"{path_qs}{sep}{GRANT_PARAM}={_gw(request).secret.grant(request.method, path_qs)}"
 
 
 # -- buckets ----------------------------------------------------------------------------------
@@ -377,7 +387,7 @@ async def moss_redirect(request: web.Request) -> web.Response:
     except (ValueError, AttributeError, TypeError, Unavailable):
         pass  # the target answers the 400 (or 503) a single node gives
     dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
-    return web.Response(status=307, headers={"Location": f"{dt.url}{request.rel_url.raw_path_qs}"})
+    return web.Response(status=307, headers={"Location": dt.url + _granted(request, request.rel_url.raw_path_qs)})
 
 
 def _refuse(request: web.Request):

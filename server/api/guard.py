@@ -13,12 +13,14 @@ import functools
 from aiohttp import web
 
 from server.api.state import read_json
+from server.cluster.secret import GRANT_PARAM
 from server.errors import BadRequest
 
 MSG_KEY = "batchfs.msg"  # request key: the validated action message
 # every bucket/object route takes these; pid and utm are what a gateway's redirect adds (the
-# redirecting gateway's id and a timestamp, as AIStore's proxies do): accepted and ignored
-BUCKET_PARAMS = frozenset({"provider", "namespace", "pid", "utm"})
+# redirecting gateway's id and a timestamp, as AIStore's proxies do): accepted and ignored;
+# bfs_grant is a token-protected cluster's redirect grant (checked by server.api.auth)
+BUCKET_PARAMS = frozenset({"provider", "namespace", "pid", "utm", GRANT_PARAM})
 
 
 def _check_query(request: web.Request, allowed: frozenset[str]) -> None:

@@ -159,7 +159,7 @@ async def _replica_write(request: web.Request) -> str | None:
     an object (signed, ``?replica=1``); None for a client's request."""
     if replicas.REPLICA_PARAM not in request.query:
         return None
-    if not await auth.cluster_signed(request, with_body=False):
+    if not await auth.cluster_signed(request):
         raise BadRequest(f"{replicas.REPLICA_PARAM}=1 is for requests between targets of a cluster")
     return request.query.get(replicas.CKSUM_PARAM, "")
 

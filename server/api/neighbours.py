@@ -51,7 +51,7 @@ async def is_gfn(request: web.Request) -> bool:
     """Whether this read is another target's GFN (signed; BadRequest if it claims to be and is not)."""
     if GFN_PARAM not in request.query:
         return False
-    if not await auth.cluster_signed(request, with_body=False):
+    if not await auth.cluster_signed(request):
         raise BadRequest(f"{GFN_PARAM}=1 is for requests between targets of a cluster")
     return True
 

@@ -4,6 +4,12 @@ Every request between nodes (join, map updates) carries
 ``Batchfs-Cluster: TS:HEX`` where ``HEX = hmac_sha256(secret, "TS\\nMETHOD\\nPATH?QUERY\\nSHA256(BODY)")``
 and ``TS`` is the sender's clock in unix seconds.
 
+A gateway of a token-protected cluster adds a *grant* to the redirects it answers a client whose
+token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.HEX`` with
+``HEX = hmac_sha256(secret, "grant\nTS\nMETHOD\nPATH?QUERY")``. HTTP clients drop the
+``Authorization`` header when a redirect changes host or port (requests, httpx, curl); the
+target accepts the grant instead of the token, for that one method and URL, ``SKEW_SECONDS``.
+
 Invariants:
 - The secret never crosses the network: only HMACs do, and a header is bound to one method,
   path, query and body, so it cannot be replayed against another request.
@@ -23,6 +29,7 @@ from pathlib import Path
 from server.tokens import read_private_file
 
 HEADER = "Batchfs-Cluster"
+GRANT_PARAM = "bfs_grant"  # a gateway's redirect on a token-protected cluster: ...&bfs_grant=TS.HEX (last)
 SKEW_SECONDS = 300
 MIN_SECRET_CHARS = 32
 
@@ -49,6 +56,26 @@ class ClusterSecret:
     def sign(self, method: str, path_qs: str, body: bytes = b"", now: float | None = None) -> str:
         ts = int(time.time() if now is None else now)
         return f"{ts}:{self._mac(ts, method, path_qs, body)}"
+
+    def grant(self, method: str, path_qs: str, now: float | None = None) -> str:
+        """The ``bfs_grant`` value for a redirect to ``path_qs`` (appended last: ``&bfs_grant=``)."""
+        ts = int(time.time() if now is None else now)
+        return f"{ts}.{self._grant_mac(ts, method, path_qs)}"
+
+    def check_grant(self, method: str, raw_path_qs: str, now: float | None = None) -> bool:
+        """Whether ``raw_path_qs`` (as the target received it) ends with a valid grant for it."""
+        signed, sep, value = raw_path_qs.rpartition(f"&{GRANT_PARAM}=")
+        ts_text, _, mac = value.partition(".")
+        if not sep or not ts_text.isdigit() or len(mac) != 64:
+            return False
+        ts = int(ts_text)
+        if abs((time.time() if now is None else now) - ts) > SKEW_SECONDS:
+            return False
+        return hmac.compare_digest(mac, self._grant_mac(ts, method, signed))
+
+    def _grant_mac(self, ts: int, method: str, path_qs: str) -> str:
+        msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}".encode()
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"",
                now: float | None = None) -> bool:

@@ -7,6 +7,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ def holds(url: str, bucket: str, name: str) -> bool:
     request a neighbour sends), which never asks other targets."""
     from server.cluster.secret import ClusterSecret
 
-    path_qs = f"/v1/objects/{bucket}/{name}?gfn=1"
+    path_qs = f"/v1/objects/{bucket}/{quote(name)}?gfn=1"
     r = httpx.head(url + path_qs, timeout=10,
                    headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("HEAD", path_qs)})
     assert r.status_code in (200, 404), r.status_code
@@ -48,21 +49,24 @@ def secret_file(path: Path, text: str = SECRET) -> Path:
 
 
 class Cluster:
-    def __init__(self, base: Path, targets: int = 3, gateway_args: tuple[str, ...] = ()):
+    def __init__(self, base: Path, targets: int = 3, gateway_args: tuple[str, ...] = (),
+                 target_args: tuple[str, ...] = (), token: str | None = None):
         self.base, self.gateway_args = base, gateway_args
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}  # what the helpers below send
         self.secret = secret_file(base / "secret")
         self.gw_port = free_port()
         self.gateway = self._gateway()
         self.targets = [ServerProcess([base / f"t{i}" / "d1", base / f"t{i}" / "d2"], "--role", "target",
                                       "--join", f"http://127.0.0.1:{self.gw_port}",
-                                      "--cluster-secret-file", str(self.secret)) for i in range(targets)]
+                                      "--cluster-secret-file", str(self.secret), *target_args)
+                        for i in range(targets)]
 
     def _gateway(self) -> ServerProcess:
         return ServerProcess([self.base / "gw"], "--role", "gateway", "--listen", f"127.0.0.1:{self.gw_port}",
                              "--cluster-secret-file", str(self.secret), *self.gateway_args)
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/cluster/status", timeout=10).json()
+        return httpx.get(f"{self.url}/v1/cluster/status", timeout=10, headers=self.headers).json()
 
     def wait_rebalanced(self, timeout: float = 60.0) -> dict:
         """Until every live target has walked the current map (server.api.rebalance); the status."""
@@ -81,7 +85,7 @@ class Cluster:
         return self.gateway.url
 
     def smap(self) -> dict:
-        return httpx.get(f"{self.url}/v1/daemon?what=smap", timeout=10).json()
+        return httpx.get(f"{self.url}/v1/daemon?what=smap", timeout=10, headers=self.headers).json()
 
     def wait_joined(self, n: int, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout
