@@ -184,8 +184,11 @@ class Gateway:
                       path_qs: str | None = None) -> tuple[int, dict, bytes]:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
+        path_qs = path_qs or request.rel_url.raw_path_qs
+        # signed: the target tells a gateway's fan-out from a client's request to it alone
+        headers[HEADER] = self.secret.sign(request.method, path_qs, body or b"")
         try:
-            async with self.session.request(request.method, target.url + (path_qs or request.path_qs),
+            async with self.session.request(request.method, target.url + path_qs,
                                             data=body, headers=headers) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

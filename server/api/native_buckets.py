@@ -43,6 +43,7 @@ async def bucket_post(request: web.Request) -> web.Response:
     msg = request[MSG_KEY]
     action, value = msg["action"], msg.get("value")
     node = request.app[NODE]
+    await replicas.require_gateway(request, action)  # copy-bck/-listrange: a gateway refuses them (501)
     if action == "create-bck":
         if "bck_to" in request.query or value not in (None, {}, ""):
             raise BadRequest("create-bck takes no bck_to and no value (bucket properties are not supported)")
@@ -125,6 +126,7 @@ async def bucket_delete(request: web.Request) -> web.Response:
     bucket = check_bucket(request.match_info["bucket"])
     msg = request[MSG_KEY]
     node = request.app[NODE]
+    await replicas.require_gateway(request, msg["action"])
     if msg["action"] == "destroy-bck":
         request[OP_KEY] = "destroy_bucket"
         if msg.get("value") not in (None, {}, ""):

@@ -30,6 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from batchfs.wire.urls import object_path
+from server.api import auth
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.api.daemon_api import NODE_INFO
 from server.cluster.secret import HEADER
@@ -109,6 +110,14 @@ def tombstone_time(app: web.Application) -> int | None:
     """The time a delete here is remembered as (``Store.delete``'s ``tombstone_ns``): now on a
     cluster's target, None on a single node (which keeps no tombstones)."""
     return time.time_ns() if app.get(MEMBERSHIP) is not None else None
+
+
+async def require_gateway(request: web.Request, what: str) -> None:
+    """On a cluster's target, bucket-wide changes come from a gateway (signed; it sends them to
+    every target): sent to one target by a client, they would change that target alone (501)."""
+    if request.app.get(MEMBERSHIP) is not None and not await auth.cluster_signed(request):
+        raise NotWithCopies(f"{what} sent to one target of a cluster would change that target alone: "
+                            "send it to a gateway")
 
 
 def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name: str) -> None:

@@ -74,6 +74,17 @@ def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
         r = httpx.put(f"{url}/s3/refusals/k", content=b"x", timeout=10)
         assert r.status_code == 501 and b"not served by the targets" in r.content
         assert not holds(url, "refusals", "k")  # nothing written
+    # bucket-wide changes sent to one target alone would change that target alone: refused there
+    client.bucket("refusals").object("kept").get_writer().put_content(b"kept")
+    for url in (t.url for t in cluster.targets):
+        for method, msg in (("POST", {"action": "create-bck"}), ("POST", {"action": "copy-bck", "value": {}}),
+                            ("DELETE", {"action": "destroy-bck"}),
+                            ("DELETE", {"action": "delete-listrange", "value": {"objnames": ["kept"]}})):
+            bucket = "lonely" if msg["action"] == "create-bck" else "refusals"
+            r = httpx.request(method, f"{url}/v1/buckets/{bucket}", json=msg, timeout=10)
+            assert r.status_code == 501 and "send it to a gateway" in r.json()["message"], (msg, r.text)
+        assert httpx.head(f"{url}/v1/buckets/lonely", timeout=10).status_code == 404
+    assert client.bucket("refusals").object("kept").get_reader().read_all() == b"kept"
     # an append would leave one copy: refused, nothing written
     r = httpx.put(f"{cluster.url}/v1/objects/refusals/app?append_type=append", content=b"x", timeout=10,
                   follow_redirects=True)
