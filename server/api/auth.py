@@ -172,8 +172,8 @@ async def check_access(request: web.Request, handler):
         kind = route_class(request.rel_url.path_safe)
         if kind == "cluster":
             await _check_cluster(request)
-        elif kind == "native" and CLUSTER_HEADER in request.headers:
-            await _check_cluster(request, _body_signed(request))
+        elif kind in ("native", "s3") and CLUSTER_HEADER in request.headers:
+            await _check_cluster(request, kind == "native" and _body_signed(request))
             request[_FROM_NODE] = True
     except StoreError as e:
         request[OP_KEY] = "denied"
@@ -202,7 +202,9 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
 def _body_signed(request: web.Request) -> bool:
     """Whether a node's signature on a native route covers the body: always but for an object
     PUT (an object's copy — gigabytes, not hashed twice; its checksum, in the signed query,
-    binds it, and the receiving target checks the bytes against it)."""
+    binds it, and the receiving target checks the bytes against it). On S3 routes it never
+    does: a gateway relays the client's request, whose body its SigV4 signature binds (and the
+    target checks that signature as on a single node)."""
     return not (request.method == "PUT" and request.rel_url.path_safe.startswith("/v1/objects/"))
 
 

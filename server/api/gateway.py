@@ -15,14 +15,17 @@ native API as AIStore's proxies do:
     GetBatch                         307 to the designated target: the one owning most entries;
                                      it gathers the others' from their owners (getbatch_cluster)
 
-Anything else (archive reads, bucket copies, the S3 API) is refused with 501 and a message
+    the S3 API                       proxied to the targets (``server.api.gateway_s3``)
+
+Anything else (archive reads, bucket copies, job status) is refused with 501 and a message
 naming it: not yet served through a gateway (docs/cluster.md says what is).
 
 Invariants:
 - Placement is ``ClusterMap.owner`` only: the redirect target is the one the SDK computes.
 - A map change is persisted before it is answered or pushed (a restarted gateway serves the
   last map it gave out); pushes to targets are best effort (targets also pull on keepalive).
-- Fan-out requests carry the client's Authorization header: targets check it themselves.
+- Fan-out requests carry the client's Authorization header (targets check it themselves) and
+  the gateway's cluster signature (targets serve bucket-wide changes only from a gateway).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
+from server.api import gateway_s3
+from server.cluster import peers
 from server.api.state import CONFIG, OP_KEY, read_json
-from server.cluster.secret import GRANT_PARAM, HEADER, ClusterSecret
+from server.cluster.secret import GRANT_PARAM, ClusterSecret
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
 from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
@@ -165,8 +170,8 @@ class Gateway:
         for t in self.smap.targets.values():
             path = "/v1/cluster/map"
             try:
-                async with self.session.post(t.url + path, data=body, headers={
-                        HEADER: self.secret.sign("POST", path, body), "Content-Type": "application/json"}) as r:
+                async with peers.signed(self.session, self.secret, "POST", t.url, path, body=body,
+                                        headers={"Content-Type": "application/json"}) as r:
                     if r.status != 200:
                         log.warning("map push to %s: HTTP %d", t.id, r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -185,11 +190,9 @@ class Gateway:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
         path_qs = path_qs or request.rel_url.raw_path_qs
-        # signed: the target tells a gateway's fan-out from a client's request to it alone
-        headers[HEADER] = self.secret.sign(request.method, path_qs, body or b"")
-        try:
-            async with self.session.request(request.method, target.url + path_qs,
-                                            data=body, headers=headers) as r:
+        try:  # signed: the target tells a gateway's fan-out from a client's request to it alone
+            async with peers.signed(self.session, self.secret, request.method, target.url, path_qs,
+                                    body=body or b"", headers=headers) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unavailable(f"target {target.id} ({target.url}) did not answer: {e}") from None
@@ -249,8 +252,8 @@ async def cluster_status(request: web.Request) -> web.Response:
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"
         try:
-            async with gw.session.get(entry["url"] + path, headers={HEADER: gw.secret.sign("GET", path)},
-                                      timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+            async with peers.signed(gw.session, gw.secret, "GET", entry["url"], path,
+                                    timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
                 entry["rebalance"] = await r.json() if r.status == 200 else {"error": f"HTTP {r.status}"}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             entry["rebalance"] = {"error": str(e) or type(e).__name__}
@@ -424,5 +427,6 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_get("/v1/buckets/{bucket}", list_objects, allow_head=False)
     for path in ("/v1/ml/moss", "/v1/ml/moss/", "/v1/ml/moss/{bucket}"):
         r.add_get(path, moss_redirect, allow_head=False)
+    gateway_s3.add_routes(app)
     r.add_route("*", "/{tail:.*}", refuse)
 

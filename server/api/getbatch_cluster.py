@@ -48,7 +48,8 @@ from aiohttp import web
 
 from server.api.state import METRICS
 from server.archive.writers import MIME_TYPES
-from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster import peers
+from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
 from server.errors import PayloadTooLarge, StoreError
 from server.getbatch.request import MossReq
@@ -272,11 +273,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer,
                            "onob": req.onob, "strm": req.strm}).encode()
         path_qs = request.rel_url.raw_path_qs
-        headers = {HEADER: secret.sign("GET", path_qs, body), "Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         try:
-            return await session.request("GET", nodes[node_id].url + path_qs, data=body, headers=headers)
+            return await peers.signed(session, secret, "GET", nodes[node_id].url, path_qs, body=body, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
             down.add(node_id)  # its entries go to the targets of their next copies
             raise

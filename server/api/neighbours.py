@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from urllib.parse import quote
 
 import aiohttp
@@ -30,11 +31,12 @@ from batchfs.wire.urls import object_path
 from server.api import auth, replicas
 from server.api.daemon_api import NODE_INFO
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
-from server.cluster.secret import HEADER
-from server.errors import BadRequest, StoreError
+from server.api.relay import PIECE_BYTES, relay
+from server.cluster import peers
+from server.errors import BadRequest, NotFound, StoreError
+from server.store.meta import ObjectMeta
 
 GFN_PARAM = "gfn"
-PIECE_BYTES = 1 << 20
 ASK_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)  # a hung neighbour is skipped, not waited on
 # the neighbour's headers a reply keeps (the object's own: size, checksums, version, range)
 _KEPT = ("Content-Length", "Content-Range", "Content-Type", "ETag", "Last-Modified", "Accept-Ranges",
@@ -86,15 +88,15 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
     query = [(k, v) for k, v in request.query.items() if k != GFN_PARAM] + [(GFN_PARAM, "1")]
     path_qs = (object_path(bucket, name) + "?"
                + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query))
-    headers = {HEADER: app[CLUSTER_SECRET].sign(request.method, path_qs)}
+    headers = {}
     if "Range" in request.headers:
         headers["Range"] = request.headers["Range"]
     deleted = await asyncio.to_thread(app[NODE].deleted_ns, bucket, name)
     failed = []
     for node in others:
         try:
-            async with app[PEERS].request(request.method, node.url + path_qs, headers=headers,
-                                          timeout=ASK_TIMEOUT) as r:
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], request.method, node.url, path_qs,
+                                    headers=headers, timeout=ASK_TIMEOUT) as r:
                 if r.status == 404:
                     continue
                 if r.status not in (200, 206):
@@ -107,24 +109,50 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
                 if replicas.deleted_after(deleted, int(written) if written.isdigit() else 0):
                     continue  # deleted here after that copy was written: it is stale, not the object
                 kept = {k: r.headers[k] for k in _KEPT if k in r.headers}
-                if request.method == "HEAD":
-                    return web.Response(status=r.status, headers=kept)
-                resp = web.StreamResponse(status=r.status, headers=kept)
-                await resp.prepare(request)
-                try:
-                    async for piece in r.content.iter_chunked(PIECE_BYTES):
-                        await resp.write(piece)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    # the 200 and part of the body are out: cut the connection, so the client
-                    # sees a short body against its Content-Length, never a wrong one
-                    if request.transport is not None:
-                        request.transport.abort()
-                    raise ConnectionResetError(f"GFN from {node.id} broke mid-object") from None
-                await resp.write_eof()
-                return resp
+                return await relay(request, r, kept, f"GFN from {node.id}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failed.append(f"{node.id}: {e}")
     if failed:
         raise NeighbourFailed(f"ais://{bucket}/{name} is not on this target, and the targets that may hold it "
                               f"could not be asked ({'; '.join(failed)})")
     raise not_found
+
+
+class Fetched:
+    """An object being read from the neighbour that holds it (``fetch``): its metadata, from
+    the neighbour's headers, and its bytes in pieces."""
+
+    def __init__(self, meta: ObjectMeta, response: aiohttp.ClientResponse):
+        self.meta, self._r = meta, response
+
+    async def pieces(self):
+        async for piece in self._r.content.iter_chunked(PIECE_BYTES):
+            yield piece
+
+
+@contextlib.asynccontextmanager
+async def fetch(app: web.Application, bucket: str, name: str):
+    """The whole object from the first other target that holds it (``Fetched``); ``NotFound``
+    if none does, ``NeighbourFailed`` if one that might could not be asked."""
+    path_qs = f"{object_path(bucket, name)}?{GFN_PARAM}=1"
+    failed = []
+    for node in _neighbours(app, bucket, name):
+        try:
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", node.url, path_qs,
+                                    timeout=ASK_TIMEOUT) as r:
+                if r.status == 404:
+                    continue
+                if r.status != 200:
+                    failed.append(f"{node.id}: HTTP {r.status}")
+                    continue
+                h = r.headers
+                meta = ObjectMeta(bucket, name, int(h.get("Content-Length", "0")), h.get("Ais-Checksum-Value", ""),
+                                  int(h.get("Ais-Version", "0") or 0), int(h.get("Ais-Atime", "0") or 0), 0, "", ())
+                yield Fetched(meta, r)
+                return
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            failed.append(f"{node.id}: {e}")
+    if failed:
+        raise NeighbourFailed(f"ais://{bucket}/{name} could not be read from the targets that may hold it "
+                              f"({'; '.join(failed)})")
+    raise NotFound(f"ais://{bucket}/{name} does not exist")

@@ -51,7 +51,7 @@ from server.api import replicas
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT, GFN_PARAM
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, METRICS, NODE, PEERS
-from server.cluster.secret import HEADER
+from server.cluster import peers
 from server.cluster.smap import ClusterMap, ClusterNode
 from server.errors import Conflict, NotFound, StoreError
 
@@ -118,8 +118,8 @@ class Rebalancer:
             if t.id == me:
                 continue
             try:
-                async with app[PEERS].get(t.url + path, headers={HEADER: app[CLUSTER_SECRET].sign("GET", path)},
-                                          timeout=ASK_TIMEOUT) as r:
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", t.url, path,
+                                        timeout=ASK_TIMEOUT) as r:
                     theirs = (await r.json()).get("buckets", []) if r.status == 200 else []
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 continue
@@ -217,8 +217,7 @@ class Rebalancer:
         tombstone (404; 0 if it has none)."""
         app = self.app
         path_qs = f"{object_path(bucket, name)}?{GFN_PARAM}=1"
-        async with app[PEERS].head(h.url + path_qs, headers={HEADER: app[CLUSTER_SECRET].sign("HEAD", path_qs)},
-                                   timeout=ASK_TIMEOUT) as r:
+        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "HEAD", h.url, path_qs, timeout=ASK_TIMEOUT) as r:
             when = r.headers.get("Ais-Atime" if r.status == 200 else replicas.DELETED_HEADER, "")
             return r.status, r.headers.get("Ais-Checksum-Value", ""), int(when) if when.isdigit() else 0
 

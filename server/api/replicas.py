@@ -33,7 +33,7 @@ from batchfs.wire.urls import object_path
 from server.api import auth
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.api.daemon_api import NODE_INFO
-from server.cluster.secret import HEADER
+from server.cluster import peers
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, StoreError
 from server.store.meta import ObjectMeta
@@ -139,9 +139,10 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
         for off in range(0, meta.size, COPY_PIECE_BYTES):
             yield await asyncio.to_thread(obj.pread, off, min(off + COPY_PIECE_BYTES, meta.size))
 
-    headers = {HEADER: app[CLUSTER_SECRET].sign("PUT", path_qs), "Content-Length": str(meta.size)}
     try:
-        async with app[PEERS].put(node.url + path_qs, data=body() if meta.size else b"", headers=headers) as r:
+        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs,
+                                body=body() if meta.size else b"", body_signed=False,
+                                headers={"Content-Length": str(meta.size)}) as r:
             if r.status == 412:
                 deleted = r.headers.get(DELETED_HEADER, "")
                 if deleted.isdigit():
@@ -174,8 +175,7 @@ async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
     found = 0
     for node in copy_targets(app, bucket, name):
         try:
-            async with app[PEERS].delete(node.url + path_qs,
-                                         headers={HEADER: app[CLUSTER_SECRET].sign("DELETE", path_qs)}) as r:
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", node.url, path_qs) as r:
                 if r.status == 200:
                     found += 1
                 elif r.status != 404:

@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import urllib.parse
 
 from aiohttp import web
 
-from server.api import native
+from server.api import native, neighbours, replicas
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
@@ -165,6 +166,8 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
             raise S3Error(400, code, "the body does not match the checksum sent with it; nothing was deleted")
     quiet, wanted = parse_delete_doc(body, MAX_DELETE_KEYS)
     node = request.app[NODE]
+    # in a cluster a gateway sends this to every target: each deletes the copies it holds
+    tombstones = replicas.tombstone_time(request.app) is not None
 
     def delete_all() -> tuple[list[str], list[tuple[str, str, str]]]:
         deleted, errors = [], []
@@ -173,7 +176,8 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
                 errors.append((key, "NotImplemented", "versioning is not implemented"))
                 continue
             try:
-                node.delete(bucket_name, check_objname(key), None if etag is None else must_match(etag))
+                node.delete(bucket_name, check_objname(key), None if etag is None else must_match(etag),
+                            time.time_ns() if tombstones else None)
                 deleted.append(key)
             except BadRequest as e:
                 errors.append((key, "InvalidArgument", e.message))
@@ -226,11 +230,13 @@ async def obj(request: web.Request) -> web.StreamResponse:
     if_match = request.headers.get("If-Match")
     try:
         await asyncio.to_thread(request.app[NODE].delete, bucket_name, key,
-                                None if if_match is None else must_match(if_match))
+                                None if if_match is None else must_match(if_match),
+                                replicas.tombstone_time(request.app))
     except NotFound:
         if if_match is not None:  # a conditional delete of a missing key, as S3 answers it
             raise S3Error(404, "NoSuchKey", f"the key {key!r} does not exist (If-Match)") from None
         # S3 answers 204 whether or not the key existed
+    await replicas.delete_copies(request, bucket_name, key)  # in a cluster: its other copies
     return web.Response(status=204)
 
 
@@ -341,19 +347,55 @@ async def _copy_object(request: web.Request, bucket_name: str, key: str) -> web.
         raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
     try:
         src = node.open(src_bucket, check_objname(src_key))
-    except (NotFound, BadRequest):
+    except BadRequest:
         raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
-    try:
-        failed = read_conditions(h, src.meta, "x-amz-copy-source-")
-        if failed is not None:
-            raise precondition_failed(failed.partition(": ")[2])
-        precondition = put_precondition(request)
-        _early_check(node, bucket_name, key, precondition)
-        meta = await asyncio.to_thread(_copy_into, node, src, bucket_name, key, precondition)
-    finally:
-        src.close()
+    except NotFound:
+        if not replicas.copy_targets(request.app, src_bucket, src_key):  # a single node: nowhere else
+            raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
+        meta = await _copy_from_neighbour(request, src_bucket, src_key, bucket_name, key)
+    else:
+        try:
+            _check_source(request, src.meta)
+            precondition = put_precondition(request)
+            _early_check(node, bucket_name, key, precondition)
+            meta = await asyncio.to_thread(_copy_into, node, src, bucket_name, key, precondition)
+        finally:
+            src.close()
     request.app[METRICS].bytes_in.inc(meta.size)
+    await replicas.put_copies(request, bucket_name, key, meta)
     return xml_response(copy_result_doc(meta.etag, meta.atime_ns))
+
+
+def _check_source(request: web.Request, src: ObjectMeta) -> None:
+    failed = read_conditions(request.headers, src, "x-amz-copy-source-")
+    if failed is not None:
+        raise precondition_failed(failed.partition(": ")[2])
+
+
+async def _copy_from_neighbour(request: web.Request, src_bucket: str, src_key: str, bucket_name: str,
+                               key: str) -> ObjectMeta:
+    """CopyObject in a cluster when this target (the destination's holder) does not hold the
+    source: its bytes are streamed from a target that does, and committed only if they match
+    the source's checksum."""
+    node = request.app[NODE]
+    try:
+        async with neighbours.fetch(request.app, src_bucket, src_key) as src:
+            _check_source(request, src.meta)
+            precondition = put_precondition(request)
+            _early_check(node, bucket_name, key, precondition)
+            writer = node.writer(bucket_name, key)
+            try:
+                async for piece in src.pieces():
+                    await asyncio.to_thread(writer.write, piece)
+                if writer.size != src.meta.size or writer.cksum != src.meta.cksum:
+                    raise S3Error(503, "ServiceUnavailable", f"CopyObject: the source {src_bucket}/{src_key} "
+                                  "arrived incomplete or changed from the target holding it; nothing was written")
+                return await asyncio.to_thread(writer.commit_if, precondition)
+            except BaseException:
+                await asyncio.shield(asyncio.to_thread(writer.abort))
+                raise
+    except NotFound:
+        raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
 
 
 async def _put_object(request: web.Request) -> web.Response:
@@ -365,6 +407,7 @@ async def _put_object(request: web.Request) -> web.Response:
     _early_check(node, bucket_name, key, precondition)
     meta = await receive(request, _writer(node, bucket_name, key, precondition), key)
     request.app[METRICS].bytes_in.inc(meta.size)
+    await replicas.put_copies(request, bucket_name, key, meta)  # in a cluster: before the answer
     return web.Response(headers={"ETag": f'"{meta.etag}"'})
 
 
@@ -417,6 +460,7 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
         meta = await asyncio.to_thread(s3_multipart.assemble, node, up, numbers, precondition)
     finally:
         await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
+    await replicas.put_copies(request, bucket_name, key, meta)
     return xml_response(upload_doc("CompleteMultipartUploadResult", bucket_name, key,
                                    Location=f"/{bucket_name}/{key}", ETag=f'"{meta.etag}"'))
 

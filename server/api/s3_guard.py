@@ -17,6 +17,7 @@ from server.errors import (BadRequest, Conflict, CorruptData, NotFound, PayloadT
                            StoreError)
 from server.validate import MAX_OBJNAME_BYTES, check_objname
 from server.api.s3_xml import (CODE_KEY, S3Error, default_code)
+from server.api import auth
 from server.api.state import API_KEY, MEMBERSHIP, NODE, OP_KEY
 
 from server.api.s3_xml import OWNER_ID
@@ -105,10 +106,10 @@ def s3_route(handler, root: bool):
                 raise web.HTTPMethodNotAllowed("POST", ["GET", "HEAD", "PUT", "DELETE"])
             raise web.HTTPNotFound()  # a native path that matched no native route
         request[API_KEY] = "s3"
-        if request.app.get(MEMBERSHIP) is not None:
-            # a target holds only the objects HRW gives it, and S3 writes would not be copied
-            raise S3Error(501, "NotImplemented", "the S3 API is not served by the targets of a cluster yet: "
-                          "use the native API through the gateway, or a single node (--role node)")
+        if request.app.get(MEMBERSHIP) is not None and not await auth.cluster_signed(request):
+            # a target holds a share of the objects: S3 clients go through a gateway (gateway_s3)
+            raise S3Error(501, "NotImplemented", "a target of a cluster serves the S3 API only through a "
+                          "gateway: send S3 requests to the gateway's URL")
         op = ops.get(request.method, "s3_other")
         request[OP_KEY] = "s3_location" if op == "s3_list" and "location" in request.query else op
         try:  # the signature was checked before (server.api.auth, for every route)

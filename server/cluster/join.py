@@ -20,7 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
-from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster import peers
+from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class Membership:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             while True:
                 try:
-                    async with session.post(self.gateway_url + path, data=body, headers={
-                            HEADER: self.secret.sign("POST", path, body), "Content-Type": "application/json"}) as r:
+                    async with peers.signed(session, self.secret, "POST", self.gateway_url, path, body=body,
+                                            headers={"Content-Type": "application/json"}) as r:
                         text = await r.text()
                         if r.status != 200:
                             raise RuntimeError(f"HTTP {r.status}: {text[:300]}")
