@@ -244,6 +244,16 @@ async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) ->
     return resp
 
 
+def _lacks_any(node, req) -> bool:
+    """Whether this target lacks an entry it owns (catalog point lookups, cached)."""
+    for e in req.entries:
+        try:
+            node.lookup(e.bucket, e.objname)
+        except StoreError:
+            return True
+    return False
+
+
 async def moss(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "getbatch"
     if request.method != "GET":
@@ -267,7 +277,8 @@ async def moss(request: web.Request) -> web.StreamResponse:
         if not signed and member is not None and member.smap is not None and len(member.smap.targets) > 1:
             req.check_upto(req.n, items)  # every entry: the 400/404 before anything goes to other targets
             me = member.smap.node(app[NODE_INFO]["id"])
-            if me is None or any(member.smap.owner(e.bucket, e.objname) != me for e in req.entries):
+            if (me is None or any(member.smap.owner(e.bucket, e.objname) != me for e in req.entries)
+                    or _lacks_any(node, req)):  # e.g. joined, before the rebalance: from the other copies
                 throttle = state.admission.admit()  # the designated target's admission control
                 try:
                     if throttle:
@@ -282,6 +293,8 @@ async def moss(request: web.Request) -> web.StreamResponse:
         metrics.gb_err_n.inc()
         raise
     job = BatchJob(req, config, items, metrics, state)
+    if signed:
+        job.soft_limit = req.n
     progress = _Progress()
     watch = asyncio.create_task(_watch(request, job, progress))
     work: asyncio.Task | None = None

@@ -40,13 +40,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import tarfile
 import uuid
 
 import aiohttp
 from aiohttp import web
 
-from server.api.state import METRICS
+from batchfs.wire.getbatch import MISSING_PREFIX
+from batchfs.wire.urls import object_path
+from server.api.state import CONFIG, METRICS
 from server.archive.writers import MIME_TYPES
 from server.cluster import peers
 from server.cluster.secret import ClusterSecret
@@ -89,12 +92,40 @@ def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset()) -> t
     return owners, groups
 
 
+_MISSING = re.compile(r"^ais://([^/]+)/(.+) does not exist$")
+
+
+async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
+                     lacking: str, body: bytes) -> bool:
+    """Whether the object a sender's 404 names is held by another of its copies' targets (signed
+    HEAD ``?gfn=1``); False for a 404 that names no object (a bucket)."""
+    try:
+        m = _MISSING.match(json.loads(body).get("message", ""))
+    except (ValueError, AttributeError):
+        return False
+    if m is None:
+        return False
+    bucket, name = m.groups()
+    path_qs = f"{object_path(bucket, name)}?gfn=1"
+    for node in smap.ranked(bucket, name)[:smap.copies]:
+        if node.id == lacking:
+            continue
+        try:
+            async with peers.signed(session, secret, "HEAD", node.url, path_qs,
+                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status == 200:
+                    return True
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            continue
+    return False
+
+
 def _padded(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
-def _pax_size(data: bytes) -> int | None:
-    """The ``size`` record of a PAX extended header (``LEN size=VALUE\\n`` records), if any."""
+def _pax_record(data: bytes, want: bytes) -> bytes | None:
+    """A record of a PAX extended header (``LEN KEY=VALUE\\n`` records), if there."""
     pos = 0
     while pos < len(data):
         space = data.find(b" ", pos)
@@ -103,8 +134,8 @@ def _pax_size(data: bytes) -> int | None:
         length = int(data[pos:space])
         record = data[space + 1:pos + length - 1]
         key, _, value = record.partition(b"=")
-        if key == b"size":
-            return int(value)
+        if key == want:
+            return value
         pos += length
     return None
 
@@ -133,6 +164,9 @@ class _Members:
         self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: ``await readexactly(n)``
         self.headers_written = self.data_written = 0
         self.size: int | None = None  # the current member's padded data size, once its header is out
+        # a ``coer`` placeholder (``__404__/NAME``, no data) the last ``copy_one`` read and did
+        # not write: its header bytes, for the caller to write if no other copy has the entry
+        self.held: bytes | None = None
 
     async def _read(self, n: int) -> bytes:
         try:
@@ -157,8 +191,9 @@ class _Members:
         headers and the data already written, and write the rest (the same bytes: the same
         object from another copy, checked by size)."""
         self.headers_written = self.data_written = 0
-        self.size = None
-        pax_size = None
+        self.size, self.held = None, None
+        pax_size = pax_path = None
+        headers: list[bytes] = []  # written once the member's own header says it is not a placeholder
         while True:
             block = await self._read(_BLOCK)
             if block == _ZERO:
@@ -167,17 +202,23 @@ class _Members:
                 info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
             except tarfile.HeaderError as e:
                 raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
-            if resume is None:
-                await write(block)
-                self.headers_written += 1
+            headers.append(block)
             if info.type in _PREFIX_TYPES:  # a header for the member that follows
                 data = await self._read(_padded(info.size))
                 if info.type == tarfile.XHDTYPE:
-                    pax_size = _pax_size(data[:info.size])
-                if resume is None:
-                    await write(data)
+                    pax_size, pax_path = _pax_record(data[:info.size], b"size"), _pax_record(data[:info.size], b"path")
+                headers.append(data)
                 continue
-            self.size = left = _padded(info.size if pax_size is None else pax_size)
+            size = info.size if pax_size is None else int(pax_size)
+            name = info.name if pax_path is None else pax_path.decode("utf-8", "surrogateescape")
+            if size == 0 and name.startswith(MISSING_PREFIX) and resume is None:
+                self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
+                return
+            if resume is None:
+                for h in headers:
+                    await write(h)
+                self.headers_written = len(headers)
+            self.size = left = _padded(size)
             if resume is not None:
                 size, skip = resume
                 if size != left:
@@ -196,7 +237,7 @@ class _Members:
 
 
 async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode],
-                    subs: dict[str, aiohttp.ClientResponse], cap: int) -> web.Response:
+                    subs: dict[str, aiohttp.ClientResponse], cap: int, coer: bool) -> web.Response:
     """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
     multipart reply whose metadata and members are in request order — the senders' own entries,
     error messages included."""
@@ -226,6 +267,11 @@ async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode
         metadata.append(metas[node.id][taken[node.id]])
         taken[node.id] += 1
         await archives[node.id].copy_one(keep)
+        if archives[node.id].held is not None:  # a coer placeholder
+            if not coer:  # asked with coer only because an owner lacks an entry (see moss_across)
+                raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
+                                   "retry, or ask with strm (streamed replies take it from the other copy)")
+            await keep(archives[node.id].held)
     out.append(_ZERO * 2)
     mp = aiohttp.MultipartWriter("mixed")
     part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
@@ -268,9 +314,10 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             "moss: this request's entries are on several targets, where only plain TAR is served yet "
             f"(this one asks for {req.mime}); send mime .tar")
     down: set[str] = set()
+    lenient = False  # senders asked with coer: their placeholders are looked for on other copies
 
     async def open_sub(node_id: str, idx: list[int]) -> aiohttp.ClientResponse:
-        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer,
+        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient,
                            "onob": req.onob, "strm": req.strm}).encode()
         path_qs = request.rel_url.raw_path_qs
         headers = {"Content-Type": "application/json"}
@@ -284,15 +331,35 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
 
     subs: dict[str, aiohttp.ClientResponse] = {}
     extra: list[aiohttp.ClientResponse] = []  # sub-requests opened to recover a failed sender
+    metrics = request.app[METRICS]
     try:
-        for _ in range(len(smap.targets)):  # a sender that cannot be reached: its copies' holders instead
+        # A sender that cannot be reached: its entries go to the targets of their next copies
+        # and every sender is opened again. A sender that lacks an entry (404 — a target that
+        # joined, before the rebalance brought it everything): if another copy's target has the
+        # object, every sender is asked again with coer, and each placeholder is looked for on
+        # the entry's other copies (``from_other_copies``); if none has it, the 404 is the answer.
+        # A sender that still answers 404 (it lacks a bucket) is treated as unreachable.
+        for _ in range(2 * len(smap.targets) + 1):
             owners, groups = partition(req, smap, down)
             nodes = {n.id: n for n in owners}
             order = list(dict.fromkeys(n.id for n in owners))  # holders by their first entry
             results = await asyncio.gather(*(open_sub(n, groups[n]) for n in order), return_exceptions=True)
             if not any(isinstance(r, BaseException) for r in results):
                 subs = dict(zip(order, results))
-                break
+                lacking = next((n for n in order if subs[n].status == 404), None)
+                if lacking is None:
+                    break
+                body = await subs[lacking].read()
+                for r in subs.values():
+                    r.close()
+                subs = {}
+                if lenient:
+                    down.add(lacking)
+                elif not await _elsewhere(request, smap, secret, session, lacking, body):
+                    return web.Response(status=404, body=body, headers={"Content-Type": "application/json"})
+                lenient = True
+                log.info("moss: sender %s lacks an entry another copy holds: senders asked again with coer", lacking)
+                continue
             for r in results:
                 if isinstance(r, aiohttp.ClientResponse):
                     r.close()
@@ -309,13 +376,12 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 return web.Response(status=r.status, body=body,
                                     headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
         if not req.strm:
-            return await _buffered(request, req, owners, subs, cap)
+            return await _buffered(request, req, owners, subs, cap, req.coer)
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[".tar"],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
         members = {n: _Members(nodes[n], r.content) for n, r in subs.items()}
         source = [members[n.id] for n in owners]  # entry i comes from source[i]
-        metrics = request.app[METRICS]
 
         async def recover(first: int, failed: _Members) -> None:
             """Get from neighbour: the entries from ``first`` on that ``failed`` was to send are
@@ -345,6 +411,42 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     source[j] = m
                 metrics.gb_gfn_n.inc(len(idx))
 
+        soft = [0]  # placeholders passed on when senders were asked with coer for lack of an entry
+
+        async def from_other_copies(j: int, lacking: _Members) -> None:
+            """``coer``: the sender gave a placeholder for entry ``j``; a target of another copy may
+            hold it (a target that joined lacks what the rebalance has not brought yet). The
+            member from the first that has it, else the placeholder."""
+            e = req.entries[j]
+            for node in smap.ranked(e.bucket, e.objname)[:smap.copies]:
+                if node.id == lacking.node.id or node.id in down:
+                    continue
+                nodes[node.id] = node
+                try:
+                    r = await open_sub(node.id, [j])
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                    continue
+                extra.append(r)
+                if r.status != 200:
+                    continue
+                other = _Members(node, r.content)
+                metrics.gb_gfn_n.inc()
+                try:
+                    await other.copy_one(out.write)
+                except SenderFailed:
+                    if other.headers_written:  # part of its member is out: only truncation is left
+                        raise ConnectionError(f"moss: {node.id} broke off mid-member (get from neighbour)") from None
+                    continue
+                if other.held is None:
+                    return
+            if not req.coer:  # no copy has it, and the 200 is out: truncation is the only signal left
+                raise ConnectionError(f"moss: ais://{e.bucket}/{e.objname} is on no target")
+            soft[0] += 1
+            if soft[0] > request.app[CONFIG].getbatch_max_soft_errs:
+                raise ConnectionError(f"moss: more missing entries than the soft-error limit "
+                                      f"(getbatch_max_soft_errs); first: ais://{e.bucket}/{e.objname}")
+            await out.write(lacking.held)
+
         out = _Coalesced(resp)
         i, resume, recoveries = 0, None, 0
         try:
@@ -352,6 +454,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 m = source[i]
                 try:
                     await m.copy_one(out.write, resume)
+                    if m.held is not None:
+                        await from_other_copies(i, m)
                 except SenderFailed as e:
                     if recoveries >= len(smap.targets):
                         raise

@@ -98,6 +98,9 @@ class BatchJob:
         self.planned = 0
         self.plan_missing = 0
         self.soft_errs = 0
+        # the soft-error limit; a designated target's sub-request has none (the DT counts the
+        # placeholders it passes on: some are entries another copy's target has)
+        self.soft_limit = config.getbatch_max_soft_errs
         self.work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, metrics)
         self.slots = asyncio.Semaphore(max(1, config.getbatch_workers))
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -144,7 +147,7 @@ class BatchJob:
             self._check_soft(self.plan_missing)
 
     def _check_soft(self, n: int) -> None:
-        limit = self.config.getbatch_max_soft_errs
+        limit = self.soft_limit
         if n > limit:
             raise NotFound(f"moss: {n} missing entries exceed the soft-error limit of {limit} "
                            f"(getbatch_max_soft_errs); first: {self._first_missing()}")

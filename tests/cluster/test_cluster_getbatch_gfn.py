@@ -68,3 +68,63 @@ def test_a_batch_in_flight_survives_its_senders_death(tmp_path):
         assert dt.metrics().get("getbatch_gfn_n_total", 0) >= 1
     finally:
         cluster.stop()
+
+
+def _members(data: bytes) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tf:
+        return [(m.name, tf.extractfile(m).read() if m.isfile() else b"") for m in tf]
+
+
+def test_entries_their_owner_lacks_come_from_the_other_copy(cluster):
+    """An owner without an entry (a target that joined, before the rebalance reached the entry:
+    here its copy is removed by hand) — GetBatch takes the entry from the other copy's target:
+    a sender's 404 before its 200, a coer placeholder, and a designated target lacking one of
+    its own entries. A name no target holds stays a 404 (or, with coer, a placeholder)."""
+    from server.cluster.secret import ClusterSecret
+    from tests.cluster.conftest import SECRET, holds
+
+    smap = cluster.smap()
+    ids = sorted(smap["tmap"])
+    url_of = {i: smap["tmap"][i]["public_net"]["direct_url"] for i in ids}
+    b = sdk_client(cluster.url).bucket("lacks")
+    b.create(exist_ok=True)
+    names = [f"l/{i:03d}" for i in range(40)]
+    data = {n: os.urandom(1000 + 37 * i) for i, n in enumerate(names)}
+    for n in names:
+        b.object(n).get_writer().put_content(data[n])
+    lost = names[::4]  # each removed from its owner only: the second copy stays
+    signer = ClusterSecret(SECRET.encode())
+    for n in lost:
+        owner = ranked(smap, "lacks", n)[0]
+        path_qs = f"/v1/objects/lacks/{n}?replica=1"
+        r = httpx.delete(url_of[owner] + path_qs, headers={"Batchfs-Cluster": signer.sign("DELETE", path_qs)})
+        assert r.status_code == 200 and not holds(url_of[owner], "lacks", n)
+    order = names[::-1] + lost  # duplicates too
+
+    def batch(entries, **flags) -> httpx.Response:
+        body = {"in": [{"objname": n} for n in entries], "strm": True, **flags}
+        return httpx.request("GET", f"{cluster.url}/v1/ml/moss/lacks", json=body, follow_redirects=True, timeout=60)
+
+    for flags in ({}, {"coer": True}):
+        r = batch(order, **flags)
+        assert r.status_code == 200, r.text
+        assert _members(r.content) == [(f"lacks/{n}", data[n]) for n in order], flags
+    # a designated target that lacks one of its own entries: every entry owned by one target
+    one = ranked(smap, "lacks", lost[0])[0]
+    own = [n for n in names if ranked(smap, "lacks", n)[0] == one]
+    r = batch(own)
+    assert r.status_code == 200 and _members(r.content) == [(f"lacks/{n}", data[n]) for n in own]
+    # buffered (strm false): an entry its owner lacks is a clear 502 (retry), never a wrong archive
+    r = httpx.request("GET", f"{cluster.url}/v1/ml/moss/lacks", follow_redirects=True, timeout=60,
+                      json={"in": [{"objname": n} for n in order], "strm": False})
+    assert r.status_code == 502 and "rebalance" in r.text, r.text
+    # a name nobody holds: 404 before anything is sent, or with coer a placeholder
+    held = names[1:4]  # none of them lacked by its owner
+    r = batch(held + ["l/none"])
+    assert r.status_code == 404 and "l/none" in r.text
+    r = batch(held + ["l/none"], coer=True)
+    assert r.status_code == 200
+    assert _members(r.content) == [(f"lacks/{n}", data[n]) for n in held] + [("__404__/lacks/l/none", b"")]
+    # with coer the placeholder also stands when an owner lacked another entry
+    r = batch(lost[:2] + ["l/none"], coer=True)
+    assert _members(r.content) == [(f"lacks/{n}", data[n]) for n in lost[:2]] + [("__404__/lacks/l/none", b"")]
