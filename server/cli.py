@@ -26,7 +26,7 @@ from server.api import connlimits, listener
 from server.api import clusterapi, rebalance
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
-from server.api.gateway import Gateway
+from server.api.gateway_map import Gateway
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from batchfs.wire.units import parse_size
@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "owns the cluster map (kept in its --data directory, no objects); target: stores "
                    f"objects and joins a gateway (default: {d.role})")
     c.add_argument("--join", dest="join_url", metavar="URL",
-                   help="a target's gateway, e.g. http://10.0.0.1:8080 (required with --role target)")
+                   help="the primary gateway, e.g. http://10.0.0.1:8080: a target joins it (required with --role "
+                   "target); a gateway given --join is a secondary gateway — it serves clients with the map the "
+                   "primary gives it, and sends joins and bucket-copy changes to the primary")
     c.add_argument("--cluster-secret-file", dest="cluster_secret_file", type=Path, metavar="FILE",
                    help="the secret every gateway and target of the cluster shares (at least 32 characters, "
                    "mode 0600: openssl rand -hex 32 > FILE); requests between nodes are signed with it; required "
@@ -371,7 +373,8 @@ def _build(config: ServerConfig):
     state = Path(config.data_dirs[0]) / ".batchfs"
     state.mkdir(parents=True, exist_ok=True)
     if config.role == "gateway":
-        gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds)
+        gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds,
+                          primary_url=config.join_url)
         app = build_gateway_app(config, gateway, secret)
         return app, lambda url: gateway.bound(url)
     members: list[Membership] = []

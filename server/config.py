@@ -130,8 +130,8 @@ class ServerConfig:
             raise ValueError(f"role must be node, gateway or target, got {self.role!r}")
         if self.role == "target" and not self.join_url:
             raise ValueError("a target needs the gateway to join: --join http://GATEWAY:PORT")
-        if self.role != "target" and self.join_url:
-            raise ValueError("--join is for targets (--role target)")
+        if self.role == "node" and self.join_url:
+            raise ValueError("--join is for targets and secondary gateways (--role target|gateway)")
         if self.role != "node" and self.cluster_secret_file is None:
             raise ValueError(f"a {self.role} needs --cluster-secret-file FILE (the same file on every gateway "
                              "and target; make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")

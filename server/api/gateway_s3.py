@@ -40,6 +40,7 @@ from urllib.parse import unquote_plus
 import aiohttp
 from aiohttp import web
 
+from server.api.gateway_map import gateway_of, refuse_not_served
 from server.api.relay import relay
 from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, RESERVED_AT_ROOT
 from server.api.s3_listing import MAX_KEYS
@@ -61,16 +62,10 @@ _SIGNING = frozenset({"X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Am
                       "X-Amz-SignedHeaders", "X-Amz-Signature", "X-Amz-Security-Token"})
 
 
-def _gw(request: web.Request):
-    from server.api.gateway import GATEWAY  # the gateway module adds these routes
-    return request.app[GATEWAY]
-
-
 def _begin(request: web.Request, op: str, root: bool) -> None:
     """Mark the request as S3 (errors become XML); a reserved root name is a native path."""
     if root and request.match_info.get("bucket") in RESERVED_AT_ROOT:
-        from server.api.gateway import _refuse
-        _refuse(request)
+        refuse_not_served(request)
     request[API_KEY] = "s3"
     request[OP_KEY] = op
 
@@ -78,7 +73,7 @@ def _begin(request: web.Request, op: str, root: bool) -> None:
 # -- the relay ----------------------------------------------------------------------------------
 async def _send(request: web.Request, target: ClusterNode, body) -> aiohttp.ClientResponse:
     """Open the proxied request to ``target`` (the caller closes the response)."""
-    gw = _gw(request)
+    gw = gateway_of(request)
     path_qs = request.rel_url.raw_path_qs
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     try:  # the body is the client's, bound by its SigV4 signature: not signed again
@@ -135,30 +130,34 @@ async def _read_capped(request: web.Request, cap: int, what: str) -> bytes:
 def handlers(root: bool):
     async def list_buckets(request: web.Request) -> web.StreamResponse:
         _begin(request, "s3_list_buckets", root)
-        return await _relay(request, _gw(request).targets(alive=True)[0])
+        return await _relay(request, gateway_of(request).targets(alive=True)[0])
 
     async def bucket(request: web.Request) -> web.StreamResponse:
         _begin(request, "s3_bucket", root)
-        gw, method, q = _gw(request), request.method, request.query
+        gw, method, q = gateway_of(request), request.method, request.query
         if method == "GET" and not set(q) - _LIST_PARAMS - _SIGNING:
             return await _list_merged(request)
         if method == "PUT":  # a target that is down now creates it when it rejoins (rebalance)
             body = await _read_capped(request, CREATE_BUCKET_BODY_MAX, "CreateBucketConfiguration")
             answers = await _each(request, gw.targets(alive=True), body)
-            return _first_failure(answers) or _passthrough(answers[0])
+            return _first_failure(answers) or passthrough(answers[0])
         if method == "DELETE":
             await _refuse_unless_empty(request)
             answers = await _each(request, gw.targets(), b"")
-            return _first_failure(answers) or _passthrough(answers[0])
+            failed = _first_failure(answers)
+            if failed is None:  # a bucket made again starts at the default copies
+                await gw.set_copies(request.match_info["bucket"], None)
+            return failed or passthrough(answers[0])
         if method == "POST" and "delete" in q:
             body = await _read_capped(request, DELETE_BODY_MAX, "a Delete document")
-            return await _delete_merged(request, await _each(request, _enough_up(gw), body))
+            live = _enough_up(gw, request.match_info["bucket"])
+            return await _delete_merged(request, await _each(request, live, body))
         return await _relay(request, gw.targets(alive=True)[0])
 
     async def obj(request: web.Request) -> web.StreamResponse:
         _begin(request, "s3_object", root)
         bucket_name, key = request.match_info["bucket"], request.match_info["key"]
-        return await _relay(request, _gw(request).holder(bucket_name, key))
+        return await _relay(request, gateway_of(request).holder(bucket_name, key))
 
     return _coded(list_buckets), _coded(bucket), _coded(obj)
 
@@ -174,19 +173,20 @@ def _coded(handler):
     return wrapped
 
 
-def _passthrough(answer: tuple[int, dict, bytes]) -> web.Response:
+def passthrough(answer: tuple[int, dict, bytes]) -> web.Response:
     status, headers, data = answer
     headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
     return web.Response(status=status, headers=headers, body=data)
 
 
-def _enough_up(gw) -> list[ClusterNode]:
-    """The live targets, if they hold a copy of every object (fewer down than copies); a target
-    that is down deletes its stale copies when it returns (tombstones, server.api.rebalance)."""
+def _enough_up(gw, bucket: str) -> list[ClusterNode]:
+    """The live targets, if they hold a copy of every object of ``bucket`` (fewer down than its
+    copies); a target that is down deletes its stale copies when it returns (tombstones)."""
     live = gw.targets(alive=True)
-    if len(gw.smap.targets) - len(live) >= gw.smap.copies:
+    copies = gw.smap.copies_for(bucket)
+    if len(gw.smap.targets) - len(live) >= copies:
         raise S3Error(503, "ServiceUnavailable", f"targets {', '.join(sorted(gw.down))} are down: with "
-                      f"{gw.smap.copies} copies of each object, some objects are on none of the others")
+                      f"{copies} copies of each object of {bucket}, some objects are on none of the others")
     return live
 
 
@@ -201,7 +201,7 @@ def _all_up(gw) -> list[ClusterNode]:
 async def _refuse_unless_empty(request: web.Request) -> None:
     """DeleteBucket deletes only an empty bucket: each target answers for its own share (one
     name, cluster-signed native listing) before any target destroys anything."""
-    gw = _gw(request)
+    gw = gateway_of(request)
     bucket_name = request.match_info["bucket"]
     path = f"/v1/buckets/{bucket_name}"
     body = b'{"action": "list", "value": {"pagesize": 1, "props": "name"}}'
@@ -246,7 +246,7 @@ async def _list_merged(request: web.Request) -> web.Response:
     the pages are merged in key order and cut at max-keys. Every target answers strictly after
     the same point, so the first max-keys of the union are the first max-keys of the bucket."""
     request[OP_KEY] = "s3_list"
-    answers = await _each(request, _enough_up(_gw(request)), b"")
+    answers = await _each(request, _enough_up(gateway_of(request), request.match_info["bucket"]), b"")
     failed = _first_failure(answers)
     if failed is not None:
         return failed

@@ -41,13 +41,12 @@ import asyncio
 import json
 import logging
 import re
-import tarfile
 import uuid
 
 import aiohttp
 from aiohttp import web
 
-from batchfs.wire.getbatch import MISSING_PREFIX
+from batchfs.wire.tarheader import tar_header
 from batchfs.wire.urls import object_path
 from server.api.state import CONFIG, METRICS
 from server.archive.writers import MIME_TYPES
@@ -55,40 +54,36 @@ from server.cluster import peers
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
 from server.errors import PayloadTooLarge, StoreError
+from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
+from server.api.getbatch_members import ZERO, Bytes, Members, SenderFailed
 
 log = logging.getLogger(__name__)
 
-COPY_BYTES = 1 << 20
 OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size (``_Coalesced``)
-SENDER_WAIT_SECONDS = 20.0  # AIStore's max_wait: a sender silent this long is given up on
-_BLOCK = tarfile.BLOCKSIZE
-_ZERO = b"\0" * _BLOCK
-_PREFIX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
 
 class NotAcrossTargets(StoreError):
     status = 501
 
 
-class SenderFailed(StoreError):
-    status = 502
-
-
-def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset()) -> tuple[list[ClusterNode], dict[str, list[int]]]:
+def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(),
+              none_ok: bool = False) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
     """Each checked entry's holder — the first of its copies' targets not in ``down`` — and the
-    entries of each holder in request order."""
-    owners = []
+    entries of each holder in request order. An entry no reachable target holds is None with
+    ``none_ok`` (a placeholder under ``coer``), else SenderFailed."""
+    owners: list[ClusterNode | None] = []
     for e in req.entries:
-        ranked = smap.ranked(e.bucket, e.objname)[:smap.copies]
+        ranked = smap.holders(e.bucket, e.objname)
         node = next((n for n in ranked if n.id not in down), None)
-        if node is None:
+        if node is None and not none_ok:
             raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: every target holding a copy "
                                f"({', '.join(n.id for n in ranked)}) is unreachable")
         owners.append(node)
     groups: dict[str, list[int]] = {}
     for i, node in enumerate(owners):
-        groups.setdefault(node.id, []).append(i)
+        if node is not None:
+            groups.setdefault(node.id, []).append(i)
     return owners, groups
 
 
@@ -107,7 +102,7 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         return False
     bucket, name = m.groups()
     path_qs = f"{object_path(bucket, name)}?gfn=1"
-    for node in smap.ranked(bucket, name)[:smap.copies]:
+    for node in smap.holders(bucket, name):
         if node.id == lacking:
             continue
         try:
@@ -120,129 +115,13 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
     return False
 
 
-def _padded(n: int) -> int:
-    return -(-n // _BLOCK) * _BLOCK
-
-
-def _pax_record(data: bytes, want: bytes) -> bytes | None:
-    """A record of a PAX extended header (``LEN KEY=VALUE\\n`` records), if there."""
-    pos = 0
-    while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
-        record = data[space + 1:pos + length - 1]
-        key, _, value = record.partition(b"=")
-        if key == want:
-            return value
-        pos += length
-    return None
-
-
-class _Bytes:
-    """An archive already in memory, read like a stream (a buffered sender's part)."""
-
-    def __init__(self, data: bytes):
-        self.data, self.pos = memoryview(data), 0
-
-    async def readexactly(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise asyncio.IncompleteReadError(bytes(self.data[self.pos:]), n)
-        self.pos += n
-        return bytes(self.data[self.pos - n:self.pos])
-
-
-class _Members:
-    """One sender's TAR archive, read member by member (headers parsed by ``tarfile``).
-
-    What was written of the member being copied is kept (``headers_written``, ``size``,
-    ``data_written``), so that if the sender fails mid-member another copy's target can finish
-    it (``copy_one(resume=...)``)."""
-
-    def __init__(self, node: ClusterNode, stream, wait_seconds: float = SENDER_WAIT_SECONDS):
-        self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: ``await readexactly(n)``
-        self.headers_written = self.data_written = 0
-        self.size: int | None = None  # the current member's padded data size, once its header is out
-        # a ``coer`` placeholder (``__404__/NAME``, no data) the last ``copy_one`` read and did
-        # not write: its header bytes, for the caller to write if no other copy has the entry
-        self.held: bytes | None = None
-
-    async def _read(self, n: int) -> bytes:
-        try:
-            async with asyncio.timeout(self.wait):  # no task per read, unlike wait_for
-                return await self.stream.readexactly(n)
-        except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
-            raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
-        except asyncio.TimeoutError:
-            raise SenderFailed(f"moss: sender {self.node.id} sent nothing for {self.wait:g} s") from None
-
-    def resume_point(self) -> tuple[int, int] | None:
-        """(padded data size, data bytes written) of a member begun and cut in its data; None if
-        nothing of it was written; SenderFailed when cut inside its headers (not resumable)."""
-        if self.headers_written == 0:
-            return None
-        if self.size is None:
-            raise SenderFailed(f"moss: sender {self.node.id} failed inside a member's headers")
-        return self.size, self.data_written
-
-    async def copy_one(self, write, resume: tuple[int, int] | None = None) -> None:
-        """Copy the next member; with ``resume`` (another sender's ``resume_point``), drop its
-        headers and the data already written, and write the rest (the same bytes: the same
-        object from another copy, checked by size)."""
-        self.headers_written = self.data_written = 0
-        self.size, self.held = None, None
-        pax_size = pax_path = None
-        headers: list[bytes] = []  # written once the member's own header says it is not a placeholder
-        while True:
-            block = await self._read(_BLOCK)
-            if block == _ZERO:
-                raise SenderFailed(f"moss: sender {self.node.id} sent fewer members than it was asked for")
-            try:
-                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-            except tarfile.HeaderError as e:
-                raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
-            headers.append(block)
-            if info.type in _PREFIX_TYPES:  # a header for the member that follows
-                data = await self._read(_padded(info.size))
-                if info.type == tarfile.XHDTYPE:
-                    pax_size, pax_path = _pax_record(data[:info.size], b"size"), _pax_record(data[:info.size], b"path")
-                headers.append(data)
-                continue
-            size = info.size if pax_size is None else int(pax_size)
-            name = info.name if pax_path is None else pax_path.decode("utf-8", "surrogateescape")
-            if size == 0 and name.startswith(MISSING_PREFIX) and resume is None:
-                self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
-                return
-            if resume is None:
-                for h in headers:
-                    await write(h)
-                self.headers_written = len(headers)
-            self.size = left = _padded(size)
-            if resume is not None:
-                size, skip = resume
-                if size != left:
-                    raise SenderFailed(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
-                                       f"{size}): the member cannot be finished from it")
-                self.headers_written, self.data_written = 1, skip
-                while skip:
-                    skip -= len(await self._read(min(COPY_BYTES, skip)))
-                left -= self.data_written
-            while left:
-                chunk = await self._read(min(COPY_BYTES, left))
-                left -= len(chunk)
-                await write(chunk)
-                self.data_written += len(chunk)
-            return
-
-
 async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode],
                     subs: dict[str, aiohttp.ClientResponse], cap: int, coer: bool) -> web.Response:
     """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
     multipart reply whose metadata and members are in request order — the senders' own entries,
     error messages included."""
     metas: dict[str, list] = {}
-    archives: dict[str, _Members] = {}
+    archives: dict[str, Members] = {}
     total = 0
     for node_id, r in subs.items():
         reader = aiohttp.MultipartReader.from_response(r)
@@ -255,7 +134,7 @@ async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode
             if part.name == "metadata":
                 metas[node_id] = json.loads(data)["out"]
             elif part.name == "archive":
-                archives[node_id] = _Members(_node_of(owners, node_id), _Bytes(data))
+                archives[node_id] = Members(_node_of(owners, node_id), Bytes(data))
     out: list[bytes] = []
     metadata = []
     taken = {n: 0 for n in subs}
@@ -272,7 +151,7 @@ async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode
                 raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
                                    "retry, or ask with strm (streamed replies take it from the other copy)")
             await keep(archives[node.id].held)
-    out.append(_ZERO * 2)
+    out.append(ZERO * 2)
     mp = aiohttp.MultipartWriter("mixed")
     part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
     part.set_content_disposition("form-data", name="metadata")
@@ -340,9 +219,9 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         # the entry's other copies (``from_other_copies``); if none has it, the 404 is the answer.
         # A sender that still answers 404 (it lacks a bucket) is treated as unreachable.
         for _ in range(2 * len(smap.targets) + 1):
-            owners, groups = partition(req, smap, down)
-            nodes = {n.id: n for n in owners}
-            order = list(dict.fromkeys(n.id for n in owners))  # holders by their first entry
+            owners, groups = partition(req, smap, down, none_ok=req.coer and req.strm)
+            nodes = {n.id: n for n in owners if n is not None}
+            order = list(dict.fromkeys(n.id for n in owners if n is not None))  # holders by their first entry
             results = await asyncio.gather(*(open_sub(n, groups[n]) for n in order), return_exceptions=True)
             if not any(isinstance(r, BaseException) for r in results):
                 subs = dict(zip(order, results))
@@ -380,10 +259,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[".tar"],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
-        members = {n: _Members(nodes[n], r.content) for n, r in subs.items()}
-        source = [members[n.id] for n in owners]  # entry i comes from source[i]
+        members = {n: Members(nodes[n], r.content) for n, r in subs.items()}
+        # entry i comes from source[i]; None: no reachable target holds it (coer: a placeholder)
+        source: list[Members | None] = [None if n is None else members[n.id] for n in owners]
 
-        async def recover(first: int, failed: _Members) -> None:
+        async def recover(first: int, failed: Members) -> None:
             """Get from neighbour: the entries from ``first`` on that ``failed`` was to send are
             asked of the targets of their next copies, one sub-request per target."""
             down.add(failed.node.id)
@@ -392,8 +272,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 if source[j] is not failed:
                     continue
                 e = req.entries[j]
-                ranked = smap.ranked(e.bucket, e.objname)[:smap.copies]
+                ranked = smap.holders(e.bucket, e.objname)
                 node = next((n for n in ranked if n.id not in down), None)
+                if node is None and req.coer and j > first:  # not begun: a placeholder will do
+                    source[j] = None
+                    continue
                 if node is None:
                     raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: no other copy's target is left")
                 nodes[node.id] = node
@@ -406,19 +289,19 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 extra.append(r)
                 if r.status != 200:
                     raise SenderFailed(f"moss: {node_id}, asked for another copy, answered HTTP {r.status}")
-                m = _Members(nodes[node_id], r.content)
+                m = Members(nodes[node_id], r.content)
                 for j in idx:
                     source[j] = m
                 metrics.gb_gfn_n.inc(len(idx))
 
         soft = [0]  # placeholders passed on when senders were asked with coer for lack of an entry
 
-        async def from_other_copies(j: int, lacking: _Members) -> None:
+        async def from_other_copies(j: int, lacking: Members) -> None:
             """``coer``: the sender gave a placeholder for entry ``j``; a target of another copy may
             hold it (a target that joined lacks what the rebalance has not brought yet). The
             member from the first that has it, else the placeholder."""
             e = req.entries[j]
-            for node in smap.ranked(e.bucket, e.objname)[:smap.copies]:
+            for node in smap.holders(e.bucket, e.objname):
                 if node.id == lacking.node.id or node.id in down:
                     continue
                 nodes[node.id] = node
@@ -429,7 +312,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 extra.append(r)
                 if r.status != 200:
                     continue
-                other = _Members(node, r.content)
+                other = Members(node, r.content)
                 metrics.gb_gfn_n.inc()
                 try:
                     await other.copy_one(out.write)
@@ -441,17 +324,26 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     return
             if not req.coer:  # no copy has it, and the 200 is out: truncation is the only signal left
                 raise ConnectionError(f"moss: ais://{e.bucket}/{e.objname} is on no target")
+            await placeholder(j, lacking.held)
+
+        async def placeholder(j: int, header: bytes | None = None) -> None:
+            e = req.entries[j]
             soft[0] += 1
             if soft[0] > request.app[CONFIG].getbatch_max_soft_errs:
                 raise ConnectionError(f"moss: more missing entries than the soft-error limit "
                                       f"(getbatch_max_soft_errs); first: ais://{e.bucket}/{e.objname}")
-            await out.write(lacking.held)
+            metrics.gb_soft_err_n.inc()
+            await out.write(header if header is not None else tar_header(placeholder_name(e), 0, 0))
 
         out = _Coalesced(resp)
         i, resume, recoveries = 0, None, 0
         try:
             while i < len(owners):
                 m = source[i]
+                if m is None:  # coer, and every target holding the entry is unreachable
+                    await placeholder(i)
+                    i += 1
+                    continue
                 try:
                     await m.copy_one(out.write, resume)
                     if m.held is not None:
@@ -466,7 +358,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     continue
                 resume = None
                 i += 1
-            await out.write(_ZERO * 2)
+            await out.write(ZERO * 2)
             await out.flush()
             await resp.write_eof()
         except (StoreError, ConnectionError) as e:

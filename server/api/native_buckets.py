@@ -17,7 +17,7 @@ from aiohttp import web
 from server import bucket_ops, jobs
 from server.api import daemon_api, replicas
 from server.api.guard import MSG_KEY, accepts, bool_param
-from server.api.state import NODE, OP_KEY
+from server.api.state import MEMBERSHIP, NODE, OP_KEY
 from server.errors import BadRequest, NotFound
 from server.validate import check_bucket
 
@@ -95,6 +95,10 @@ async def bucket_head(request: web.Request) -> web.Response:
     node.require_bucket(bucket)
     props = {"provider": "ais", "name": bucket, "namespace": {"uuid": "", "name": ""},
              "created": node.buckets[bucket]}
+    member = request.app.get(MEMBERSHIP)
+    if member is not None and member.smap is not None:  # copies on distinct targets (the map's)
+        copies = member.smap.copies_for(bucket)
+        props["mirror"] = {"enabled": copies > 1, "copies": copies}
     headers = {"Ais-Bucket-Props": json.dumps(props)}
     q = request.query
     bool_param(request, "bsumm_remote")  # only ais:// buckets: no remote objects to count

@@ -156,7 +156,7 @@ class Rebalancer:
         except NotFound:
             return  # deleted meanwhile
         self.state["checked"] += 1
-        holders = smap.ranked(bucket, name)[:smap.copies]
+        holders = smap.holders(bucket, name)
         others = [h for h in holders if h.id != me]
         seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its HEAD's status, cksum, time
         for h in others:

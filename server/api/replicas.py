@@ -103,7 +103,7 @@ def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNo
         return []
     smap = member.smap
     me = app[NODE_INFO]["id"]
-    return [n for n in smap.ranked(bucket, name)[:smap.copies] if n.id != me]
+    return [n for n in smap.holders(bucket, name) if n.id != me]
 
 
 def tombstone_time(app: web.Application) -> int | None:

@@ -18,7 +18,7 @@ as the native API (see docs/s3.md for what is supported and how tools mount it).
 
 This module holds the handlers and the routes; what each operation accepts and the route
 wrapper are in ``s3_guard``, conditional requests in ``s3_conditions``, receiving a body with
-its digests in ``s3_body``.
+its digests in ``s3_body``, CopyObject in ``s3_copy``.
 
 Anything else a client asks for — a query parameter or x-amz-* header outside
 ``s3_guard.ALLOWED_PARAMS`` / ``ALLOWED_HEADERS`` (multipart, versions, SSE, tagging, ACLs, object
@@ -43,11 +43,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import urllib.parse
 
 from aiohttp import web
 
-from server.api import native, neighbours, replicas
+from server.api import native, replicas
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
@@ -56,13 +55,12 @@ from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc
 from server.api.state import METRICS, NODE, OP_KEY
 from server.store.meta import ObjectMeta
 
-from server.api import s3_multipart  # multipart uploads, copy and multi-delete documents, trailing checksums
-from server.api.s3_xml import copy_result_doc, delete_result_doc, parse_complete_doc, parse_delete_doc, upload_doc
+from server.api import s3_copy, s3_multipart  # CopyObject; multipart uploads
+from server.api.s3_xml import delete_result_doc, parse_complete_doc, parse_delete_doc, upload_doc
 
 
 from server.api.s3_body import expected_digests, receive
-from server.api.s3_conditions import (must_match, precondition_failed, put_precondition, read_conditions,
-                                      read_preconditions, response_overrides, s3_span)
+from server.api.s3_conditions import must_match, put_precondition, read_preconditions, response_overrides, s3_span
 from server.api.s3_guard import (CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, MAX_DELETE_KEYS, MAX_NAME_BYTES, object_key,
                                  refuse_unsupported, require_bucket, s3_route)
 
@@ -287,124 +285,13 @@ def _writer(node, bucket_name: str, key: str, precondition):
     return writer if precondition is None else _Conditional(writer, precondition)
 
 
-def _early_check(node, bucket_name: str, key: str, precondition) -> None:
-    """Fail fast, before a body is read or a copy made; the commit checks again."""
-    if precondition is not None:
-        try:
-            current = node.lookup(bucket_name, key)
-        except NotFound:
-            current = None
-        precondition(current)
-
-
-def _copy_source(text: str) -> tuple[str, str]:
-    """x-amz-copy-source: '[/]bucket/key', URL-encoded; a ?versionId is refused."""
-    path, _, query = text.partition("?")
-    if query:
-        raise S3Error(501, "NotImplemented", "versions are not implemented: x-amz-copy-source with ?versionId")
-    bucket_name, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
-    if not bucket_name or not key:
-        raise S3Error(400, "InvalidArgument", "x-amz-copy-source must be /BUCKET/KEY")
-    return bucket_name, key
-
-
-def _copy_into(node, src, bucket_name: str, key: str, precondition) -> ObjectMeta:
-    """Write a new version of bucket/key from an open source version, chunk by chunk (each
-    chunk read whole, so its checksum is verified; memory is one chunk)."""
-    writer = node.writer(bucket_name, key)
-    try:
-        base = 0
-        for chunk in src.meta.chunks:
-            if chunk.size:
-                writer.write(src.pread(base, base + chunk.size))
-            base += chunk.size
-        return writer.commit_if(precondition)
-    except BaseException:
-        writer.abort()
-        raise
-
-
-async def _copy_object(request: web.Request, bucket_name: str, key: str) -> web.Response:
-    """CopyObject: a new version of the destination with the source's bytes. The source's
-    conditions (x-amz-copy-source-if-*) give 412; the destination's If-None-Match: * and
-    If-Match are checked at the commit, as for a PUT. Copying a key onto itself needs
-    x-amz-metadata-directive: REPLACE, as on S3 (s3fs does that for chmod and touch)."""
-    request[OP_KEY] = "s3_copy"
-    h = request.headers
-    src_bucket, src_key = _copy_source(h["x-amz-copy-source"])
-    directive = h.get("x-amz-metadata-directive", "COPY")
-    if directive not in ("COPY", "REPLACE"):
-        raise S3Error(400, "InvalidArgument", f"unknown x-amz-metadata-directive {directive!r}")
-    if h.get("x-amz-tagging-directive", "COPY") != "COPY":
-        raise S3Error(501, "NotImplemented", "tagging is not implemented: x-amz-tagging-directive REPLACE")
-    if (src_bucket, src_key) == (bucket_name, key) and directive != "REPLACE":
-        raise S3Error(400, "InvalidRequest", "This copy request is illegal because it is trying to copy an object "
-                      "to itself without changing the object's metadata")
-    if request.content_length:
-        raise S3Error(400, "InvalidRequest", "a CopyObject request has no body")
-    node = request.app[NODE]
-    if src_bucket not in node.buckets:
-        raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
-    try:
-        src = node.open(src_bucket, check_objname(src_key))
-    except BadRequest:
-        raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
-    except NotFound:
-        if not replicas.copy_targets(request.app, src_bucket, src_key):  # a single node: nowhere else
-            raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
-        meta = await _copy_from_neighbour(request, src_bucket, src_key, bucket_name, key)
-    else:
-        try:
-            _check_source(request, src.meta)
-            precondition = put_precondition(request)
-            _early_check(node, bucket_name, key, precondition)
-            meta = await asyncio.to_thread(_copy_into, node, src, bucket_name, key, precondition)
-        finally:
-            src.close()
-    request.app[METRICS].bytes_in.inc(meta.size)
-    await replicas.put_copies(request, bucket_name, key, meta)
-    return xml_response(copy_result_doc(meta.etag, meta.atime_ns))
-
-
-def _check_source(request: web.Request, src: ObjectMeta) -> None:
-    failed = read_conditions(request.headers, src, "x-amz-copy-source-")
-    if failed is not None:
-        raise precondition_failed(failed.partition(": ")[2])
-
-
-async def _copy_from_neighbour(request: web.Request, src_bucket: str, src_key: str, bucket_name: str,
-                               key: str) -> ObjectMeta:
-    """CopyObject in a cluster when this target (the destination's holder) does not hold the
-    source: its bytes are streamed from a target that does, and committed only if they match
-    the source's checksum."""
-    node = request.app[NODE]
-    try:
-        async with neighbours.fetch(request.app, src_bucket, src_key) as src:
-            _check_source(request, src.meta)
-            precondition = put_precondition(request)
-            _early_check(node, bucket_name, key, precondition)
-            writer = node.writer(bucket_name, key)
-            try:
-                async for piece in src.pieces():
-                    await asyncio.to_thread(writer.write, piece)
-                if writer.size != src.meta.size or writer.cksum != src.meta.cksum:
-                    raise S3Error(503, "ServiceUnavailable", f"CopyObject: the source {src_bucket}/{src_key} "
-                                  "arrived incomplete or changed from the target holding it; nothing was written")
-                return await asyncio.to_thread(writer.commit_if, precondition)
-            except BaseException:
-                await asyncio.shield(asyncio.to_thread(writer.abort))
-                raise
-    except NotFound:
-        raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
-
-
 async def _put_object(request: web.Request) -> web.Response:
     bucket_name, key = require_bucket(request), object_key(request)
     if "x-amz-copy-source" in request.headers:
-        return await _copy_object(request, bucket_name, key)
+        return await s3_copy.copy_object(request, bucket_name, key)
     node = request.app[NODE]
     precondition = put_precondition(request)
-    _early_check(node, bucket_name, key, precondition)
+    s3_copy.early_check(node, bucket_name, key, precondition)
     meta = await receive(request, _writer(node, bucket_name, key, precondition), key)
     request.app[METRICS].bytes_in.inc(meta.size)
     await replicas.put_copies(request, bucket_name, key, meta)  # in a cluster: before the answer
@@ -454,7 +341,7 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
     numbers = s3_multipart.check_parts(up, parse_complete_doc(body, s3_multipart.MAX_PART_NUMBER))
     node = request.app[NODE]
     precondition = put_precondition(request)
-    _early_check(node, bucket_name, key, precondition)
+    s3_copy.early_check(node, bucket_name, key, precondition)
     uploads.forget(up)  # from here the upload is this request's: a second Complete gets 404
     try:
         meta = await asyncio.to_thread(s3_multipart.assemble, node, up, numbers, precondition)

@@ -1,6 +1,7 @@
-"""A target's membership: it joins its gateway, keeps saying it is there, and keeps the map.
+"""A target's (or a secondary gateway's) membership: it joins the primary gateway, keeps saying
+it is there, and keeps the map.
 
-``Membership.run()`` posts ``{"id", "url"}`` to the gateway's ``/v1/cluster/autoreg`` (signed
+``Membership.run()`` posts ``{"id", "url", "kind"}`` to the gateway's ``/v1/cluster/autoreg`` (signed
 with the cluster secret) until the gateway admits it, then again every ``KEEPALIVE_SECONDS``
 (admission is idempotent: the same id and URL change nothing), learning the map from each
 answer; the gateway also pushes new maps (``learn``). The last map is kept in the target's data
@@ -31,8 +32,9 @@ RETRY_MAX_SECONDS = 5.0
 
 
 class Membership:
-    def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path):
+    def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path, kind: str = "target"):
         self.gateway_url, self.secret, self.node_id, self.map_path = gateway_url.rstrip("/"), secret, node_id, map_path
+        self.kind = kind  # "target", or "proxy" for a secondary gateway
         self.url = ""  # this target's URL, set once it listens
         try:
             self.smap: ClusterMap | None = ClusterMap.load(map_path)
@@ -58,7 +60,7 @@ class Membership:
 
     async def run(self, url: str) -> None:
         self.url = url
-        body = json.dumps({"id": self.node_id, "url": url}).encode()
+        body = json.dumps({"id": self.node_id, "url": url, "kind": self.kind}).encode()
         path = "/v1/cluster/autoreg"
         delay = 0.1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:

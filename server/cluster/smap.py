@@ -47,6 +47,8 @@ class ClusterMap:
     primary: str  # the primary gateway's id
     nodes: tuple[ClusterNode, ...]
     created: str
+    # buckets whose copies are not the default: (bucket, copies) pairs, sorted (a bucket property)
+    bucket_copies: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def new(cls, primary: ClusterNode) -> "ClusterMap":
@@ -63,8 +65,29 @@ class ClusterMap:
 
     @property
     def copies(self) -> int:
-        """Copies of every object: two once the cluster has two targets (one before)."""
+        """The default copies of an object: two once the cluster has two targets (one before)."""
         return min(COPIES, len(self.targets)) or 1
+
+    def copies_for(self, bucket: str) -> int:
+        """Copies of each object of ``bucket``: its property (``with_copies``), else the default;
+        never more than there are targets."""
+        wanted = dict(self.bucket_copies).get(bucket, COPIES)
+        return min(wanted, len(self.targets)) or 1
+
+    def holders(self, bucket: str, objname: str) -> list[ClusterNode]:
+        """The targets that keep the object's copies: the first ``copies_for(bucket)`` in HRW order."""
+        return self.ranked(bucket, objname)[:self.copies_for(bucket)]
+
+    def with_copies(self, bucket: str, copies: int | None) -> "ClusterMap":
+        """This map with ``bucket``'s copies set (None: back to the default), as a new version."""
+        pairs = dict(self.bucket_copies)
+        if copies is None:
+            pairs.pop(bucket, None)
+        else:
+            pairs[bucket] = copies
+        new = tuple(sorted(pairs.items()))
+        return self if new == self.bucket_copies else dataclasses.replace(self, version=self.version + 1,
+                                                                           bucket_copies=new)
 
     def node(self, node_id: str) -> ClusterNode | None:
         return next((n for n in self.nodes if n.id == node_id), None)
@@ -117,13 +140,14 @@ class ClusterMap:
 
     def to_json(self) -> dict:
         return {"version": self.version, "uuid": self.uuid, "primary": self.primary, "created": self.created,
-                "nodes": [dataclasses.asdict(n) for n in self.nodes]}
+                "nodes": [dataclasses.asdict(n) for n in self.nodes], "bucket_copies": dict(self.bucket_copies)}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ClusterMap":
         return cls(int(doc["version"]), str(doc["uuid"]), str(doc["primary"]),
                    tuple(ClusterNode(str(n["id"]), str(n["url"]), str(n["kind"])) for n in doc["nodes"]),
-                   str(doc["created"]))
+                   str(doc["created"]),
+                   tuple(sorted((str(b), int(c)) for b, c in (doc.get("bucket_copies") or {}).items())))
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

@@ -134,7 +134,7 @@ def test_secret_files_and_roles_are_checked_before_starting(tmp_path):
                       (["--role", "target", "--cluster-secret-file", str(weak)], "--join"),
                       (["--role", "gateway", "--cluster-secret-file", str(weak)], "shorter than 32"),
                       (["--role", "gateway", "--cluster-secret-file", str(loose)], "accessible by other users"),
-                      (["--join", "http://x"], "--join is for targets")):
+                      (["--join", "http://x"], "--join is for targets and secondary gateways")):
         p = ServerProcess([tmp_path / "d"], *args)
         with pytest.raises(RuntimeError, match="exited with 2"):
             p.start(timeout=10)

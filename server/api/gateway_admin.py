@@ -1,0 +1,157 @@
+"""The gateway's cluster routes: liveness, the map (AIStore's ``what=smap``, pushes to a
+secondary), joins (``autoreg``), the status, and the bucket property that changes the map
+(``set-bprops`` ``mirror.copies``).
+
+Invariants: requests between nodes (autoreg, map pushes, bucket-copies) are signed
+(``server.api.auth`` checks them); a secondary gateway passes map changes on to the primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from server.api.gateway_map import (PROBE_SECONDS, NotImplementedThroughGateway, Unavailable, gateway_of,
+                                    passthrough)
+from server.api.state import OP_KEY, read_json
+from server.cluster import peers
+from server.cluster.smap import PROXY, TARGET, ClusterNode
+from server.errors import BadRequest, NotFound
+from server.validate import check_bucket
+
+# -- cluster ----------------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    request[OP_KEY] = "health"
+    return web.Response(text="")
+
+
+async def daemon_get(request: web.Request) -> web.Response:
+    request[OP_KEY] = "daemon"
+    what = request.query.get("what", "")
+    if what != "smap":
+        raise BadRequest(f"GET /v1/daemon?what={what!r} is not supported (supported: smap)")
+    return web.json_response(gateway_of(request).smap.wire())
+
+
+async def autoreg(request: web.Request) -> web.Response:
+    """A target joins (or says it is still there): ``{"id": ..., "url": ...}``; the map in reply."""
+    request[OP_KEY] = "cluster"
+    doc = await read_json(request)
+    if not isinstance(doc, dict) or not isinstance(doc.get("id"), str) or not isinstance(doc.get("url"), str):
+        raise BadRequest('autoreg wants {"id": NODE_ID, "url": "http://HOST:PORT"}')
+    if not doc["url"].startswith(("http://", "https://")) or not doc["id"].isascii() or not doc["id"]:
+        raise BadRequest(f"autoreg: bad node id or URL: {doc['id']!r} {doc['url']!r}")
+    kind = doc.get("kind", TARGET)
+    if kind not in (TARGET, PROXY):
+        raise BadRequest(f"autoreg: kind {kind!r} (target or proxy)")
+    gw = gateway_of(request)
+    if not gw.primary:  # the map is the primary's: pass the join on
+        return passthrough(*await gw.to_primary("POST", "/v1/cluster/autoreg", json.dumps(doc).encode()))
+    known = gw.smap.node(doc["id"])
+    if doc["id"] == gw.smap.primary or (known is not None and known.kind != kind):
+        raise BadRequest(f"{doc['id']} is already in the map as a {known.kind if known else PROXY}")
+    smap = await gw.admit(ClusterNode(doc["id"], doc["url"], kind))
+    return web.json_response(smap.to_json())
+
+
+async def map_push(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/map`` (signed): the primary's newer map, to a secondary gateway."""
+    request[OP_KEY] = "cluster"
+    gw = gateway_of(request)
+    if gw.member is not None:
+        try:
+            gw.member.learn(await read_json(request))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"cluster map: {e}") from None
+    return web.Response(text="")
+
+
+async def bucket_copies(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/bucket-copies`` (signed, on the primary): ``{"bucket", "copies"}``,
+    a secondary gateway's change of a bucket's copies (``set_props``, a destroyed bucket)."""
+    request[OP_KEY] = "cluster"
+    doc = await read_json(request)
+    gw = gateway_of(request)
+    bucket, copies = check_bucket(str(doc.get("bucket"))), doc.get("copies")
+    if copies is not None and (not isinstance(copies, int) or isinstance(copies, bool) or copies < 1):
+        raise BadRequest(f"copies must be a positive integer or null, got {copies!r}")
+    await gw.set_copies(bucket, copies)
+    return web.Response(text="")
+
+
+async def cluster_map(request: web.Request) -> web.Response:
+    request[OP_KEY] = "cluster"
+    return web.json_response(gateway_of(request).smap.to_json())
+
+
+async def cluster_status(request: web.Request) -> web.Response:
+    """``GET /v1/cluster/status``: the map with each node's state as this gateway sees it."""
+    request[OP_KEY] = "cluster"
+    gw = gateway_of(request)
+    nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
+              "alive": n.kind != TARGET or n.id not in gw.down} for n in gw.smap.nodes]
+
+    async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
+        path = "/v1/cluster/rebalance"
+        try:
+            async with peers.signed(gw.session, gw.secret, "GET", entry["url"], path,
+                                    timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+                entry["rebalance"] = await r.json() if r.status == 200 else {"error": f"HTTP {r.status}"}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            entry["rebalance"] = {"error": str(e) or type(e).__name__}
+
+    await asyncio.gather(*(rebalance(e) for e in nodes if e["kind"] == TARGET and e["alive"]))
+    return web.json_response({"uuid": gw.smap.uuid, "version": gw.smap.version, "copies": gw.smap.copies,
+                              "bucket_copies": dict(gw.smap.bucket_copies),
+                              "nodes": nodes})
+
+
+MAX_COPIES = 8
+
+
+async def set_props(request: web.Request) -> web.Response:
+    """``PATCH /v1/buckets/B`` (AIStore's ``set-bprops``, as ``ais bucket props set ais://B
+    mirror.copies=N`` sends it; ``reset-bprops``): the one property served is the number of
+    copies of each object, ``mirror.copies`` — here on distinct targets (AIStore mirrors within a
+    target). The map carries it; every target then walks its objects and adds or drops copies."""
+    request[OP_KEY] = "bucket"
+    bucket = check_bucket(request.match_info["bucket"])
+    gw = gateway_of(request)
+    msg = await read_json(request)
+    action = msg.get("action") if isinstance(msg, dict) else None
+    if action == "reset-bprops":
+        copies = None
+    elif action == "set-bprops":
+        value = msg.get("value")
+        mirror = value.get("mirror") if isinstance(value, dict) else None
+        if not isinstance(value, dict) or set(value) != {"mirror"} or not isinstance(mirror, dict) \
+                or set(mirror) - {"enabled", "copies"}:
+            raise NotImplementedThroughGateway(f"set-bprops: only mirror.copies (and mirror.enabled) are served, "
+                                               f"not {value!r}; nothing was changed")
+        enabled = mirror.get("enabled", True)
+        copies = mirror.get("copies", 1 if enabled is False else None)
+        if enabled is False:
+            copies = 1
+        if not isinstance(copies, int) or isinstance(copies, bool) or not 1 <= copies <= MAX_COPIES:
+            raise BadRequest(f"mirror.copies must be an integer from 1 to {MAX_COPIES}, got {copies!r}")
+        if copies > len(gw.smap.targets):
+            raise BadRequest(f"mirror.copies={copies}: the cluster has {len(gw.smap.targets)} targets; "
+                             "each copy is on a different target")
+    else:
+        raise BadRequest(f"PATCH /v1/buckets/{bucket}: action {action!r} (set-bprops or reset-bprops)")
+    live = gw.targets(alive=True)
+    if not live:
+        raise Unavailable("no target is up")
+    try:  # the bucket must exist
+        async with peers.signed(gw.session, gw.secret, "HEAD", live[0].url, f"/v1/buckets/{bucket}") as r:
+            if r.status == 404:
+                raise NotFound(f"bucket ais://{bucket} does not exist")
+            if r.status != 200:
+                raise Unavailable(f"target {live[0].id}: HTTP {r.status} for bucket ais://{bucket}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise Unavailable(f"target {live[0].id} did not answer: {e}") from None
+    await gw.set_copies(bucket, copies)
+    return web.Response(text="")

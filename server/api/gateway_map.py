@@ -1,0 +1,253 @@
+"""The gateway's state: the cluster map (owned when primary, learned when secondary), the
+targets' health as this gateway sees it, and its requests to targets and to the primary.
+
+Invariants:
+- A map change is persisted before it is answered or pushed (a restarted gateway serves the
+  last map it gave out); pushes are best effort (targets and secondaries also pull on keepalive).
+- Only the primary changes the map; a secondary sends changes to it (``to_primary``).
+- Requests to targets carry the gateway's cluster signature (``server.cluster.peers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from server.cluster import peers
+from server.cluster.join import Membership
+from server.cluster.secret import ClusterSecret
+from server.cluster.smap import PROXY, ClusterMap, ClusterNode
+from server.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
+FANOUT_TIMEOUT_SECONDS = 60
+HEALTH_SECONDS = 1.0  # how often every target's health is probed
+PROBE_SECONDS = 1.0
+DOWN_AFTER = 2  # failed probes in a row before a target is routed around
+LIST_PAGE_DEFAULT = 10_000
+DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
+
+
+class NotImplementedThroughGateway(StoreError):
+    status = 501
+
+
+class Unavailable(StoreError):
+    status = 503
+
+
+class Gateway:
+    """The map, its file, the secret, and one HTTP client session to the targets."""
+
+    def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
+                 primary_url: str | None = None):
+        """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none); a
+        target down for ``rebuild_after`` seconds is dropped from it (its copies get rebuilt).
+
+        With ``primary_url`` this is a secondary gateway: it joins the primary like a target
+        (``Membership``, kind proxy; its id kept beside the map), serves clients with the map
+        the primary gives it, and sends what changes the map (joins, bucket copies) to the
+        primary; only the primary drops dead targets."""
+        self.map_path, self.secret, self.rebuild_after = map_path, secret, rebuild_after
+        self._down_since: dict[str, float] = {}
+        self.member: Membership | None = None
+        if primary_url is None:
+            self.smap = ClusterMap.load(map_path) or ClusterMap.new(ClusterNode(f"gw{uuid.uuid4().hex[:8]}", "", PROXY))
+            self.id = self.smap.primary
+        else:
+            id_path = map_path.with_name("gateway-id")
+            if not id_path.exists():
+                id_path.write_text(f"gw{uuid.uuid4().hex[:8]}\n")
+            self.id = id_path.read_text().strip()
+            self.member = Membership(primary_url, secret, self.id, map_path, kind=PROXY)
+            self.member.on_change.append(self._take)
+            self.smap = self.member.smap or ClusterMap.new(ClusterNode(self.id, "", PROXY))
+        self.session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+        self.down: set[str] = set()  # targets that failed DOWN_AFTER health probes in a row
+        self._fails: dict[str, int] = {}
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def primary(self) -> bool:
+        return self.member is None
+
+    def _take(self, smap: ClusterMap) -> None:
+        self.smap = smap  # a secondary: the primary's newer map
+
+    def bound(self, url: str) -> None:
+        """The gateway listens at ``url`` now: the map says so (persisted) before any client
+        asks; a secondary starts joining the primary."""
+        if self.member is not None:
+            asyncio.get_running_loop().create_task(self.member.run(url))
+            return
+        self.smap = self.smap.with_primary_url(url)
+        self.smap.save(self.map_path)
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FANOUT_TIMEOUT_SECONDS),
+                                             auto_decompress=False)
+        if self.primary:
+            asyncio.get_running_loop().create_task(self.push_map())  # targets learn a restart's URL
+        self._watcher = asyncio.get_running_loop().create_task(self.watch())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def watch(self) -> None:
+        """Probe every target's health every HEALTH_SECONDS: DOWN_AFTER failures in a row mark
+        it down (routing then skips it), one success marks it up again."""
+        while True:
+            await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
+            if self.primary:  # the map is the primary's to change
+                await self._give_up_on_dead()
+            await asyncio.sleep(HEALTH_SECONDS)
+
+    async def _give_up_on_dead(self) -> None:
+        """Drop from the map every target down for ``rebuild_after`` seconds: the new map makes
+        the other targets copy what it held to the targets that now rank for it (rebuild). When
+        it comes back it joins again like a new target (rebalance moves data to it)."""
+        now = time.monotonic()
+        for tid in [t for t in self.down if now - self._down_since.get(t, now) >= self.rebuild_after]:
+            async with self._lock:
+                new = self.smap.without(tid)
+                new.save(self.map_path)
+                self.smap = new
+            self.down.discard(tid)
+            self._fails.pop(tid, None)
+            self._down_since.pop(tid, None)
+            log.warning("cluster map v%d: target %s dropped after %.0f s down; its copies are rebuilt on the others",
+                        new.version, tid, self.rebuild_after)
+            await self.push_map()
+
+    async def _probe(self, t: ClusterNode) -> None:
+        try:
+            async with self.session.get(t.url + "/v1/health", timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            self._fails[t.id] = 0
+            if t.id in self.down:
+                self.down.discard(t.id)
+                self._down_since.pop(t.id, None)
+                log.info("target %s is up again", t.id)
+            return
+        self._fails[t.id] = self._fails.get(t.id, 0) + 1
+        if self._fails[t.id] >= DOWN_AFTER and t.id not in self.down:
+            self.down.add(t.id)
+            self._down_since[t.id] = time.monotonic()
+            log.warning("target %s (%s) is down: routing around it", t.id, t.url)
+
+    def holder(self, bucket: str, name: str) -> ClusterNode:
+        """The first target holding a copy of the object that is not down."""
+        holders = self.smap.holders(bucket, name)
+        if not holders:
+            raise Unavailable("no target has joined this cluster yet")
+        for node in holders:
+            if node.id not in self.down:
+                return node
+        raise Unavailable(f"ais://{bucket}/{name}: every target holding a copy "
+                          f"({', '.join(n.id for n in holders)}) is down")
+
+    async def admit(self, node: ClusterNode) -> ClusterMap:
+        async with self._lock:
+            new = self.smap.with_node(node)
+            if new is not self.smap:
+                new.save(self.map_path)  # persisted before anyone hears of it
+                self.smap = new
+                log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
+                asyncio.get_running_loop().create_task(self.push_map())
+        return self.smap
+
+    async def to_primary(self, method: str, path: str, body: bytes) -> tuple[int, dict, bytes]:
+        """A signed request to the primary gateway (from a secondary)."""
+        try:
+            async with peers.signed(self.session, self.secret, method, self.member.gateway_url, path, body=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+                return r.status, dict(r.headers), await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise Unavailable(f"the primary gateway ({self.member.gateway_url}) did not answer: {e}; "
+                              "the cluster map cannot change without it") from None
+
+    async def set_copies(self, bucket: str, copies: int | None) -> None:
+        """A bucket's copies (None: the default) in the map: here on the primary, else sent to it."""
+        if self.primary:
+            await self.change(lambda m: m.with_copies(bucket, copies))
+            return
+        status, _, reply = await self.to_primary("POST", "/v1/cluster/bucket-copies",
+                                                 json.dumps({"bucket": bucket, "copies": copies}).encode())
+        if status != 200:
+            raise Unavailable(f"the primary gateway refused the change: HTTP {status}: {reply[:300]!r}")
+
+    async def change(self, update) -> ClusterMap:
+        """Apply ``update(map) -> map`` (a new version, or the same map): saved before anyone
+        hears of it, then pushed to the targets (each walks its objects: rebalance)."""
+        async with self._lock:
+            new = update(self.smap)
+            if new is not self.smap:
+                new.save(self.map_path)
+                self.smap = new
+                log.info("cluster map v%d: bucket copies %s", new.version, dict(new.bucket_copies))
+                asyncio.get_running_loop().create_task(self.push_map())
+        return self.smap
+
+    async def push_map(self) -> None:
+        """Every target and every other gateway gets the new map (they also pull it on keepalive)."""
+        body = json.dumps(self.smap.to_json()).encode()
+        for t in [n for n in self.smap.nodes if n.id != self.smap.primary]:
+            path = "/v1/cluster/map"
+            try:
+                async with peers.signed(self.session, self.secret, "POST", t.url, path, body=body,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    if r.status != 200:
+                        log.warning("map push to %s: HTTP %d", t.id, r.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                log.warning("map push to %s (%s): %s", t.id, t.url, e)
+
+    def targets(self, alive: bool = False) -> list[ClusterNode]:
+        ts = sorted(self.smap.targets.values(), key=lambda n: n.id)
+        if alive:
+            ts = [t for t in ts if t.id not in self.down]
+        if not ts:
+            raise Unavailable("no target has joined this cluster yet" if not alive else "every target is down")
+        return ts
+
+    async def forward(self, request: web.Request, target: ClusterNode, body: bytes | None = None,
+                      path_qs: str | None = None) -> tuple[int, dict, bytes]:
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "content-type", "accept")}
+        path_qs = path_qs or request.rel_url.raw_path_qs
+        try:  # signed: the target tells a gateway's fan-out from a client's request to it alone
+            async with peers.signed(self.session, self.secret, request.method, target.url, path_qs,
+                                    body=body or b"", headers=headers) as r:
+                return r.status, dict(r.headers), await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise Unavailable(f"target {target.id} ({target.url}) did not answer: {e}") from None
+
+
+def gateway_of(request: web.Request) -> Gateway:
+    return request.app[GATEWAY]
+
+
+def passthrough(status: int, headers: dict, body: bytes) -> web.Response:
+    keep = {k: v for k, v in headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server")}
+    return web.Response(status=status, body=body, headers=keep)
+
+
+def refuse_not_served(request: web.Request):
+    raise NotImplementedThroughGateway(f"{request.method} {request.path} is not served through a gateway yet "
+                                       "(docs/cluster.md lists what is): send it to a target, or use a single node")

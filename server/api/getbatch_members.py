@@ -1,0 +1,151 @@
+"""A sender's TAR stream, read member by member at the designated target (``getbatch_cluster``).
+
+``Members.copy_one`` copies the next member of a sender's archive to the reply byte for byte
+(headers, data, padding). A ``coer`` placeholder (``__404__/NAME``, no data) is held back
+(``held``) for the caller to look for the entry on other copies first.
+
+Invariants:
+- Memory: at most one chunk (``COPY_BYTES``) and one member's headers at a time.
+- A member's headers are written only once its own header is read (so a held placeholder
+  leaves nothing in the reply); what was written of a member is counted, so a member cut by a
+  failing sender can be finished from another copy (``resume_point``, ``copy_one(resume=...)``).
+- A sender silent for ``SENDER_WAIT_SECONDS`` (AIStore's ``max_wait``) or ending early is a
+  ``SenderFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tarfile
+
+import aiohttp
+
+from batchfs.wire.getbatch import MISSING_PREFIX
+from server.cluster.smap import ClusterNode
+from server.errors import StoreError
+
+COPY_BYTES = 1 << 20
+SENDER_WAIT_SECONDS = 20.0  # AIStore's max_wait: a sender silent this long is given up on
+BLOCK = tarfile.BLOCKSIZE
+ZERO = b"\0" * BLOCK
+_PREFIX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+
+class SenderFailed(StoreError):
+    status = 502
+
+
+def _padded(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+def _pax_record(data: bytes, want: bytes) -> bytes | None:
+    """A record of a PAX extended header (``LEN KEY=VALUE\\n`` records), if there."""
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        record = data[space + 1:pos + length - 1]
+        key, _, value = record.partition(b"=")
+        if key == want:
+            return value
+        pos += length
+    return None
+
+
+class Bytes:
+    """An archive already in memory, read like a stream (a buffered sender's part)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = memoryview(data), 0
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise asyncio.IncompleteReadError(bytes(self.data[self.pos:]), n)
+        self.pos += n
+        return bytes(self.data[self.pos - n:self.pos])
+
+
+class Members:
+    """One sender's TAR archive, read member by member (headers parsed by ``tarfile``).
+
+    What was written of the member being copied is kept (``headers_written``, ``size``,
+    ``data_written``), so that if the sender fails mid-member another copy's target can finish
+    it (``copy_one(resume=...)``)."""
+
+    def __init__(self, node: ClusterNode, stream, wait_seconds: float = SENDER_WAIT_SECONDS):
+        self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: ``await readexactly(n)``
+        self.headers_written = self.data_written = 0
+        self.size: int | None = None  # the current member's padded data size, once its header is out
+        # a ``coer`` placeholder (``__404__/NAME``, no data) the last ``copy_one`` read and did
+        # not write: its header bytes, for the caller to write if no other copy has the entry
+        self.held: bytes | None = None
+
+    async def _read(self, n: int) -> bytes:
+        try:
+            async with asyncio.timeout(self.wait):  # no task per read, unlike wait_for
+                return await self.stream.readexactly(n)
+        except (asyncio.IncompleteReadError, aiohttp.ClientError) as e:
+            raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
+        except asyncio.TimeoutError:
+            raise SenderFailed(f"moss: sender {self.node.id} sent nothing for {self.wait:g} s") from None
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """(padded data size, data bytes written) of a member begun and cut in its data; None if
+        nothing of it was written; SenderFailed when cut inside its headers (not resumable)."""
+        if self.headers_written == 0:
+            return None
+        if self.size is None:
+            raise SenderFailed(f"moss: sender {self.node.id} failed inside a member's headers")
+        return self.size, self.data_written
+
+    async def copy_one(self, write, resume: tuple[int, int] | None = None) -> None:
+        """Copy the next member; with ``resume`` (another sender's ``resume_point``), drop its
+        headers and the data already written, and write the rest (the same bytes: the same
+        object from another copy, checked by size)."""
+        self.headers_written = self.data_written = 0
+        self.size, self.held = None, None
+        pax_size = pax_path = None
+        headers: list[bytes] = []  # written once the member's own header says it is not a placeholder
+        while True:
+            block = await self._read(BLOCK)
+            if block == ZERO:
+                raise SenderFailed(f"moss: sender {self.node.id} sent fewer members than it was asked for")
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as e:
+                raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
+            headers.append(block)
+            if info.type in _PREFIX_TYPES:  # a header for the member that follows
+                data = await self._read(_padded(info.size))
+                if info.type == tarfile.XHDTYPE:
+                    pax_size, pax_path = _pax_record(data[:info.size], b"size"), _pax_record(data[:info.size], b"path")
+                headers.append(data)
+                continue
+            size = info.size if pax_size is None else int(pax_size)
+            name = info.name if pax_path is None else pax_path.decode("utf-8", "surrogateescape")
+            if size == 0 and name.startswith(MISSING_PREFIX) and resume is None:
+                self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
+                return
+            if resume is None:
+                for h in headers:
+                    await write(h)
+                self.headers_written = len(headers)
+            self.size = left = _padded(size)
+            if resume is not None:
+                size, skip = resume
+                if size != left:
+                    raise SenderFailed(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
+                                       f"{size}): the member cannot be finished from it")
+                self.headers_written, self.data_written = 1, skip
+                while skip:
+                    skip -= len(await self._read(min(COPY_BYTES, skip)))
+                left -= self.data_written
+            while left:
+                chunk = await self._read(min(COPY_BYTES, left))
+                left -= len(chunk)
+                await write(chunk)
+                self.data_written += len(chunk)
+            return
