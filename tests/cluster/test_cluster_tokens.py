@@ -99,7 +99,11 @@ def test_redirects_carry_a_grant_that_fits_only_their_request(tcluster):
     stale_ts = int(time.time()) - 3600
     path_qs = loc[loc.index("/v1/"):loc.index("&bfs_grant=")]
     stale = ClusterSecret(SECRET.encode()).grant("GET", path_qs, now=stale_ts)
-    assert plain.get(loc[:loc.index("&bfs_grant=")] + f"&bfs_grant={stale}").status_code == 401  # expired
+    stale_url = loc[:loc.index("&bfs_grant=")] + f"&bfs_grant={stale}"
+    assert plain.get(stale_url).status_code == 401  # expired
+    assert c.get(stale_url).content == b"granted"  # a client that kept its token is checked on the token
+    wrong = httpx.Client(timeout=30, headers={"Authorization": "Bearer wrong-token-0123456789"})
+    assert wrong.get(loc).status_code == 401  # a wrong token is not saved by a good grant
     assert c.get(url, follow_redirects=True).content == b"granted"  # and nothing changed
 
 
