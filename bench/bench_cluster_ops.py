@@ -129,12 +129,16 @@ def main() -> int:
     p.add_argument("--size-kib", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rebalance-objects", type=int, default=None,
+                   help="the targets' --rebalance-objects (default: the server's)")
     args = p.parse_args()
     size = args.size_kib * KiB
     cmd = (f"python -m bench.bench_cluster_ops --objects {args.objects} --size-kib {args.size_kib} "
-           f"--batch {args.batch} --threads {args.threads}")
+           f"--batch {args.batch} --threads {args.threads}"
+           + (f" --rebalance-objects {args.rebalance_objects}" if args.rebalance_objects else ""))
     with tempfile.TemporaryDirectory(prefix="bench-cluster-ops-") as tmpdir:
-        cluster = Cluster(Path(tmpdir), targets=3, gateway_args=("--rebuild-after", "4"))
+        walk = ("--rebalance-objects", str(args.rebalance_objects)) if args.rebalance_objects else ()
+        cluster = Cluster(Path(tmpdir), targets=3, gateway_args=("--rebuild-after", "4"), target_args=walk)
         cluster.start()
         procs = {"gateway": cluster.gateway, **{f"target{i}": t for i, t in enumerate(cluster.targets)}}
         sampler = RssSampler(procs)

@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway: a target that fails its health checks this long is dropped from the "
                    "cluster map and the copies it held are rebuilt on the other targets; it rejoins "
                    f"when it comes back (default: {d.rebuild_after_seconds:g})")
+    c.add_argument("--rebalance-objects", dest="rebalance_objects", type=int, metavar="N",
+                   help="target: objects its rebalance and rebuild walk works on at once, 1-64; more moves "
+                   f"data faster and leaves clients less (default: {d.rebalance_objects})")
     return p
 
 
@@ -227,7 +230,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
-    for field in ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds"):
+    for field in ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds",
+                  "rebalance_objects"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     if args.create_data_dirs:

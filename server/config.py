@@ -103,6 +103,8 @@ class ServerConfig:
     advertise_url: str | None = None  # how others reach this node; default http://HOST:PORT it listens on
     # gateway: a target down this long is dropped from the map, and its copies are rebuilt on others
     rebuild_after_seconds: float = 120 * SECONDS
+    # target: objects its rebalance/rebuild walk works on at once (its speed vs clients' share)
+    rebalance_objects: int = 4
 
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
@@ -137,6 +139,9 @@ class ServerConfig:
                              "and target; make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")
         if self.role == "node" and self.cluster_secret_file is not None:
             raise ValueError("--cluster-secret-file is for gateways and targets (--role gateway|target)")
+        if isinstance(self.rebalance_objects, bool) or not isinstance(self.rebalance_objects, int) \
+                or not 1 <= self.rebalance_objects <= 64:
+            raise ValueError(f"rebalance_objects must be an integer from 1 to 64, got {self.rebalance_objects!r}")
         if self.metrics_auth not in ("token", "none"):
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
