@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 
 import aiohttp
@@ -241,9 +243,24 @@ class Rebalancer:
 
 
 async def rebalance_status(request: web.Request) -> web.Response:
-    """``GET /v1/cluster/rebalance`` (signed): this target's walk (counts since it started) and
-    its buckets (a joining target creates the ones it lacks)."""
-    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(request.app[NODE].buckets)})
+    """``GET /v1/cluster/rebalance`` (signed): this target's walk (counts since it started), its
+    buckets (a joining target creates the ones it lacks) and its capacity."""
+    node = request.app[NODE]
+    capacity = await asyncio.to_thread(_capacity, [mp.root for mp in node.target_store.mountpaths])
+    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(node.buckets), "capacity": capacity})
+
+
+def _capacity(roots: list) -> dict:
+    """Bytes in total and free over the data directories, each filesystem counted once."""
+    seen, total, free = set(), 0, 0
+    for root in roots:
+        st = os.stat(root)
+        if st.st_dev in seen:
+            continue
+        seen.add(st.st_dev)
+        usage = shutil.disk_usage(root)
+        total, free = total + usage.total, free + usage.free
+    return {"total_bytes": total, "free_bytes": free, "mountpaths": len(roots)}
 
 
 def add_routes(app: web.Application, membership) -> None:

@@ -23,14 +23,22 @@ def _rebalance(r: dict | None) -> str:
     if "error" in r:
         return f"rebalance: ? ({r['error']})"
     state = "running" if r.get("running") else "done"
-    text = (f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
-            f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
+    cap = r.get("capacity") or {}
+    text = (f"{_gib(cap.get('free_bytes'))} free of {_gib(cap.get('total_bytes'))}; " if cap else "") + (
+        f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
+        f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
+
+
+def _gib(n) -> str:
+    return "?" if not isinstance(n, int) else f"{n / 2**30:,.1f} GiB"
 
 
 def render(doc: dict) -> tuple[str, int]:
     """The table for a status document, and the exit status it calls for."""
-    lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} copies of each object"]
+    per_bucket = ", ".join(f"{b}: {c}" for b, c in sorted((doc.get("bucket_copies") or {}).items()))
+    lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} copies of each object"
+             + (f" ({per_bucket})" if per_bucket else "")]
     rows = []
     for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):
         kind = "gateway" + (" (primary)" if n.get("primary") else "") if n["kind"] == "proxy" else "target"

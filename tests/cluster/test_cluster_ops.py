@@ -4,6 +4,7 @@ systemd template's comment shows), the template unit verified by systemd, and
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -37,6 +38,13 @@ def test_a_cluster_from_toml_files(tmp_path):
             if r.returncode == 0 and target.url in out:
                 break
         assert r.returncode == 0 and target.url in out and "gateway" in out and "up" in out, (out, r.stderr)
+        # capacity: the target's data directories, their one filesystem counted once
+        assert "GiB free of" in out, out
+        doc = json.loads(subprocess.run([str(BIN / "batchfs-server"), "cluster-status", "--json", gateway.url],
+                                        capture_output=True, text=True, timeout=30, check=True).stdout)
+        cap = next(n for n in doc["nodes"] if n["kind"] == "target")["rebalance"]["capacity"]
+        assert cap["total_bytes"] == shutil.disk_usage(tmp_path / "t1" / "d1").total and cap["mountpaths"] == 2
+        assert 0 < cap["free_bytes"] <= cap["total_bytes"]
         r = subprocess.run([str(BIN / "batchfs-server"), "cluster-status", "http://127.0.0.1:1"],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 1 and "cannot reach" in r.stderr
