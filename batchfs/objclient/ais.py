@@ -23,13 +23,17 @@ import functools
 import json
 import logging
 
+import httpcore
 import httpx
 import msgpack
 import xxhash
 
 from batchfs.objclient.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
+from batchfs.objclient.http1 import ConnectionFailed
 from batchfs.objclient.httppool import Reply, lean_request, make_http_client, range_body, with_retries
+from batchfs.objclient.placement import Placement
 from batchfs.objclient.config import ClientConfig
+from batchfs.wire.retry import retryable
 from batchfs.wire.urls import bucket_path, object_path
 from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
 
@@ -76,9 +80,27 @@ class AisClient(ObjectClient):
             self.auth = {"Authorization": f"Bearer {config.auth_token}"}
             self.http.headers.update(self.auth)
         self.has_token = bool(config.auth_token)
+        self.placement = Placement(self.base, self.http)  # a gateway's targets, asked directly
 
     def _obj_url(self, bucket: str, key: str) -> str:
         return self.base + object_path(bucket, key)
+
+    async def _object(self, method: str, bucket: str, key: str, params: dict,
+                      body_range: tuple[int, int] | None = None):
+        """One object request: to its owner first when the endpoint is a cluster's gateway
+        (``placement``); a failure there is retried through the gateway."""
+        url = await self.placement.url(bucket, key)
+        if url is not None:
+            try:
+                resp = await lean_request(self.http, method, url, params, self.auth, body_range=body_range)
+                if not retryable(resp.status_code):
+                    return resp
+            except (httpx.TransportError, httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException,
+                    ConnectionFailed) as e:
+                log.debug("%s %s: %s; through the gateway", method, url, e)
+            self.placement.failed()
+        return await lean_request(self.http, method, self._obj_url(bucket, key), params, self.auth,
+                                  body_range=body_range)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -142,8 +164,8 @@ class AisClient(ObjectClient):
 
     async def head(self, bucket: str, key: str) -> HeadInfo:
         what = f"HEAD ais://{bucket}/{key}"
-        resp = await with_retries(self.config, what, lambda: lean_request(
-            self.http, "HEAD", self._obj_url(bucket, key), {"provider": "ais", "props": "chunked"}, self.auth))
+        resp = await with_retries(self.config, what, lambda: self._object(
+            "HEAD", bucket, key, {"provider": "ais", "props": "chunked"}))
         _check_status(resp, what, self.has_token)
         h = resp.headers
         chunk = h.get("Ais-Chunks-Max-Chunk-Size")
@@ -155,8 +177,8 @@ class AisClient(ObjectClient):
         if end <= start:
             return b""
         what = f"GET ais://{bucket}/{key} [{start}, {end})"
-        resp = await with_retries(self.config, what, lambda: lean_request(
-            self.http, "GET", self._obj_url(bucket, key), {"provider": "ais"}, self.auth, body_range=(start, end)))
+        resp = await with_retries(self.config, what, lambda: self._object(
+            "GET", bucket, key, {"provider": "ais"}, body_range=(start, end)))
         if resp.status_code == 416 and version is not None:
             raise VersionChanged(f"{what}: the object shrank (replaced)")
         _check_status(resp, what, self.has_token)

@@ -26,6 +26,11 @@ def _wait_down(cluster, url: str, timeout: float = 20.0) -> None:
     raise TimeoutError(f"{url} not seen down")
 
 
+def _redirects(cluster) -> float:
+    return sum(v for k, v in cluster.gateway.metrics().items()
+               if k.startswith("batchfs_requests_total{") and 'op="redirect"' in k)
+
+
 def test_put_through_a_gateway(cluster, tmp_path):
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)
@@ -56,8 +61,11 @@ def test_mount_through_a_gateway(cluster, tmp_path):
     assert r.returncode == 0, r.stderr
     try:
         assert sorted(os.listdir(mnt / "d")) == sorted(n.split("/")[1] for n in data if n.startswith("d/"))
+        redirects = _redirects(cluster)
         for n, d in data.items():
             assert (mnt / n).read_bytes() == d, n
+        # the mount read the map: object reads went to their owners, none through the gateway
+        assert _redirects(cluster) == redirects
         with open(mnt / ".batch" / "view", "w") as f:
             f.write("d/03\nbig.bin\nd/17\nd/05\n")
         with tarfile.open(mnt / ".batch" / "view", "r|") as tf:
