@@ -377,7 +377,9 @@ async def test_refused_connection_is_a_retryable_failure():
 async def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections_over_http1():
     async with trio.open_nursery() as nursery:
         v = "Ais-Checksum-Value: c\r\nAis-Version: 1\r\n"
-        replies = [(_ok(b"", "307 Temporary Redirect", "Location: /v1/objects/b/o?provider=ais&target=1\r\n"), False),
+        # first the cluster map the client asks for (objclient.placement): none here, a single node
+        replies = [(_ok(b"", "404 Not Found"), False),
+                   (_ok(b"", "307 Temporary Redirect", "Location: /v1/objects/b/o?provider=ais&target=1\r\n"), False),
                    (_ok(b"busy", "503 Service Unavailable"), False),
                    (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab", True),
                    (_ok(b"abcd", extra=v), False)]
@@ -387,7 +389,7 @@ async def test_ais_backend_follows_redirects_and_retries_503_and_cut_connections
             assert bytes(await c.get("b", "o", 0, 4, "c:1")) == b"abcd"
         finally:
             await c.aclose()
-        assert not replies and len(accepted) == 2
+        assert not replies and len(accepted) == 3  # the map's (httpx's pool), then the object's two
         nursery.cancel_scope.cancel()
 
 
