@@ -194,6 +194,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             f"(this one asks for {req.mime}); send mime .tar")
     down: set[str] = set()
     lenient = False  # senders asked with coer: their placeholders are looked for on other copies
+    rx = [0]  # ns the streamed reply waited on senders' bytes (rxwait)
 
     async def open_sub(node_id: str, idx: list[int]) -> aiohttp.ClientResponse:
         body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient,
@@ -259,7 +260,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[".tar"],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
-        members = {n: Members(nodes[n], r.content) for n, r in subs.items()}
+        members = {n: Members(nodes[n], r.content, rx=rx) for n, r in subs.items()}
         # entry i comes from source[i]; None: no reachable target holds it (coer: a placeholder)
         source: list[Members | None] = [None if n is None else members[n.id] for n in owners]
 
@@ -289,7 +290,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 extra.append(r)
                 if r.status != 200:
                     raise SenderFailed(f"moss: {node_id}, asked for another copy, answered HTTP {r.status}")
-                m = Members(nodes[node_id], r.content)
+                m = Members(nodes[node_id], r.content, rx=rx)
                 for j in idx:
                     source[j] = m
                 metrics.gb_gfn_n.inc(len(idx))
@@ -312,7 +313,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 extra.append(r)
                 if r.status != 200:
                     continue
-                other = Members(node, r.content)
+                other = Members(node, r.content, rx=rx)
                 metrics.gb_gfn_n.inc()
                 try:
                     await other.copy_one(out.write)
@@ -370,5 +371,6 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 request.transport.close()
         return resp
     finally:
+        request.app[METRICS].gb_rxwait_ns.inc(rx[0])  # AIStore's rxwait: the DT waiting on its senders
         for r in [*subs.values(), *extra]:
             r.close()

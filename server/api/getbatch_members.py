@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import tarfile
+import time
 
 import aiohttp
 
@@ -75,8 +76,10 @@ class Members:
     ``data_written``), so that if the sender fails mid-member another copy's target can finish
     it (``copy_one(resume=...)``)."""
 
-    def __init__(self, node: ClusterNode, stream, wait_seconds: float = SENDER_WAIT_SECONDS):
+    def __init__(self, node: ClusterNode, stream, wait_seconds: float = SENDER_WAIT_SECONDS,
+                 rx: list[int] | None = None):
         self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: ``await readexactly(n)``
+        self.rx = rx if rx is not None else [0]  # ns spent waiting for this sender's bytes (shared: rxwait)
         self.headers_written = self.data_written = 0
         self.size: int | None = None  # the current member's padded data size, once its header is out
         # a ``coer`` placeholder (``__404__/NAME``, no data) the last ``copy_one`` read and did
@@ -84,6 +87,7 @@ class Members:
         self.held: bytes | None = None
 
     async def _read(self, n: int) -> bytes:
+        started = time.perf_counter_ns()
         try:
             async with asyncio.timeout(self.wait):  # no task per read, unlike wait_for
                 return await self.stream.readexactly(n)
@@ -91,6 +95,8 @@ class Members:
             raise SenderFailed(f"moss: sender {self.node.id} ended its stream early: {e}") from None
         except asyncio.TimeoutError:
             raise SenderFailed(f"moss: sender {self.node.id} sent nothing for {self.wait:g} s") from None
+        finally:
+            self.rx[0] += time.perf_counter_ns() - started
 
     def resume_point(self) -> tuple[int, int] | None:
         """(padded data size, data bytes written) of a member begun and cut in its data; None if
