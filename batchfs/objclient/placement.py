@@ -35,6 +35,7 @@ class Placement:
     def __init__(self, base: str, http: httpx.AsyncClient):
         self.base, self.http = base, http
         self._targets: dict[str, tuple[int, str]] = {}  # id -> (id digest, URL)
+        self._digests: dict[str, int] = {}  # id -> id digest: what HRW ranks, built once per map read
         self._read_at: float | None = None
         self._lock = trio.Lock()
 
@@ -44,7 +45,7 @@ class Placement:
             await self._refresh()
         if not self._targets:
             return None
-        owner = hrw.owner(hrw.digest(hrw.uname(bucket, key)), {i: d for i, (d, _) in self._targets.items()})
+        owner = hrw.owner(hrw.digest(hrw.uname(bucket, key)), self._digests)
         return self._targets[owner][1] + object_path(bucket, key)
 
     def failed(self) -> None:
@@ -53,7 +54,7 @@ class Placement:
         if self._targets:
             log.info("a request to a target of %s failed: objects are asked of it for %g s", self.base,
                      REFRESH_SECONDS)
-        self._targets = {}
+        self._targets, self._digests = {}, {}
         self._read_at = trio.current_time()
 
     async def _refresh(self) -> None:
@@ -76,3 +77,4 @@ class Placement:
             if targets.keys() != self._targets.keys():
                 log.info("cluster map of %s: %d targets; object reads go to their owners", self.base, len(targets))
             self._targets = targets
+            self._digests = {i: d for i, (d, _) in targets.items()}
