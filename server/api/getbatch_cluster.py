@@ -12,9 +12,9 @@ here:
     opened concurrently over the DT's persistent peer connections
     any sub-request not 200: that answer is the reply (nothing sent yet)
     200, then for entry i: the next member of its owner's stream, copied byte for byte
-    (headers, data, padding), then the archive's end
+    (headers, data, padding) or re-encoded (``.tgz``, ``.zip``), then the archive's end
 
-Members are byte-identical to what one node holding every object would send: the senders build
+TAR members are byte-identical to what one node holding every object would send: the senders build
 them with the same header function for the same names, sizes and times.
 
 Invariants:
@@ -29,10 +29,11 @@ Invariants:
   dropped, the data already sent skipped, its size checked), so the reply stays byte-exact. Only
   when no copy is left (or a member was cut inside its headers) is the reply truncated (no
   end-of-archive), as a single node's failure after its 200 is.
-- Served here: plain TAR, streamed (``strm``) or buffered (``strm: false``: the senders'
-  multipart replies read whole, at most ``getbatch_max_buffered_bytes`` together, merged into
-  one with their metadata in request order). Other output formats across targets are refused
-  (501) with a message; within one target they are served as always.
+- Senders always answer in plain TAR. The reply is in the format asked for (``getbatch_output``):
+  plain TAR copied byte for byte, or ``.tgz``/``.zip`` with each member re-encoded by the writer
+  a single node uses. Streamed (``strm``) or buffered (``strm: false``: the senders' multipart
+  replies read whole, at most ``getbatch_max_buffered_bytes`` together, merged into one with
+  their metadata in request order).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from batchfs.wire.tarheader import tar_header
 from batchfs.wire.urls import object_path
 from server.api.state import CONFIG, METRICS
 from server.archive.writers import MIME_TYPES
@@ -56,16 +56,10 @@ from server.cluster.smap import ClusterMap, ClusterNode
 from server.errors import PayloadTooLarge, StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
-from server.api.getbatch_members import ZERO, Bytes, Members, SenderFailed
+from server.api.getbatch_members import Bytes, Members, SenderFailed
+from server.api.getbatch_output import Coalesced, make_out
 
 log = logging.getLogger(__name__)
-
-OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size (``_Coalesced``)
-
-
-class NotAcrossTargets(StoreError):
-    status = 501
-
 
 def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(),
               none_ok: bool = False) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
@@ -135,51 +129,30 @@ async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode
                 metas[node_id] = json.loads(data)["out"]
             elif part.name == "archive":
                 archives[node_id] = Members(_node_of(owners, node_id), Bytes(data))
-    out: list[bytes] = []
-    metadata = []
-    taken = {n: 0 for n in subs}
+    pieces: list[bytes] = []
 
     async def keep(data: bytes) -> None:
-        out.append(data)
+        pieces.append(data)
 
-    for node in owners:
+    out = make_out(req.mime, keep)
+    metadata = []
+    taken = {n: 0 for n in subs}
+    for e, node in zip(req.entries, owners):
         metadata.append(metas[node.id][taken[node.id]])
         taken[node.id] += 1
-        await archives[node.id].copy_one(keep)
+        await archives[node.id].copy_one(out)
         if archives[node.id].held is not None:  # a coer placeholder
             if not coer:  # asked with coer only because an owner lacks an entry (see moss_across)
                 raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
                                    "retry, or ask with strm (streamed replies take it from the other copy)")
-            await keep(archives[node.id].held)
-    out.append(ZERO * 2)
+            await out.placeholder(placeholder_name(e), archives[node.id].held)
+    await out.finish()
     mp = aiohttp.MultipartWriter("mixed")
     part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
     part.set_content_disposition("form-data", name="metadata")
-    part = mp.append(b"".join(out), {"Content-Type": MIME_TYPES[".tar"]})
+    part = mp.append(b"".join(pieces), {"Content-Type": MIME_TYPES[req.mime]})
     part.set_content_disposition("form-data", name="archive")
     return web.Response(body=mp, status=200)
-
-
-class _Coalesced:
-    """The reply's writes gathered into pieces of about ``OUT_BYTES``: a member's header and its
-    data (10 KiB objects: two small pieces) would otherwise each cost a send and a chunk header
-    (py-spy: the socket writes were the DT's largest cost)."""
-
-    def __init__(self, resp: web.StreamResponse):
-        self.resp, self.parts, self.size = resp, [], 0
-
-    async def write(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.size += len(data)
-        if self.size >= OUT_BYTES:
-            await self.flush()
-
-    async def flush(self) -> None:
-        if self.parts:
-            data = b"".join(self.parts)
-            self.parts.clear()
-            self.size = 0
-            await self.resp.write(data)
 
 
 def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
@@ -188,10 +161,6 @@ def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
 
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
                       secret: ClusterSecret, session: aiohttp.ClientSession, cap: int) -> web.StreamResponse:
-    if req.mime != ".tar":
-        raise NotAcrossTargets(
-            "moss: this request's entries are on several targets, where only plain TAR is served yet "
-            f"(this one asks for {req.mime}); send mime .tar")
     down: set[str] = set()
     lenient = False  # senders asked with coer: their placeholders are looked for on other copies
     rx = [0]  # ns the streamed reply waited on senders' bytes (rxwait)
@@ -257,7 +226,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                                     headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
         if not req.strm:
             return await _buffered(request, req, owners, subs, cap, req.coer)
-        resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[".tar"],
+        resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
         members = {n: Members(nodes[n], r.content, rx=rx) for n, r in subs.items()}
@@ -316,7 +285,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 other = Members(node, r.content, rx=rx)
                 metrics.gb_gfn_n.inc()
                 try:
-                    await other.copy_one(out.write)
+                    await other.copy_one(out)
                 except SenderFailed:
                     if other.headers_written:  # part of its member is out: only truncation is left
                         raise ConnectionError(f"moss: {node.id} broke off mid-member (get from neighbour)") from None
@@ -334,9 +303,10 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 raise ConnectionError(f"moss: more missing entries than the soft-error limit "
                                       f"(getbatch_max_soft_errs); first: ais://{e.bucket}/{e.objname}")
             metrics.gb_soft_err_n.inc()
-            await out.write(header if header is not None else tar_header(placeholder_name(e), 0, 0))
+            await out.placeholder(placeholder_name(e), header)
 
-        out = _Coalesced(resp)
+        reply = Coalesced(resp)
+        out = make_out(req.mime, reply.write)
         i, resume, recoveries = 0, None, 0
         try:
             while i < len(owners):
@@ -346,7 +316,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     i += 1
                     continue
                 try:
-                    await m.copy_one(out.write, resume)
+                    await m.copy_one(out, resume)
                     if m.held is not None:
                         await from_other_copies(i, m)
                 except SenderFailed as e:
@@ -359,8 +329,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     continue
                 resume = None
                 i += 1
-            await out.write(ZERO * 2)
-            await out.flush()
+            await out.finish()
+            await reply.flush()
             await resp.write_eof()
         except (StoreError, ConnectionError) as e:
             # after the 200 the only signal left is truncation: no end-of-archive

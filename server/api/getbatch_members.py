@@ -1,12 +1,13 @@
 """A sender's TAR stream, read member by member at the designated target (``getbatch_cluster``).
 
-``Members.copy_one`` copies the next member of a sender's archive to the reply byte for byte
-(headers, data, padding). A ``coer`` placeholder (``__404__/NAME``, no data) is held back
+``Members.copy_one`` reads the next member of a sender's archive and hands it to the reply
+(``getbatch_output``: its header blocks with name, mtime and size, then its data and padding in
+chunks, then its end). A ``coer`` placeholder (``__404__/NAME``, no data) is held back
 (``held``) for the caller to look for the entry on other copies first.
 
 Invariants:
 - Memory: at most one chunk (``COPY_BYTES``) and one member's headers at a time.
-- A member's headers are written only once its own header is read (so a held placeholder
+- A member's headers are handed on only once its own header is read (so a held placeholder
   leaves nothing in the reply); what was written of a member is counted, so a member cut by a
   failing sender can be finished from another copy (``resume_point``, ``copy_one(resume=...)``).
 - A sender silent for ``SENDER_WAIT_SECONDS`` (AIStore's ``max_wait``) or ending early is a
@@ -107,10 +108,11 @@ class Members:
             raise SenderFailed(f"moss: sender {self.node.id} failed inside a member's headers")
         return self.size, self.data_written
 
-    async def copy_one(self, write, resume: tuple[int, int] | None = None) -> None:
-        """Copy the next member; with ``resume`` (another sender's ``resume_point``), drop its
-        headers and the data already written, and write the rest (the same bytes: the same
-        object from another copy, checked by size)."""
+    async def copy_one(self, out, resume: tuple[int, int] | None = None) -> None:
+        """Copy the next member to ``out`` (``getbatch_output.TarOut`` or ``Reframed``); with
+        ``resume`` (another sender's ``resume_point``), drop its headers and the data already
+        written, and write the rest (the same bytes: the same object from another copy, checked
+        by size)."""
         self.headers_written = self.data_written = 0
         self.size, self.held = None, None
         pax_size = pax_path = None
@@ -136,8 +138,7 @@ class Members:
                 self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
                 return
             if resume is None:
-                for h in headers:
-                    await write(h)
+                await out.head(headers, name, info.mtime, size)
                 self.headers_written = len(headers)
             self.size = left = _padded(size)
             if resume is not None:
@@ -152,6 +153,7 @@ class Members:
             while left:
                 chunk = await self._read(min(COPY_BYTES, left))
                 left -= len(chunk)
-                await write(chunk)
+                await out.data(chunk)
                 self.data_written += len(chunk)
+            await out.end()
             return
