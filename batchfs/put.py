@@ -9,6 +9,11 @@ Design:
 - Each file is streamed from disk (httpx sends a file object with its Content-Length), and
   re-opened for each retry. 429, 5xx and connection errors are retried with exponential
   backoff and jitter; any other 4xx is final (the server said the request itself is wrong).
+- Against a cluster (a gateway whose map names two or more targets) each PUT goes straight to
+  the object's owner by AIStore's HRW, as the SDK's ``direct=True`` does: one request and one
+  send of the body instead of the gateway's 307 and a second send. The map is read once per
+  run; a placed PUT that cannot connect is retried through the gateway, which knows the
+  current map (a target that joined or died meanwhile).
 - Object names are the paths relative to LOCAL_DIR with ``/`` separators, under PREFIX.
   Symlinks and special files (FIFOs, sockets, devices) are skipped with a warning: following
   links could upload files outside the tree, or the same file twice.
@@ -29,6 +34,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from batchfs.wire import hrw
 from batchfs.wire.retry import backoff_seconds, retryable
 from batchfs.wire.units import SECONDS
 from batchfs.wire.urls import MAX_REDIRECTS, bucket_path, object_path
@@ -128,13 +134,35 @@ def _reason(r: httpx.Response) -> str:
         return r.text[:200]
 
 
+class Owners:
+    """Each object's owner by the cluster map of ``base``, read once: ``{id: (digest, URL)}``,
+    empty unless the map names two or more targets (one node is its own endpoint)."""
+
+    def __init__(self, client: httpx.Client, base: str):
+        try:
+            r = client.get(f"{base}/v1/daemon", params={"what": "smap"})
+            targets = hrw.smap_targets(r.json()) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            targets = {}
+        self.targets = targets if len(targets) >= 2 else {}
+        self.digests = {i: d for i, (d, _) in self.targets.items()}
+
+    def url(self, bucket: str, name: str) -> str | None:
+        if not self.targets:
+            return None
+        owner = hrw.owner(hrw.digest(hrw.uname(bucket, name)), self.digests)
+        return self.targets[owner][1] + object_path(bucket, name)
+
+
 class _Uploader:
-    def __init__(self, client: httpx.Client, target: Destination, cfg: PutConfig, on_bytes: Callable[[int], None]):
-        self.client, self.target, self.cfg, self.on_bytes = client, target, cfg, on_bytes
+    def __init__(self, client: httpx.Client, target: Destination, cfg: PutConfig, on_bytes: Callable[[int], None],
+                 owners: Owners):
+        self.client, self.target, self.cfg, self.on_bytes, self.owners = client, target, cfg, on_bytes, owners
 
     def upload(self, path: Path, name: str) -> int:
         """PUT one file, with retries; returns its size. Raises with a reason on failure."""
-        url = self.target.object_url(self.target.prefix + name)
+        endpoint = self.target.object_url(self.target.prefix + name)
+        url = self.owners.url(self.target.bucket, self.target.prefix + name) or endpoint
         for attempt in range(self.cfg.retries + 1):
             last = attempt == self.cfg.retries
             try:
@@ -156,6 +184,7 @@ class _Uploader:
             except httpx.TransportError as e:
                 if last:
                     raise RuntimeError(f"{type(e).__name__}: {e}") from None
+                url = endpoint  # the owner by our map did not answer: the gateway knows the current map
             except OSError as e:  # reading the local file: retrying will not help
                 raise RuntimeError(f"cannot read: {e.strerror or e}") from None
             time.sleep(backoff_seconds(attempt, self.cfg.backoff_seconds, self.cfg.backoff_max_seconds))
@@ -199,7 +228,7 @@ def put_tree(local_dir: Path, target_url: str, cfg: PutConfig = PutConfig(),
         headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         with httpx.Client(timeout=timeout, limits=limits, headers=headers) as client:
             ensure_bucket(client, target)
-            uploader = _Uploader(client, target, cfg, on_bytes)
+            uploader = _Uploader(client, target, cfg, on_bytes, Owners(client, target.base_url))
             with concurrent.futures.ThreadPoolExecutor(cfg.jobs, thread_name_prefix="put") as pool:
                 pending: dict[concurrent.futures.Future, str] = {}
 

@@ -64,11 +64,7 @@ class Placement:
             self._read_at = trio.current_time()
             try:
                 resp = await self.http.get(f"{self.base}/v1/daemon", params={"what": "smap"})
-                doc = resp.json() if resp.status_code == 200 else {}
-                targets = {}
-                for node_id, n in (doc.get("tmap") or {}).items():
-                    url = n["public_net"]["direct_url"].rstrip("/")
-                    targets[node_id] = (int(n["id_digest"]), url)
+                targets = hrw.smap_targets(resp.json() if resp.status_code == 200 else {})
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
                 log.debug("cluster map of %s: %s; objects are asked of it", self.base, e)
                 targets = {}

@@ -66,3 +66,12 @@ def owner(object_digest: int, nodes: Mapping[str, int]) -> str:
     if not nodes:
         raise ValueError("no nodes to place an object on")
     return max((xoshiro256_hash(nd ^ object_digest), node_id) for node_id, nd in nodes.items())[1]
+
+
+def smap_targets(doc: Mapping) -> dict[str, tuple[int, str]]:
+    """The targets of an AIStore cluster map (``GET /v1/daemon?what=smap``): node id -> (id
+    digest, public URL without a trailing slash). KeyError, TypeError, ValueError or
+    AttributeError for a document that is not such a map."""
+    return {node_id: (int(n["id_digest"]), n["public_net"]["direct_url"].rstrip("/"))
+            for node_id, n in (doc.get("tmap") or {}).items()}
+

@@ -38,9 +38,11 @@ def test_put_through_a_gateway(cluster, tmp_path):
     data["big"] = os.urandom(30 << 20)
     for n, d in data.items():
         (src / n).write_bytes(d)
+    redirects = _redirects(cluster)
     r = subprocess.run([str(BIN / "batchfs"), "put", "-q", str(src), f"{cluster.url}/putb/pre"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert _redirects(cluster) == redirects  # put read the map: every PUT went straight to its owner
     b = sdk_client(cluster.url).bucket("putb")
     for n, d in data.items():
         assert b.object(f"pre/{n}").get_reader().read_all() == d, n
