@@ -6,7 +6,8 @@ A target joins (rebalance) or is dropped by the gateway after ``--rebuild-after`
 walk over its own objects, one at a time::
 
     holders = the object's first ``copies`` HRW targets under the new map
-    ask each other holder (signed HEAD ?gfn=1): its version and write time, or its tombstone
+    ask each other holder its version and write time, or its tombstone (one signed
+    POST /v1/cluster/rebalance per holder per page of PAGE names, not a request per object)
     if a holder deleted the name after our version was written:
         delete the local copy, keep the tombstone; done
     for each other holder:  absent: send a copy (expect=none)
@@ -26,6 +27,9 @@ Invariants:
   receiver's tombstone is refused in the same transaction (so a delete racing the copy wins
   too), and the sender then deletes its own copy. Reads relayed from a neighbour (GFN) skip a
   copy older than the asking target's tombstone the same way.
+- What a holder answered for a page may be a moment old when an object's turn comes: a copy is
+  still committed only over the version seen (``expect``), and a drop only of the version
+  looked at, so a change in between refuses the step rather than losing a write.
 - One walk at a time per target, ``rebalance_objects`` (``--rebalance-objects``) objects at a
   time (bounded work beside client traffic); a newer map stops the walk and starts it again; a restart walks again (the walk is
   idempotent: what is in place is only looked at).
@@ -40,6 +44,7 @@ kept may bring deleted objects back; until its walk reaches an object, a returni
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -48,18 +53,18 @@ import time
 import aiohttp
 from aiohttp import web
 
-from batchfs.wire.urls import object_path
 from server.api import replicas
 from server.api.daemon_api import NODE_INFO
-from server.api.neighbours import ASK_TIMEOUT, GFN_PARAM
+from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, PEERS
 from server.cluster import peers
 from server.cluster.smap import ClusterMap, ClusterNode
-from server.errors import Conflict, NotFound, StoreError
+from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
-PAGE = 256  # names listed at a time
+PAGE = 256  # names listed at a time, and asked of each holder in one request
+CHECK_PATH = "/v1/cluster/rebalance"
 # How long a target remembers a delete: one away longer may bring deleted objects back
 TOMBSTONE_KEEP_SECONDS = 14 * 24 * 3600
 REBALANCER = web.AppKey("rebalancer", object)
@@ -148,10 +153,12 @@ class Rebalancer:
                 # a time left the network idle between round trips (6-10 MiB/s of 64 KiB objects)
                 slots = asyncio.Semaphore(self.app[CONFIG].rebalance_objects)
 
+                seen = await self._check_page(smap, bucket, [entry.name for entry in page])
+
                 async def one(name: str) -> None:
                     async with slots:
                         if not self._wake.is_set():
-                            await self._one(smap, bucket, name)
+                            await self._one(smap, bucket, name, seen)
 
                 async with asyncio.TaskGroup() as tg:  # at most PAGE tasks, rebalance_objects of them working
                     for entry in page:
@@ -161,7 +168,40 @@ class Rebalancer:
                 if not after:
                     break
 
-    async def _one(self, smap: ClusterMap, bucket: str, name: str) -> None:
+    async def _check_page(self, smap: ClusterMap, bucket: str, names: list[str]) -> dict:
+        """What every other holder of these names has: (holder id, name) -> (status, checksum,
+        time) as ``check_names`` answers, or the exception that kept the holder from answering."""
+        app, me = self.app, self.app[NODE_INFO]["id"]
+        asks: dict[str, list[str]] = {}
+        nodes: dict[str, ClusterNode] = {}
+        for name in names:
+            for h in smap.holders(bucket, name):
+                if h.id != me:
+                    asks.setdefault(h.id, []).append(name)
+                    nodes[h.id] = h
+        seen: dict[tuple[str, str], tuple | Exception] = {}
+
+        async def ask(holder: str, batch: list[str]) -> None:
+            body = json.dumps({"bucket": bucket, "names": batch}).encode()
+            try:
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", nodes[holder].url, CHECK_PATH,
+                                        body=body, headers={"Content-Type": "application/json"},
+                                        timeout=ASK_TIMEOUT) as r:
+                    if r.status != 200:
+                        raise replicas.CopyFailed(f"HTTP {r.status} from {CHECK_PATH}")
+                    answers = (await r.json())["objects"]
+                if len(answers) != len(batch):
+                    raise replicas.CopyFailed(f"{len(answers)} answers for {len(batch)} names")
+                for name, (status, cksum, when) in zip(batch, answers):
+                    seen[holder, name] = (int(status), str(cksum), int(when))
+            except (aiohttp.ClientError, asyncio.TimeoutError, StoreError, ValueError, KeyError, TypeError) as e:
+                for name in batch:
+                    seen[holder, name] = e
+
+        await asyncio.gather(*(ask(h, batch) for h, batch in asks.items()))
+        return seen
+
+    async def _one(self, smap: ClusterMap, bucket: str, name: str, checked: dict) -> None:
         node, me = self.app[NODE], self.app[NODE_INFO]["id"]
         try:
             meta = await asyncio.to_thread(node.lookup, bucket, name)
@@ -170,12 +210,13 @@ class Rebalancer:
         self.state["checked"] += 1
         holders = smap.holders(bucket, name)
         others = [h for h in holders if h.id != me]
-        seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its HEAD's status, cksum, time
+        seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its status, cksum, time
         for h in others:
-            try:
-                seen[h.id] = await self._head(h, bucket, name)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self._failed(bucket, name, h, e)
+            answer = checked.get((h.id, name))
+            if isinstance(answer, tuple):
+                seen[h.id] = answer
+            else:
+                self._failed(bucket, name, h, answer or replicas.CopyFailed("not asked"))
         # a holder deleted the name after our version was written: ours is not to be copied
         deleted = max((t for status, _, t in seen.values() if status == 404), default=None)
         if replicas.deleted_after(deleted, meta.atime_ns):
@@ -224,15 +265,6 @@ class Rebalancer:
         self.state["last_error"] = f"ais://{bucket}/{name} to {h.id}: {e}"
         self._count("failed")
 
-    async def _head(self, h: ClusterNode, bucket: str, name: str) -> tuple[int, str, int]:
-        """A holder's (status, checksum, time): the write time of its version (200), or of its
-        tombstone (404; 0 if it has none)."""
-        app = self.app
-        path_qs = f"{object_path(bucket, name)}?{GFN_PARAM}=1"
-        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "HEAD", h.url, path_qs, timeout=ASK_TIMEOUT) as r:
-            when = r.headers.get("Ais-Atime" if r.status == 200 else replicas.DELETED_HEADER, "")
-            return r.status, r.headers.get("Ais-Checksum-Value", ""), int(when) if when.isdigit() else 0
-
     async def _copy(self, h: ClusterNode, bucket: str, name: str, meta, expect: str) -> None:
         await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)
         self.state["copied"] += 1
@@ -240,6 +272,38 @@ class Rebalancer:
 
     def _count(self, what: str) -> None:
         self.app[METRICS].rebalance.labels(what).inc()
+
+
+async def check_names(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/rebalance`` (signed), body ``{"bucket": B, "names": [...]}`` (at most
+    ``PAGE``): for each name what this target holds — ``[200, checksum, write time]``, or
+    ``[404, "", time of its tombstone or 0]`` — in order. The walk's question about a page of
+    objects, asked once per holder instead of a HEAD per object."""
+    try:
+        body = await request.json()
+        bucket, names = body["bucket"], body["names"]
+    except (ValueError, KeyError, TypeError):
+        raise BadRequest('the body must be {"bucket": NAME, "names": [NAME, ...]}') from None
+    if not isinstance(bucket, str) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequest("bucket and names must be strings")
+    if len(names) > PAGE:
+        raise BadRequest(f"at most {PAGE} names at a time")
+    node = request.app[NODE]
+
+    def answer() -> list:
+        out = []
+        for name in names:
+            try:
+                meta = node.lookup(bucket, name)
+                out.append([200, meta.cksum, meta.atime_ns])
+            except NotFound:
+                try:
+                    deleted = node.deleted_ns(bucket, name)
+                except StoreError:
+                    deleted = None
+                out.append([404, "", deleted or 0])
+        return out
+    return web.json_response({"objects": await asyncio.to_thread(answer)})
 
 
 async def rebalance_status(request: web.Request) -> web.Response:
@@ -269,4 +333,5 @@ def add_routes(app: web.Application, membership) -> None:
     membership.on_change.append(r.changed)
     app.on_startup.append(r.start)
     app.on_cleanup.insert(0, r.stop)  # before the peer session closes
-    app.router.add_get("/v1/cluster/rebalance", rebalance_status)
+    app.router.add_get(CHECK_PATH, rebalance_status)
+    app.router.add_post(CHECK_PATH, check_names)

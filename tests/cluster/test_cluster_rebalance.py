@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -71,6 +72,18 @@ def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
         assert sorted(e.name for e in b.list_all_objects(page_size=17)) == sorted(objs)  # no duplicates
         # the status endpoint of a target is for the cluster only
         assert httpx.get(f"{newcomer.url}/v1/cluster/rebalance", timeout=10).status_code == 403
+        # the walk's question about a page of names: one signed POST per holder, answered in order
+        ask = json.dumps({"bucket": "rebal", "names": [*sorted(objs)[:5], "r/none"]}).encode()
+        assert httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=ask, timeout=10).status_code == 403
+        signed = {"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", ask),
+                  "Content-Type": "application/json"}
+        answers = httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=ask, headers=signed, timeout=10).json()
+        held = {n for n in objs if new_id in ranked(smap, "rebal", n)[:2]}
+        assert [a[0] for a in answers["objects"]] == [200 if n in held else 404 for n in sorted(objs)[:5]] + [404]
+        too_many = json.dumps({"bucket": "rebal", "names": ["x"] * 257}).encode()
+        signed["Batchfs-Cluster"] = ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", too_many)
+        assert httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=too_many, headers=signed,
+                          timeout=10).status_code == 400
     finally:
         newcomer.stop()
         cluster.stop()

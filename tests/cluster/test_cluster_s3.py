@@ -186,7 +186,7 @@ def test_mounts_read_the_cluster_through_the_gateway(tool, s3cluster, tmp_path):
 
 
 def test_reads_and_listings_go_on_with_a_target_dead(s3cluster):
-    """Last in this module: it kills a target of the shared cluster."""
+    """Last in this module: it kills a target of the shared cluster, then all of them."""
     c = s3(s3cluster.url)
     c.create_bucket(Bucket="s3dead")
     objs = {f"k{i:02d}": random.Random(i).randbytes(5_000 + i) for i in range(30)}
@@ -206,3 +206,25 @@ def test_reads_and_listings_go_on_with_a_target_dead(s3cluster):
     for page in c.get_paginator("list_objects_v2").paginate(Bucket="s3dead", PaginationConfig={"PageSize": 9}):
         names += [o["Key"] for o in page["Contents"]]
     assert names == sorted(objs)
+    # every target dead: each call is a 503 with a reason (no 500), nothing is started
+    for t in s3cluster.targets[1:]:
+        t.proc.kill()
+        t.proc.wait()
+    deadline = time.monotonic() + 15
+    while any(n["alive"] for n in s3cluster.status()["nodes"] if n["kind"] == "target"):
+        assert time.monotonic() < deadline, "the dead targets were not seen down"
+        time.sleep(0.2)
+    calls = [(c.list_buckets, {}), (c.create_bucket, {"Bucket": "s3none"}),
+             (c.list_objects_v2, {"Bucket": "s3dead"}), (c.list_objects, {"Bucket": "s3dead"}),
+             (c.get_object, {"Bucket": "s3dead", "Key": "k01"}), (c.head_bucket, {"Bucket": "s3dead"}),
+             (c.put_object, {"Bucket": "s3dead", "Key": "new", "Body": b"x"}),
+             (c.get_bucket_location, {"Bucket": "s3dead"}), (c.delete_bucket, {"Bucket": "s3dead"}),
+             (c.delete_objects, {"Bucket": "s3dead", "Delete": {"Objects": [{"Key": "k01"}]}})]
+    for call, kwargs in calls:
+        status, err = code(call, **kwargs)
+        assert status == 503, (call.__name__, status, err)
+    native = {"Authorization": f"Bearer {TOKEN}"}
+    for method, path in (("GET", "/v1/buckets"), ("HEAD", "/v1/buckets/s3dead"), ("GET", "/v1/objects/s3dead/k01"),
+                         ("GET", "/v1/buckets/s3dead")):
+        r = httpx.request(method, s3cluster.url + path, headers=native, timeout=10)
+        assert r.status_code == 503, (method, path, r.status_code, r.text)
