@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -35,7 +36,7 @@ class ClusterNode:
     url: str  # how clients and other nodes reach it: http://HOST:PORT
     kind: str  # PROXY or TARGET
 
-    @property
+    @functools.cached_property  # a frozen dataclass keeps it in the instance dict
     def digest(self) -> int:
         return hrw.digest(self.id)
 
@@ -55,9 +56,20 @@ class ClusterMap:
         return cls(1, uuidlib.uuid4().hex[:10], primary.id, (primary,),
                    time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
 
-    @property
+    # A map never changes (``dataclasses.replace`` makes a new one), so what is derived from it is
+    # computed once: a GetBatch of 10,000 entries asks for their holders several times each.
+    @functools.cached_property
     def targets(self) -> dict[str, ClusterNode]:
+        """Targets by id (shared: do not modify)."""
         return {n.id: n for n in self.nodes if n.kind == TARGET}
+
+    @functools.cached_property
+    def _target_digests(self) -> dict[str, int]:
+        return {i: n.digest for i, n in self.targets.items()}
+
+    @functools.cached_property
+    def _copies_of(self) -> dict[str, int]:
+        return dict(self.bucket_copies)
 
     @property
     def proxies(self) -> dict[str, ClusterNode]:
@@ -71,7 +83,7 @@ class ClusterMap:
     def copies_for(self, bucket: str) -> int:
         """Copies of each object of ``bucket``: its property (``with_copies``), else the default;
         never more than there are targets."""
-        wanted = dict(self.bucket_copies).get(bucket, COPIES)
+        wanted = self._copies_of.get(bucket, COPIES)
         return min(wanted, len(self.targets)) or 1
 
     def holders(self, bucket: str, objname: str) -> list[ClusterNode]:
@@ -116,7 +128,7 @@ class ClusterMap:
         targets = self.targets
         if not targets:
             return []
-        order = hrw.ranked(hrw.digest(hrw.uname(bucket, objname)), {i: n.digest for i, n in targets.items()})
+        order = hrw.ranked(hrw.digest(hrw.uname(bucket, objname)), self._target_digests)
         return [targets[i] for i in order]
 
     def owner(self, bucket: str, objname: str) -> ClusterNode | None:
