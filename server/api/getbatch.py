@@ -244,6 +244,19 @@ async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) ->
     return resp
 
 
+def _any_elsewhere(req, smap, me, items) -> bool:
+    """Whether an entry is owned by another target: the entries are checked a window at a time
+    until one is (a batch across targets is seldom checked whole before its first byte)."""
+    done = 0
+    while True:
+        if any(smap.owner(e.bucket, e.objname) != me for e in req.entries[done:]):
+            return True
+        done = len(req.entries)
+        if done >= req.n:
+            return False
+        req.check_upto(done + PRECHECK_ENTRIES, items)
+
+
 def _lacks_any(node, req) -> bool:
     """Whether this target lacks an entry it owns (catalog point lookups, cached)."""
     for e in req.entries:
@@ -275,16 +288,18 @@ async def moss(request: web.Request) -> web.StreamResponse:
         req = parse_request(await read_json(request), default_bucket, config)
         member = app.get(MEMBERSHIP)
         if not signed and member is not None and member.smap is not None and len(member.smap.targets) > 1:
-            req.check_upto(req.n, items)  # every entry: the 400/404 before anything goes to other targets
+            # the 400/404 a single node gives before its 200: the first PRECHECK_ENTRIES (streamed), every entry (buffered)
+            req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
             me = member.smap.node(app[NODE_INFO]["id"])
-            if (me is None or any(member.smap.owner(e.bucket, e.objname) != me for e in req.entries)
+            if (me is None or _any_elsewhere(req, member.smap, me, items)
                     or _lacks_any(node, req)):  # e.g. joined, before the rebalance: from the other copies
                 throttle = state.admission.admit()  # the designated target's admission control
                 try:
                     if throttle:
                         await state.admission.throttle(config.getbatch_throttle_seconds)
                     return await moss_across(request, req, member.smap, me or _unknown(app),
-                                             app[CLUSTER_SECRET], app[PEERS], config.getbatch_max_buffered_bytes)
+                                             app[CLUSTER_SECRET], app[PEERS], config.getbatch_max_buffered_bytes,
+                                             lambda upto: req.check_upto(upto, items))
                 finally:
                     state.admission.leave()
         req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)

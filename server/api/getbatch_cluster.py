@@ -5,14 +5,21 @@ The gateway redirects a client's GetBatch (307) to the target that owns most of 
 There, ``moss`` sees entries owned by other targets (``ClusterMap.owner``) and hands the request
 here:
 
-    check every entry (syntax, buckets)            -- the 400/404 a single node gives
-    partition entries by owner, keeping their order
-    one sub-request per owner (this target too), each a plain GetBatch of its entries in
-    order, signed with the cluster secret so the owner serves it from its own store; all
-    opened concurrently over the DT's persistent peer connections
-    any sub-request not 200: that answer is the reply (nothing sent yet)
+    check the entries a single node checks before its 200 (streamed: the first 256; buffered:
+    all)                                              -- the 400/404 a single node gives
+    for each window of entries (streamed: 256, then 512, 1,024, ... up to 4,096; buffered:
+    all of them), partition its entries by owner, keeping their order, and open one
+    sub-request per owner (this target too), each a plain GetBatch of its entries in order,
+    signed with the cluster secret so the owner serves it from its own store; concurrently,
+    over the DT's persistent peer connections
+    a first window's sub-request not 200: that answer is the reply (nothing sent yet)
     200, then for entry i: the next member of its owner's stream, copied byte for byte
-    (headers, data, padding) or re-encoded (``.tgz``, ``.zip``), then the archive's end
+    (headers, data, padding) or re-encoded (``.tgz``, ``.zip``), then the archive's end; the
+    next window's sub-requests open when 32 entries of the current one are left
+
+So the first byte waits on the first window only, not on per-entry work for every entry of a
+large batch; a bad entry or a sender's error in a later window truncates the reply, as a single
+node's does past its first 256 entries.
 
 TAR members are byte-identical to what one node holding every object would send: the senders build
 them with the same header function for the same names, sizes and times.
@@ -39,10 +46,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import uuid
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -61,13 +70,23 @@ from server.api.getbatch_output import Coalesced, make_out
 
 log = logging.getLogger(__name__)
 
-def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(),
-              none_ok: bool = False) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
-    """Each checked entry's holder — the first of its copies' targets not in ``down`` — and the
-    entries of each holder in request order. An entry no reachable target holds is None with
-    ``none_ok`` (a placeholder under ``coer``), else SenderFailed."""
+# A streamed reply's entries go to the senders in windows: the first FIRST_WINDOW before the
+# 200 (a single node checks as many before its 200), so the first byte does not wait on per-entry
+# work for all of a 10,000-entry batch; the next window's sub-requests open when OPEN_AHEAD
+# entries of the current one are left (early enough to hide their round trip, late enough that
+# a sender's job does not sit unread behind large members: its stall timeout).
+FIRST_WINDOW = 256
+MAX_WINDOW = 4096
+OPEN_AHEAD = 32
+
+def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none_ok: bool = False,
+              lo: int = 0, hi: int | None = None) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
+    """Each checked entry's holder in [lo, hi) — the first of its copies' targets not in ``down``
+    — and the entries (indexes in the request) of each holder in request order. An entry no
+    reachable target holds is None with ``none_ok`` (a placeholder under ``coer``), else
+    SenderFailed."""
     owners: list[ClusterNode | None] = []
-    for e in req.entries:
+    for e in req.entries[lo:hi]:
         ranked = smap.holders(e.bucket, e.objname)
         node = next((n for n in ranked if n.id not in down), None)
         if node is None and not none_ok:
@@ -75,10 +94,23 @@ def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(),
                                f"({', '.join(n.id for n in ranked)}) is unreachable")
         owners.append(node)
     groups: dict[str, list[int]] = {}
-    for i, node in enumerate(owners):
+    for i, node in enumerate(owners, lo):
         if node is not None:
             groups.setdefault(node.id, []).append(i)
     return owners, groups
+
+
+def windows(n: int, strm: bool) -> list[tuple[int, int]]:
+    """The request's entries in windows, each asked of its senders as one sub-request per
+    sender: a streamed reply starts after the first FIRST_WINDOW, and the windows double up to
+    MAX_WINDOW; a buffered reply is one window."""
+    if not strm:
+        return [(0, n)]
+    out, lo, size = [], 0, FIRST_WINDOW
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo, size = lo + size, min(2 * size, MAX_WINDOW)
+    return out
 
 
 _MISSING = re.compile(r"^ais://([^/]+)/(.+) does not exist$")
@@ -160,48 +192,75 @@ def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
 
 
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
-                      secret: ClusterSecret, session: aiohttp.ClientSession, cap: int) -> web.StreamResponse:
+                      secret: ClusterSecret, session: aiohttp.ClientSession, cap: int,
+                      check: Callable[[int], None]) -> web.StreamResponse:
+    """``check(upto)`` checks the request's entries up to ``upto`` (``MossReq.check_upto``)."""
     down: set[str] = set()
     lenient = False  # senders asked with coer: their placeholders are looked for on other copies
     rx = [0]  # ns the streamed reply waited on senders' bytes (rxwait)
+    nodes: dict[str, ClusterNode] = {}
+    owners: list[ClusterNode | None] = [None] * req.n  # each entry's sender, set as its window opens
+    opened: list[aiohttp.ClientResponse] = []  # every sub-request, closed at the end
 
-    async def open_sub(node_id: str, idx: list[int]) -> aiohttp.ClientResponse:
-        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient,
+    async def open_sub(node_id: str, idx: list[int], coer: bool = False) -> aiohttp.ClientResponse:
+        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
                            "onob": req.onob, "strm": req.strm}).encode()
         path_qs = request.rel_url.raw_path_qs
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         try:
-            return await peers.signed(session, secret, "GET", nodes[node_id].url, path_qs, body=body, headers=headers)
+            r = await peers.signed(session, secret, "GET", nodes[node_id].url, path_qs, body=body, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
             down.add(node_id)  # its entries go to the targets of their next copies
             raise
+        opened.append(r)
+        return r
 
-    subs: dict[str, aiohttp.ClientResponse] = {}
-    extra: list[aiohttp.ClientResponse] = []  # sub-requests opened to recover a failed sender
-    metrics = request.app[METRICS]
-    try:
-        # A sender that cannot be reached: its entries go to the targets of their next copies
-        # and every sender is opened again. A sender that lacks an entry (404 — a target that
-        # joined, before the rebalance brought it everything): if another copy's target has the
-        # object, every sender is asked again with coer, and each placeholder is looked for on
-        # the entry's other copies (``from_other_copies``); if none has it, the 404 is the answer.
-        # A sender that still answers 404 (it lacks a bucket) is treated as unreachable.
+    async def open_window(lo: int, hi: int) -> dict[str, aiohttp.ClientResponse] | web.Response:
+        """One sub-request per sender of entries [lo, hi), all 200; or the reply a sender's
+        error makes (the first in entry order).
+
+        A sender that cannot be reached: its entries go to the targets of their next copies
+        and every sender of the window is opened again. A sender that lacks an entry (404 — a
+        target that joined, before the rebalance brought it everything): if another copy's
+        target has the object, every sender is asked again with coer, and each placeholder is
+        looked for on the entry's other copies (``from_other_copies``); if none has it, the 404
+        is the answer. A sender that still answers 404 (it lacks a bucket) is treated as
+        unreachable.
+
+        Past the first window (after the 200) the senders are asked with coer: a missing entry
+        comes as a placeholder, looked for on its other copies, and without the client's coer
+        the reply ends at that entry — as a single node's does, not at the window's start. A
+        bad entry ends the window before it (``stop``) the same way."""
+        nonlocal lenient
+        try:
+            check(hi)
+        except StoreError as e:
+            if lo == 0:
+                raise
+            hi = len(req.entries)  # checked up to the bad one: the reply ends there
+            stop.append((hi, e))
         for _ in range(2 * len(smap.targets) + 1):
-            owners, groups = partition(req, smap, down, none_ok=req.coer and req.strm)
-            nodes = {n.id: n for n in owners if n is not None}
-            order = list(dict.fromkeys(n.id for n in owners if n is not None))  # holders by their first entry
-            results = await asyncio.gather(*(open_sub(n, groups[n]) for n in order), return_exceptions=True)
+            placed, groups = partition(req, smap, down, none_ok=req.coer and req.strm, lo=lo, hi=hi)
+            nodes.update((n.id, n) for n in placed if n is not None)
+            order = list(dict.fromkeys(n.id for n in placed if n is not None))  # senders by their first entry
+            results = await asyncio.gather(*(open_sub(n, groups[n], coer=lo > 0) for n in order),
+                                           return_exceptions=True)
             if not any(isinstance(r, BaseException) for r in results):
                 subs = dict(zip(order, results))
                 lacking = next((n for n in order if subs[n].status == 404), None)
                 if lacking is None:
-                    break
+                    owners[lo:hi] = placed
+                    for node_id in order:  # the first failure, in entry order, is the answer
+                        r = subs[node_id]
+                        if r.status != 200:
+                            return web.Response(status=r.status, body=await r.read(), headers={
+                                "Content-Type": r.headers.get("Content-Type", "application/json")})
+                    return subs
                 body = await subs[lacking].read()
                 for r in subs.values():
                     r.close()
-                subs = {}
                 if lenient:
                     down.add(lacking)
                 elif not await _elsewhere(request, smap, secret, session, lacking, body):
@@ -216,22 +275,30 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             if not isinstance(failed, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):
                 raise SenderFailed(f"moss: a sender did not answer: {failed}")
             log.warning("moss: sender(s) %s unreachable: their entries go to the next copies", sorted(down))
-        else:
-            raise SenderFailed(f"moss: no set of reachable senders holds every entry (unreachable: {sorted(down)})")
-        for node_id in order:  # the first failure, in entry order, is the answer
-            r = subs[node_id]
-            if r.status != 200:
-                body = await r.read()
-                return web.Response(status=r.status, body=body,
-                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+        raise SenderFailed(f"moss: no set of reachable senders holds every entry (unreachable: {sorted(down)})")
+
+    metrics = request.app[METRICS]
+    bounds = windows(req.n, req.strm)
+    stop: list[tuple[int, StoreError]] = []  # a bad entry in a later window: the reply ends before it
+    ahead: asyncio.Task | None = None  # the next window's sub-requests, opening
+    try:
+        first = await open_window(*bounds[0])
+        if isinstance(first, web.Response):
+            return first
         if not req.strm:
-            return await _buffered(request, req, owners, subs, cap, req.coer)
+            return await _buffered(request, req, owners, first, cap, req.coer)
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
-        members = {n: Members(nodes[n], r.content, rx=rx) for n, r in subs.items()}
         # entry i comes from source[i]; None: no reachable target holds it (coer: a placeholder)
-        source: list[Members | None] = [None if n is None else members[n.id] for n in owners]
+        source: list[Members | None] = [None] * req.n
+
+        def fill(lo: int, hi: int, subs: dict[str, aiohttp.ClientResponse]) -> None:
+            members = {n: Members(nodes[n], r.content, rx=rx) for n, r in subs.items()}
+            for j in range(lo, hi):
+                source[j] = None if owners[j] is None else members[owners[j].id]
+
+        fill(*bounds[0], first)
 
         async def recover(first: int, failed: Members) -> None:
             """Get from neighbour: the entries from ``first`` on that ``failed`` was to send are
@@ -253,10 +320,9 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 regroup.setdefault(node.id, []).append(j)
             for node_id, idx in regroup.items():
                 try:
-                    r = await open_sub(node_id, idx)
+                    r = await open_sub(node_id, idx, coer=idx[0] >= bounds[0][1])
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                     raise SenderFailed(f"moss: {node_id}, asked for another copy, cannot be reached: {e}") from None
-                extra.append(r)
                 if r.status != 200:
                     raise SenderFailed(f"moss: {node_id}, asked for another copy, answered HTTP {r.status}")
                 m = Members(nodes[node_id], r.content, rx=rx)
@@ -279,7 +345,6 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     r = await open_sub(node.id, [j])
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
                     continue
-                extra.append(r)
                 if r.status != 200:
                     continue
                 other = Members(node, r.content, rx=rx)
@@ -307,9 +372,23 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
 
         reply = Coalesced(resp)
         out = make_out(req.mime, reply.write)
-        i, resume, recoveries = 0, None, 0
+        i, resume, recoveries, k = 0, None, 0, 1  # bounds[k]: the next window to open
         try:
-            while i < len(owners):
+            while i < req.n:
+                if stop and i == stop[0][0]:
+                    await reply.flush()  # every member before the bad entry goes out whole
+                    raise stop[0][1]
+                if k < len(bounds) and ahead is None and not stop and i >= bounds[k][0] - OPEN_AHEAD:
+                    ahead = asyncio.create_task(open_window(*bounds[k]))
+                if i == bounds[k - 1][1]:  # the current window is done: the next one's senders
+                    await reply.flush()  # what is ready goes out while they are waited on
+                    got = await ahead
+                    ahead = None
+                    if isinstance(got, web.Response):  # after the 200: truncation is the only signal
+                        raise ConnectionError(f"moss: entries {bounds[k][0]}-{bounds[k][1] - 1}: a sender "
+                                              f"answered HTTP {got.status}: {bytes(got.body or b'')[:300]!r}")
+                    fill(*bounds[k], got)
+                    k += 1
                 m = source[i]
                 if m is None:  # coer, and every target holding the entry is unreachable
                     await placeholder(i)
@@ -320,7 +399,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     if m.held is not None:
                         await from_other_copies(i, m)
                 except SenderFailed as e:
-                    if recoveries >= len(smap.targets):
+                    if recoveries >= 2 * len(smap.targets):  # a dead sender may fail two open windows
                         raise
                     log.warning("moss (designated target): %s; entry %d on: from the next copies", e.message, i)
                     resume = m.resume_point()
@@ -333,14 +412,20 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             await reply.flush()
             await resp.write_eof()
         except (StoreError, ConnectionError) as e:
-            # after the 200 the only signal left is truncation: no end-of-archive
+            # after the 200 the only signal left is truncation: no end-of-archive (a later
+            # window's sender error or bad entry, too: as a single node past its first entries)
             if isinstance(e, SenderFailed):
                 metrics.gb_gfn_err_n.inc()
             log.warning("moss (designated target): stream truncated: %s", getattr(e, "message", e))
+            with contextlib.suppress(ConnectionError, RuntimeError):  # what was gathered still goes out
+                await reply.flush()
             if request.transport is not None:
                 request.transport.close()
         return resp
     finally:
+        if ahead is not None:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
         request.app[METRICS].gb_rxwait_ns.inc(rx[0])  # AIStore's rxwait: the DT waiting on its senders
-        for r in [*subs.values(), *extra]:
+        for r in opened:
             r.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import random
 import tarfile
 import time
@@ -110,6 +111,52 @@ def test_many_entries_and_errors_across_targets(cluster, data):
     assert r.status_code == 400
     r = moss(cluster.url, "nosuchbucket", {"in": [{"objname": "a"}]})
     assert r.status_code == 404
+
+
+def _raw_members(data: bytes) -> tuple[list[str], bool]:
+    """Member names of a possibly truncated TAR stream, and whether it ended properly."""
+    names, f = [], tarfile.open(fileobj=io.BytesIO(data), mode="r|")
+    try:
+        for m in f:
+            names.append(m.name)
+            f.extractfile(m).read()
+    except tarfile.ReadError:
+        return names, False
+    return names, data.endswith(b"\0" * 1024)
+
+
+def test_streamed_batches_go_to_senders_in_windows(cluster, data):
+    """A streamed batch is asked of the senders a window at a time (256, 512, ...): within the
+    first 256 entries a bad or missing entry is the 400/404 before the 200, as on a single node;
+    past them it truncates the reply after the members before it (coer: a placeholder)."""
+    names = sorted(n for n in data["objs"] if n != "shard.tar")
+    many = [names[i % len(names)] for i in range(1500)]
+
+    def ask(bad_at: int, bad: dict, coer: bool = False) -> tuple[int, bytes]:
+        entries = [{"objname": n} for n in many]
+        entries[bad_at] = bad
+        body = json.dumps({"in": entries, "strm": True, "coer": coer})
+        got = bytearray()
+        with httpx.stream("GET", f"{cluster.url}/v1/ml/moss/gbx", content=body, timeout=120,
+                          follow_redirects=True) as r:
+            try:
+                for piece in r.iter_raw():
+                    got += piece
+            except httpx.RemoteProtocolError:  # a truncated reply: the connection closed mid-body
+                pass
+            return r.status_code, bytes(got)
+
+    assert ask(200, {"objname": "gone"})[0] == 404
+    assert ask(255, {"objname": "../x"})[0] == 400
+    for bad_at in (256, 1000):  # the second and the third window
+        for bad in ({"objname": "gone"}, {"objname": "../x"}):
+            status, body = ask(bad_at, bad)
+            assert status == 200
+            got, ended = _raw_members(body)
+            assert not ended and got == [f"gbx/{n}" for n in many[:bad_at]], (bad_at, bad, len(got))
+    status, body = ask(1000, {"objname": "gone"}, coer=True)
+    got, ended = _raw_members(body)
+    assert ended and got == [f"gbx/{n}" for n in many[:1000]] + ["__404__/gbx/gone"] + [f"gbx/{n}" for n in many[1001:]]
 
 
 def test_buffered_across_targets_has_metadata_in_order(cluster, data):
