@@ -18,6 +18,7 @@ walk over its own objects, one at a time::
 Invariants:
 - Nothing is deleted before every target the map names for the object has a copy (any version:
   a newer one there makes ours stale); a target that cannot be asked keeps the local copy, and
+  the walk runs again (after ``RETRY_MIN_SECONDS``, doubling) until a walk has no failure, or
   the next map change walks again.
 - A copy never overwrites a newer write: it is committed only over the version the sender saw
   (``expect``, checked in the receiver's catalog transaction, 412 otherwise), and "newer" is the
@@ -31,8 +32,10 @@ Invariants:
   still committed only over the version seen (``expect``), and a drop only of the version
   looked at, so a change in between refuses the step rather than losing a write.
 - One walk at a time per target, ``rebalance_objects`` (``--rebalance-objects``) objects at a
-  time (bounded work beside client traffic); a newer map stops the walk and starts it again; a restart walks again (the walk is
-  idempotent: what is in place is only looked at).
+  time (bounded work beside client traffic); a newer map stops the walk and starts it again. A
+  restart under the same map continues an unfinished walk where it stopped, then walks again up
+  to there (``server.cluster.walkcursor``); the walk is idempotent: what is in place is only
+  looked at.
 - Reads during a walk find objects wherever they are (``neighbours``: get from neighbour).
 
 Known limits: "before" compares the clocks of two targets (a delete and a write of the same name
@@ -59,6 +62,7 @@ from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, PEERS
 from server.cluster import peers
 from server.cluster.smap import ClusterMap, ClusterNode
+from server.cluster.walkcursor import FILE_NAME as CURSOR_FILE, WalkCursor
 from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,11 @@ CHECK_PATH = "/v1/cluster/rebalance"
 # How long a target remembers a delete: one away longer may bring deleted objects back
 TOMBSTONE_KEEP_SECONDS = 14 * 24 * 3600
 REBALANCER = web.AppKey("rebalancer", object)
+# A walk in which a holder could not be asked or a copy failed is walked again after this long,
+# doubling up to RETRY_MAX_SECONDS while it keeps failing: a target that restarts is not
+# dropped from the map, so no map change would start the walk that completes its copies.
+RETRY_MIN_SECONDS = 2.0
+RETRY_MAX_SECONDS = 60.0
 
 
 class _NewMap(Exception):
@@ -80,14 +89,15 @@ class Rebalancer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0, "stale": 0,
-                      "failed": 0, "last_error": ""}
+                      "failed": 0, "last_error": "", "resumed_from": "",
+                      "retry_in": 0}  # retry_in: seconds to the next walk after one with failures (0: none due)
 
     def changed(self, smap: ClusterMap) -> None:
         self._wake.set()
 
     async def start(self, app: web.Application) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
-        self._wake.set()  # a restart walks again: an interrupted walk is redone
+        self._wake.set()  # a restart walks again: an interrupted walk continues (``WalkCursor``)
 
     async def stop(self, app: web.Application) -> None:
         if self._task is not None:
@@ -95,18 +105,31 @@ class Rebalancer:
 
     async def _run(self) -> None:
         member = self.app[MEMBERSHIP]
+        retry = None  # the walk again after one that could not reach every holder (a target restarting)
+        backoff = RETRY_MIN_SECONDS
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if retry is not None:
+                retry.cancel()
+                retry = None
             smap = member.smap
             if smap is None or len(smap.targets) < 1 or self.app[NODE_INFO]["id"] not in smap.targets:
                 continue
-            self.state.update(running=True, map_version=smap.version)
-            started = time.monotonic()
+            self.state.update(running=True, map_version=smap.version, retry_in=0)
+            started, failed = time.monotonic(), self.state["failed"]
             try:
                 await self._walk(smap)
                 log.info("rebalance to map v%d done in %.1f s: %s", smap.version, time.monotonic() - started,
                          {k: self.state[k] for k in ("checked", "copied", "deleted", "failed")})
+                if self.state["failed"] > failed:  # copies kept or not sent: walk again, the map may not change
+                    log.info("rebalance to map v%d: %d steps failed; walking again in %g s", smap.version,
+                             self.state["failed"] - failed, backoff)
+                    retry = asyncio.get_running_loop().call_later(backoff, self._wake.set)
+                    self.state["retry_in"] = backoff
+                    backoff = min(2 * backoff, RETRY_MAX_SECONDS)
+                else:
+                    backoff = RETRY_MIN_SECONDS
             except _NewMap:
                 self._wake.set()
             except Exception as e:  # a bug must not end the task: the next map walks again
@@ -142,31 +165,53 @@ class Rebalancer:
         node = self.app[NODE]
         await asyncio.to_thread(node.prune_tombstones, time.time_ns() - TOMBSTONE_KEEP_SECONDS * 10**9)
         await self._sync_buckets(smap)
-        for bucket in sorted(node.buckets):
-            after = ""
-            while True:
-                try:
-                    page, after = await asyncio.to_thread(node.list_page, bucket, "", after, PAGE)
-                except NotFound:
-                    break  # the bucket went away
-                # rebalance_objects in flight (each a HEAD per holder, then maybe a copy): one at
-                # a time left the network idle between round trips (6-10 MiB/s of 64 KiB objects)
-                slots = asyncio.Semaphore(self.app[CONFIG].rebalance_objects)
+        cursor = WalkCursor(self.app[MEMBERSHIP].map_path.with_name(CURSOR_FILE))
+        start = await asyncio.to_thread(cursor.load, smap.uuid, smap.version)
+        buckets = sorted(node.buckets)
+        legs = [(b, "") for b in buckets]
+        self.state["resumed_from"] = ""
+        if start is not None:  # a restart mid-walk: from where it was, then from the start up to there
+            self.state["resumed_from"] = "/".join(start)
+            log.info("rebalance to map v%d: resuming after ais://%s/%s", smap.version, *start)
+            legs = [start, *[(b, "") for b in buckets if b > start[0]], *[(b, "") for b in buckets if b <= start[0]]]
+        for bucket, after in legs:
+            await self._walk_bucket(smap, bucket, after, cursor)
+        await self._record(cursor, smap, done=True)
 
-                seen = await self._check_page(smap, bucket, [entry.name for entry in page])
+    async def _record(self, cursor: WalkCursor, smap: ClusterMap, bucket: str = "", name: str = "",
+                      done: bool = False) -> None:
+        try:
+            await asyncio.to_thread(cursor.save, smap.uuid, smap.version, bucket, name, done)
+        except OSError as e:  # the walk goes on; a restart would start it over
+            log.warning("rebalance: cannot record the walk's place in %s: %s", cursor.path, e)
 
-                async def one(name: str) -> None:
-                    async with slots:
-                        if not self._wake.is_set():
-                            await self._one(smap, bucket, name, seen)
+    async def _walk_bucket(self, smap: ClusterMap, bucket: str, after: str, cursor: WalkCursor) -> None:
+        node = self.app[NODE]
+        while True:
+            try:
+                page, nxt = await asyncio.to_thread(node.list_page, bucket, "", after, PAGE)
+            except NotFound:
+                return  # the bucket went away
+            # rebalance_objects in flight (each then maybe a copy): one at a time left the
+            # network idle between round trips (6-10 MiB/s of 64 KiB objects)
+            slots = asyncio.Semaphore(self.app[CONFIG].rebalance_objects)
+            seen = await self._check_page(smap, bucket, [entry.name for entry in page])
 
-                async with asyncio.TaskGroup() as tg:  # at most PAGE tasks, rebalance_objects of them working
-                    for entry in page:
-                        tg.create_task(one(entry.name))
-                if self._wake.is_set():
-                    raise _NewMap()
-                if not after:
-                    break
+            async def one(name: str) -> None:
+                async with slots:
+                    if not self._wake.is_set():
+                        await self._one(smap, bucket, name, seen)
+
+            async with asyncio.TaskGroup() as tg:  # at most PAGE tasks, rebalance_objects of them working
+                for entry in page:
+                    tg.create_task(one(entry.name))
+            if self._wake.is_set():
+                raise _NewMap()
+            if page:
+                await self._record(cursor, smap, bucket, page[-1].name)
+            if not nxt:
+                return
+            after = nxt
 
     async def _check_page(self, smap: ClusterMap, bucket: str, names: list[str]) -> dict:
         """What every other holder of these names has: (holder id, name) -> (status, checksum,

@@ -2,7 +2,7 @@
 
 It reads the gateway's ``GET /v1/cluster/status`` (the map, each node's health as the gateway
 sees it, each live target's rebalance progress) and prints one line per node. Exit status: 0
-when every node is up and no rebalance is running, 3 while a rebalance runs, 4 when a target is
+when every node is up and no rebalance is running, 3 while a rebalance runs (or is due again), 4 when a target is
 down, 1 when the gateway cannot be asked (the reason on stderr). A token-protected gateway takes
 the token from ``--token-file`` or ``AIS_AUTHN_TOKEN`` (as the aistore SDK does).
 """
@@ -22,11 +22,12 @@ def _rebalance(r: dict | None) -> str:
         return ""
     if "error" in r:
         return f"rebalance: ? ({r['error']})"
-    state = "running" if r.get("running") else "done"
+    state = "running" if r.get("running") else f"to run again in {r['retry_in']:g} s" if r.get("retry_in") else "done"
     cap = r.get("capacity") or {}
     text = (f"{_gib(cap.get('free_bytes'))} free of {_gib(cap.get('total_bytes'))}; " if cap else "") + (
         f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
         f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
+    text += f", resumed after {r['resumed_from']}" if r.get("resumed_from") else ""
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
 
 
@@ -48,14 +49,15 @@ def render(doc: dict) -> tuple[str, int]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
     targets = [n for n in doc["nodes"] if n["kind"] != "proxy"]
     code = 4 if any(not n["alive"] for n in targets) else \
-        3 if any((n.get("rebalance") or {}).get("running") for n in targets) else 0
+        3 if any((n.get("rebalance") or {}).get("running") or (n.get("rebalance") or {}).get("retry_in")
+                 for n in targets) else 0
     return "\n".join(lines), code
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
                                 "progress, as the gateway at URL sees them.",
-                                epilog="exit status: 0 all up, 3 rebalance running, 4 a target down, 1 no answer")
+                                epilog="exit status: 0 all up, 3 rebalance running (or due again), 4 a target down, 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
     p.add_argument("--token-file", type=Path, metavar="FILE", help="bearer token for a token-protected cluster "
                    "(default: $AIS_AUTHN_TOKEN)")

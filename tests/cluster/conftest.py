@@ -69,13 +69,14 @@ class Cluster:
         return httpx.get(f"{self.url}/v1/cluster/status", timeout=10, headers=self.headers).json()
 
     def wait_rebalanced(self, timeout: float = 60.0) -> dict:
-        """Until every live target has walked the current map (server.api.rebalance); the status."""
+        """Until every live target has walked the current map without a failure (server.api.rebalance);
+        the status."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
             walks = [n.get("rebalance", {}) for n in st["nodes"] if n["kind"] == "target" and n["alive"]]
             if walks and all(w.get("map_version") == st["version"] and not w.get("running") and w.get("walks", 0) > 0
-                             for w in walks):
+                             and not w.get("retry_in") for w in walks):  # no walk again due after failures
                 return st
             time.sleep(0.2)
         raise TimeoutError(f"rebalance not done in {timeout} s: {self.status()}")

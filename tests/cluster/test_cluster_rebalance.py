@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import httpx
 
 from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import Cluster, SECRET, holds, ranked
+from tests.cluster.conftest import Cluster, SECRET, free_port, holds, ranked
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
@@ -119,3 +120,68 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
             assert b.object(name).get_reader().read_all() == data, name
     finally:
         cluster.stop()
+
+
+def _held(url: str, bucket: str, names: list[str]) -> set[str]:
+    """Which of ``names`` the target at ``url`` stores: the walk's own question (signed POST
+    /v1/cluster/rebalance, 256 names at a time)."""
+    out = set()
+    for i in range(0, len(names), 256):
+        ask = json.dumps({"bucket": bucket, "names": names[i:i + 256]}).encode()
+        headers = {"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", ask)}
+        answers = httpx.post(f"{url}/v1/cluster/rebalance", content=ask, headers=headers, timeout=10).json()
+        out |= {n for n, a in zip(names[i:i + 256], answers["objects"]) if a[0] == 200}
+    return out
+
+
+def _walk_of(cluster: Cluster, url: str) -> dict:
+    return next(n["rebalance"] for n in cluster.status()["nodes"] if n["url"] == url)
+
+
+def test_a_target_restarted_mid_walk_continues_where_it_stopped(tmp_path):
+    """kill -9 of a target in the middle of its walk (a third target joined), back on the same
+    address before the gateway drops it: under the same map its walk resumes after the last
+    page it recorded (then walks up to there again), and every object ends on its HRW targets."""
+    port = free_port()
+    cluster = Cluster(tmp_path, targets=2, target_args=("--rebalance-objects", "1"))
+    cluster.targets[0].args += ["--listen", f"127.0.0.1:{port}"]  # the same address when it comes back
+    newcomer = ServerProcess([tmp_path / "t2" / "d1"], "--role", "target", "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                             "--cluster-secret-file", str(cluster.secret))
+    try:
+        cluster.start()
+        b = sdk_client(cluster.url).bucket("resume")
+        b.create()
+        objs = {f"w/{i:04d}": blob(f"w{i}", 200 + i % 300) for i in range(1500)}
+        for name, data in objs.items():
+            b.object(name).get_writer().put_content(data)
+        cluster.wait_rebalanced()
+        victim = cluster.targets[0]
+        newcomer.start()
+        sign = ClusterSecret(SECRET.encode()).sign
+        deadline = time.monotonic() + 60
+        while True:  # the victim has walked a few pages of the new map, not all of them
+            walk = httpx.get(f"{victim.url}/v1/cluster/rebalance", timeout=10,
+                             headers={"Batchfs-Cluster": sign("GET", "/v1/cluster/rebalance")}).json()
+            if walk["running"] and 300 <= walk["checked"] < 1200:
+                break  # the walks before the newcomer had nothing to check (the bucket was empty)
+            assert time.monotonic() < deadline and walk["checked"] < 1200, walk
+            time.sleep(0.005)
+        victim.proc.kill()
+        victim.proc.wait()
+        cluster.targets[0] = ServerProcess(victim.data_dirs, *victim.args).start()
+        assert cluster.targets[0].url == victim.url
+        st = cluster.wait_rebalanced(timeout=120)
+        assert len(st["nodes"]) == 4  # one gateway, three targets: the victim was never dropped
+        walk = _walk_of(cluster, victim.url)
+        assert walk["resumed_from"].startswith("resume/w/"), walk
+        assert walk["checked"] >= len(objs)  # after the resumed part, the walk up to it again
+        smap = cluster.smap()
+        held = {i: _held(n["public_net"]["direct_url"], "resume", sorted(objs)) for i, n in smap["tmap"].items()}
+        for name in objs:  # each object on exactly its two HRW targets
+            assert {i for i, names in held.items() if name in names} == set(ranked(smap, "resume", name)[:2]), name
+        for name in sorted(objs)[::50]:
+            assert b.object(name).get_reader().read_all() == objs[name]
+    finally:
+        newcomer.stop()
+        cluster.stop()
+
