@@ -37,6 +37,18 @@ def data(cluster) -> dict:
     return {"objs": objs, "members": members, "smap": smap}
 
 
+def _sdk_batch(cluster, entries: list[tuple[str, dict, bytes | None]], **batch_args) -> list:
+    """The SDK's batch of ``entries`` (name, add() keywords, expected bytes) through the gateway:
+    one (ObjectOutput, bytes) per entry."""
+    client = sdk_client(cluster.url)
+    batch = client.batch(bucket=client.bucket("gbx"), **batch_args)
+    for name, kw, _ in entries:
+        batch.add(name, **kw)
+    got = list(batch.get())
+    assert len(got) == len(entries)
+    return got
+
+
 def test_sdk_batch_across_targets_is_in_order_and_byte_exact(cluster, data):
     objs, members = data["objs"], data["members"]
     rng = random.Random(7)
@@ -47,12 +59,7 @@ def test_sdk_batch_across_targets_is_in_order_and_byte_exact(cluster, data):
                 ("shard.tar", {"archpath": "m/2.txt"}, members["m/2.txt"]),
                 ("missing.bin", {}, None)]
     rng.shuffle(entries)
-    client = sdk_client(cluster.url)
-    batch = client.batch(bucket=client.bucket("gbx"), output_format=".tar", streaming_get=True)
-    for name, kw, _ in entries:
-        batch.add(name, **kw)
-    got = list(batch.get())
-    assert len(got) == len(entries)
+    got = _sdk_batch(cluster, entries, output_format=".tar", streaming_get=True)
     for (name, kw, expected), (out, body) in zip(entries, got):
         assert out.obj_name == name
         if expected is None:
@@ -188,12 +195,7 @@ def test_sdk_other_formats_across_targets(cluster, data, fmt, streaming):
     entries = [(n, {}, objs[n]) for n in random.Random(11).sample(names, 40)]
     entries += [("big.bin", {}, objs["big.bin"]), ("shard.tar", {"archpath": "m/1.jpg"}, members["m/1.jpg"]),
                 ("big.bin", {"start": 7, "length": 1000}, objs["big.bin"][7:1007]), ("missing.bin", {}, None)]
-    client = sdk_client(cluster.url)
-    batch = client.batch(bucket=client.bucket("gbx"), output_format=fmt, streaming_get=streaming, cont_on_err=True)
-    for name, kw, _ in entries:
-        batch.add(name, **kw)
-    got = list(batch.get())
-    assert len(got) == len(entries)
+    got = _sdk_batch(cluster, entries, output_format=fmt, streaming_get=streaming, cont_on_err=True)
     for (name, kw, expected), (out, body) in zip(entries, got):
         assert out.obj_name == name
         assert body == (b"" if expected is None else expected), name
