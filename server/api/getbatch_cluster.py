@@ -50,7 +50,7 @@ import contextlib
 import json
 import logging
 import re
-import uuid
+import time
 from typing import Callable
 
 import aiohttp
@@ -62,11 +62,11 @@ from server.archive.writers import MIME_TYPES
 from server.cluster import peers
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
-from server.errors import PayloadTooLarge, StoreError
+from server.errors import StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
-from server.api.getbatch_members import Bytes, Members, SenderFailed
-from server.api.getbatch_output import Coalesced, make_out
+from server.api.getbatch_members import SENDER_WAIT_SECONDS, Members, SenderFailed
+from server.api.getbatch_output import Coalesced, buffered, make_out
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 FIRST_WINDOW = 256
 MAX_WINDOW = 4096
 OPEN_AHEAD = 32
+BUSY_FIRST_SECONDS = 0.02  # a later window's busy sender (429) is asked again after this, doubling
 
 def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none_ok: bool = False,
               lo: int = 0, hi: int | None = None) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
@@ -141,56 +142,6 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
     return False
 
 
-async def _buffered(request: web.Request, req: MossReq, owners: list[ClusterNode],
-                    subs: dict[str, aiohttp.ClientResponse], cap: int, coer: bool) -> web.Response:
-    """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
-    multipart reply whose metadata and members are in request order — the senders' own entries,
-    error messages included."""
-    metas: dict[str, list] = {}
-    archives: dict[str, Members] = {}
-    total = 0
-    for node_id, r in subs.items():
-        reader = aiohttp.MultipartReader.from_response(r)
-        while (part := await reader.next()) is not None:
-            data = await part.read()
-            total += len(data)
-            if total > cap:
-                raise PayloadTooLarge(f"moss: buffered (strm false) reply over the {cap}-byte cap "
-                                      "(getbatch_max_buffered_bytes); use strm true to stream it")
-            if part.name == "metadata":
-                metas[node_id] = json.loads(data)["out"]
-            elif part.name == "archive":
-                archives[node_id] = Members(_node_of(owners, node_id), Bytes(data))
-    pieces: list[bytes] = []
-
-    async def keep(data: bytes) -> None:
-        pieces.append(data)
-
-    out = make_out(req.mime, keep)
-    metadata = []
-    taken = {n: 0 for n in subs}
-    for e, node in zip(req.entries, owners):
-        metadata.append(metas[node.id][taken[node.id]])
-        taken[node.id] += 1
-        await archives[node.id].copy_one(out)
-        if archives[node.id].held is not None:  # a coer placeholder
-            if not coer:  # asked with coer only because an owner lacks an entry (see moss_across)
-                raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
-                                   "retry, or ask with strm (streamed replies take it from the other copy)")
-            await out.placeholder(placeholder_name(e), archives[node.id].held)
-    await out.finish()
-    mp = aiohttp.MultipartWriter("mixed")
-    part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
-    part.set_content_disposition("form-data", name="metadata")
-    part = mp.append(b"".join(pieces), {"Content-Type": MIME_TYPES[req.mime]})
-    part.set_content_disposition("form-data", name="archive")
-    return web.Response(body=mp, status=200)
-
-
-def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
-    return next(n for n in owners if n.id == node_id)
-
-
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
                       secret: ClusterSecret, session: aiohttp.ClientSession, cap: int,
                       check: Callable[[int], None]) -> web.StreamResponse:
@@ -216,6 +167,21 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             raise
         opened.append(r)
         return r
+
+    async def reopen_busy(subs: dict[str, aiohttp.ClientResponse], groups: dict[str, list[int]]) -> None:
+        """After the 200 a sender's 429 (its GetBatch admission is full — this batch's previous
+        window may still count there) is asked again, backing off, for up to
+        ``SENDER_WAIT_SECONDS``: the client's stream can wait, an error could only truncate it."""
+        delay, deadline = BUSY_FIRST_SECONDS, time.monotonic() + SENDER_WAIT_SECONDS
+        while (busy := [n for n, r in subs.items() if r.status == 429]) and time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+            for node_id in busy:
+                subs[node_id].close()
+                try:
+                    subs[node_id] = await open_sub(node_id, groups[node_id], coer=True)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                    raise SenderFailed(f"moss: sender {node_id}, asked again after a 429, cannot be reached: {e}") from None
 
     async def open_window(lo: int, hi: int) -> dict[str, aiohttp.ClientResponse] | web.Response:
         """One sub-request per sender of entries [lo, hi), all 200; or the reply a sender's
@@ -251,6 +217,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 subs = dict(zip(order, results))
                 lacking = next((n for n in order if subs[n].status == 404), None)
                 if lacking is None:
+                    if lo > 0:
+                        await reopen_busy(subs, groups)
                     owners[lo:hi] = placed
                     for node_id in order:  # the first failure, in entry order, is the answer
                         r = subs[node_id]
@@ -286,7 +254,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if not req.strm:
-            return await _buffered(request, req, owners, first, cap, req.coer)
+            return await buffered(req, owners, first, cap)
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)

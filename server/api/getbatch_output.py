@@ -1,5 +1,5 @@
 """The designated target's reply archive: members read from the senders' TAR streams, written
-out in the format the client asked for.
+out in the format the client asked for, streamed (``make_out``) or buffered (``buffered``).
 
 Senders always answer the designated target (DT) in plain TAR; ``Members.copy_one`` reads one
 member from such a stream and hands it here as events — its header blocks with the parsed
@@ -26,12 +26,20 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 from typing import Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 
 from batchfs.wire.tarheader import tar_header
-from server.archive.writers import make_writer
+from server.api.getbatch_members import Bytes, Members, SenderFailed
+from server.archive.writers import MIME_TYPES, make_writer
+from server.cluster.smap import ClusterNode
+from server.errors import PayloadTooLarge
+from server.getbatch.reads import placeholder_name
+from server.getbatch.request import MossReq
 
 OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size
 OFF_LOOP_BYTES = 64 << 10  # a larger piece is compressed (or checksummed) in a worker thread
@@ -121,3 +129,53 @@ class Reframed:
 
 def make_out(mime: str, write: Write) -> TarOut | Reframed:
     return TarOut(write) if mime == ".tar" else Reframed(mime, write)
+
+
+async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aiohttp.ClientResponse],
+                   cap: int) -> web.Response:
+    """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
+    multipart reply whose metadata and members are in request order — the senders' own entries,
+    error messages included."""
+    metas: dict[str, list] = {}
+    archives: dict[str, Members] = {}
+    total = 0
+    for node_id, r in subs.items():
+        reader = aiohttp.MultipartReader.from_response(r)
+        while (part := await reader.next()) is not None:
+            data = await part.read()
+            total += len(data)
+            if total > cap:
+                raise PayloadTooLarge(f"moss: buffered (strm false) reply over the {cap}-byte cap "
+                                      "(getbatch_max_buffered_bytes); use strm true to stream it")
+            if part.name == "metadata":
+                metas[node_id] = json.loads(data)["out"]
+            elif part.name == "archive":
+                archives[node_id] = Members(_node_of(owners, node_id), Bytes(data))
+    pieces: list[bytes] = []
+
+    async def keep(data: bytes) -> None:
+        pieces.append(data)
+
+    out = make_out(req.mime, keep)
+    metadata = []
+    taken = {n: 0 for n in subs}
+    for e, node in zip(req.entries, owners):
+        metadata.append(metas[node.id][taken[node.id]])
+        taken[node.id] += 1
+        await archives[node.id].copy_one(out)
+        if archives[node.id].held is not None:  # a coer placeholder
+            if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across)
+                raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
+                                   "retry, or ask with strm (streamed replies take it from the other copy)")
+            await out.placeholder(placeholder_name(e), archives[node.id].held)
+    await out.finish()
+    mp = aiohttp.MultipartWriter("mixed")
+    part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
+    part.set_content_disposition("form-data", name="metadata")
+    part = mp.append(b"".join(pieces), {"Content-Type": MIME_TYPES[req.mime]})
+    part.set_content_disposition("form-data", name="archive")
+    return web.Response(body=mp, status=200)
+
+
+def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
+    return next(n for n in owners if n.id == node_id)

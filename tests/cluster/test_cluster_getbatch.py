@@ -16,7 +16,7 @@ import zipfile
 import httpx
 import pytest
 
-from tests.cluster.conftest import ranked
+from tests.cluster.conftest import Cluster, ranked
 from tests.support.getbatch import blob, make_shard, moss, sdk_client, tar_members
 
 
@@ -232,3 +232,34 @@ def test_a_forged_sender_request_is_refused(cluster, data):
     r = httpx.request("GET", f"{target}/v1/ml/moss/gbx", json={"in": [{"objname": name}]},
                       headers={"Batchfs-Cluster": "1:" + "0" * 64}, timeout=10)
     assert r.status_code == 403
+
+
+def test_a_busy_sender_of_a_later_window_is_asked_again(tmp_path):
+    """Targets admitting 2 GetBatch requests at a time: the DT's own request and its current
+    window's sub-request to itself fill its admission, so the next window's sub-request to
+    itself gets a 429 — asked again until the previous window leaves (a 429 after the 200
+    could only truncate the reply)."""
+    c = Cluster(tmp_path, targets=2, target_args=("--getbatch-max-pending", "2"))
+    try:
+        c.start()
+        client = sdk_client(c.url)
+        b = client.bucket("busy")
+        b.create()
+        # 1 MB members: the 32 entries left of a window when the next one opens outgrow the
+        # socket buffers, so the current window's sub-request still counts at its sender
+        objs = {f"b/{i:03d}": blob(f"b{i}", (1 << 20) + i) for i in range(40)}
+        for name, data in objs.items():
+            b.object(name).get_writer().put_content(data)
+        many = [f"b/{i % 40:03d}" for i in range(300)]  # windows of 256 and 44
+        def rejected() -> float:  # 429s the targets gave
+            return sum(v for t in c.targets for k, v in t.metrics().items() if "getbatch_rejected_n_total" in k)
+
+        before = rejected()
+        r = moss(c.url, "busy", {"in": [{"objname": n} for n in many], "strm": True}, timeout=120)
+        assert r.status_code == 200
+        got = tar_members(r.content)
+        assert [m for m, _ in got] == [f"busy/{n}" for n in many]
+        assert all(d == objs[n] for (_, d), n in zip(got, many))
+        assert rejected() > before  # a window's sender was busy, and the reply is whole anyway
+    finally:
+        c.stop()
