@@ -31,9 +31,10 @@ from aiohttp import web
 
 from batchfs.wire.urls import object_path
 from server.api import auth
-from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
+from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, NODE, PEERS
 from server.api.daemon_api import NODE_INFO
 from server.cluster import peers
+from server.cluster.secret import GRANT_PARAM
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, StoreError
 from server.store.meta import ObjectMeta
@@ -104,6 +105,29 @@ def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNo
     smap = member.smap
     me = app[NODE_INFO]["id"]
     return [n for n in smap.holders(bucket, name) if n.id != me]
+
+
+def misplaced(request: web.Request, bucket: str, name: str) -> web.Response | None:
+    """A client's PUT of an object this target does not keep a copy of by its map (the client's
+    map is stale: ``batchfs put`` reads it once per run; the SDK may send writes anywhere): a 307
+    to the object's owner, or None to store it here. Stored here it would be a copy that no
+    delete reaches (deletes go to the holders) until a map change walks it away."""
+    member = request.app.get(MEMBERSHIP)
+    if member is None or member.smap is None or len(member.smap.targets) < 2:
+        return None
+    me = request.app[NODE_INFO]["id"]
+    holders = member.smap.holders(bucket, name)
+    if me not in member.smap.targets or any(h.id == me for h in holders):
+        return None  # not in the map yet (joining), or a holder: store it
+    # as the client encoded it (yarl would requote), without a grant meant for this target
+    kept = [p for p in request.rel_url.raw_query_string.split("&") if p and not p.startswith(f"{GRANT_PARAM}=")]
+    path_qs = request.rel_url.raw_path + ("?" + "&".join(kept) if kept else "")
+    if request.app[CONFIG].auth_token_digests:  # the client's library drops Authorization on the way
+        sep = "&" if "?" in path_qs else "?"
+        if sep == "?":  # a grant is the last parameter after "&": give it a first one to follow
+            path_qs, sep = f"{path_qs}?pid={me}", "&"
+        path_qs = f"{path_qs}{sep}{GRANT_PARAM}={request.app[CLUSTER_SECRET].grant(request.method, path_qs)}"
+    return web.Response(status=307, headers={"Location": holders[0].url + path_qs})
 
 
 def tombstone_time(app: web.Application) -> int | None:

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -59,6 +60,28 @@ def test_sdk_through_the_gateway_lands_on_the_hrw_owner(cluster):
     b.delete()
     for url in urls.values():  # destroyed on every target
         assert httpx.head(f"{url}/v1/buckets/routed", timeout=10).status_code == 404
+
+
+def test_a_put_sent_to_a_target_that_keeps_no_copy_is_redirected_to_the_owner(cluster):
+    """A client with a stale map (or none) PUTs to a target that is not among the object's
+    holders: 307 to the owner, so the object is stored on exactly its holders — a copy kept on
+    the wrong target would outlive a delete."""
+    b = Client(cluster.url).bucket("misplaced")
+    b.create()
+    smap = cluster.smap()
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    for name in ("plain.bin", "a&b c%26.bin", "dir/ü.bin"):
+        order = ranked(smap, "misplaced", name)
+        stranger = urls[order[2]]  # three targets, two copies: the third keeps none
+        path = "/v1/objects/misplaced/" + quote(name)
+        r = httpx.put(stranger + path, content=b"x" * 100, timeout=10)
+        assert r.status_code == 307 and r.headers["Location"].startswith(urls[order[0]] + path), r.headers
+        r = httpx.put(stranger + path, content=name.encode(), timeout=10, follow_redirects=True)
+        assert r.status_code == 200, r.text
+        assert [holds(urls[i], "misplaced", name) for i in order] == [True, True, False], name
+        assert b.object(name).get_reader().read_all() == name.encode()
+        b.object(name).delete()
+        assert not any(holds(u, "misplaced", name) for u in urls.values())  # nothing left behind
 
 
 def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):

@@ -107,6 +107,27 @@ def test_redirects_carry_a_grant_that_fits_only_their_request(tcluster):
     assert c.get(url, follow_redirects=True).content == b"granted"  # and nothing changed
 
 
+def test_a_target_redirects_a_misplaced_put_with_a_grant(tcluster):
+    """One copy per object (a bucket property): a PUT sent with the token to the target that does
+    not hold the object is redirected (307) to the one that does, with a grant, since httpx
+    drops Authorization on the way there."""
+    c = httpx.Client(timeout=30, headers=_auth())
+    c.post(f"{tcluster.url}/v1/buckets/single", json={"action": "create-bck"}).raise_for_status()
+    r = c.patch(f"{tcluster.url}/v1/buckets/single", json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}})
+    assert r.status_code == 200, r.text
+    smap = tcluster.smap()
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    name = "one copy é"
+    owner, other = ranked(smap, "single", name)
+    r = c.put(f"{urls[other]}/v1/objects/single/{quote(name)}", content=b"placed")
+    assert r.status_code == 307 and "bfs_grant=" in r.headers["Location"] and r.headers["Location"].startswith(urls[owner])
+    assert c.put(f"{urls[other]}/v1/objects/single/{quote(name)}", content=b"placed", follow_redirects=True).status_code == 200
+    assert (holds(urls[owner], "single", name), holds(urls[other], "single", name)) == (True, False)
+    assert c.get(f"{tcluster.url}/v1/objects/single/{quote(name)}", follow_redirects=True).content == b"placed"
+    assert httpx.delete(r.headers["Location"]).status_code == 401  # the grant is for that PUT only
+    assert httpx.get(r.headers["Location"]).status_code == 401
+
+
 def test_without_the_token_nothing_is_served(tcluster):
     anon = httpx.Client(timeout=30)
     wrong = httpx.Client(timeout=30, headers={"Authorization": "Bearer wrong-token-0123456789"})
