@@ -41,7 +41,6 @@ from server.api import gateway_admin, gateway_s3
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, read_json
-from server.cluster.secret import GRANT_PARAM
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
@@ -67,10 +66,8 @@ def _granted(request: web.Request, path_qs: str) -> str:
     the client's HTTP library drops ``Authorization`` on the way to another port."""
     if not request.app[CONFIG].auth_token_digests:
         return path_qs
-    sep = "&" if "?" in path_qs else "?"
-    if sep == "?":  # a grant is the last parameter after "&": give it a first one to follow
-        path_qs, sep = f"{path_qs}?pid={gateway_of(request).id}", "&"
-    return f"{path_qs}{sep}{GRANT_PARAM}={gateway_of(request).secret.grant(request.method, path_qs)}"
+    gw = gateway_of(request)
+    return gw.secret.granted(request.method, path_qs, f"pid={gw.id}")
 
 
 # -- buckets ----------------------------------------------------------------------------------

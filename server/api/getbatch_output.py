@@ -33,7 +33,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from batchfs.wire.tarheader import tar_header
+from batchfs.wire.tarheader import TAR_END_BYTES, tar_header
 from server.api.getbatch_members import Bytes, Members, SenderFailed
 from server.archive.writers import MIME_TYPES, make_writer
 from server.cluster.smap import ClusterNode
@@ -43,7 +43,7 @@ from server.getbatch.request import MossReq
 
 OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size
 OFF_LOOP_BYTES = 64 << 10  # a larger piece is compressed (or checksummed) in a worker thread
-END = b"\0" * 1024  # TAR's end of archive: two zero blocks
+END = b"\0" * TAR_END_BYTES  # TAR's end of archive
 
 Write = Callable[[bytes], Awaitable[None]]
 

@@ -123,10 +123,7 @@ def misplaced(request: web.Request, bucket: str, name: str) -> web.Response | No
     kept = [p for p in request.rel_url.raw_query_string.split("&") if p and not p.startswith(f"{GRANT_PARAM}=")]
     path_qs = request.rel_url.raw_path + ("?" + "&".join(kept) if kept else "")
     if request.app[CONFIG].auth_token_digests:  # the client's library drops Authorization on the way
-        sep = "&" if "?" in path_qs else "?"
-        if sep == "?":  # a grant is the last parameter after "&": give it a first one to follow
-            path_qs, sep = f"{path_qs}?pid={me}", "&"
-        path_qs = f"{path_qs}{sep}{GRANT_PARAM}={request.app[CLUSTER_SECRET].grant(request.method, path_qs)}"
+        path_qs = request.app[CLUSTER_SECRET].granted(request.method, path_qs, f"pid={me}")
     return web.Response(status=307, headers={"Location": holders[0].url + path_qs})
 
 

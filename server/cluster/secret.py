@@ -62,6 +62,13 @@ class ClusterSecret:
         ts = int(time.time() if now is None else now)
         return f"{ts}.{self._grant_mac(ts, method, path_qs)}"
 
+    def granted(self, method: str, path_qs: str, first_param: str) -> str:
+        """``path_qs`` with a grant as its last parameter; ``first_param`` (``name=value``) goes
+        before it when ``path_qs`` has no query (a grant follows an ``&``)."""
+        if "?" not in path_qs:
+            path_qs = f"{path_qs}?{first_param}"
+        return f"{path_qs}&{GRANT_PARAM}={self.grant(method, path_qs)}"
+
     def check_grant(self, method: str, raw_path_qs: str, now: float | None = None) -> bool:
         """Whether ``raw_path_qs`` (as the target received it) ends with a valid grant for it."""
         signed, sep, value = raw_path_qs.rpartition(f"&{GRANT_PARAM}=")
