@@ -130,11 +130,14 @@ EVD_KEYS = {"num-workers", "coer", "non-recurs"}
 
 
 def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
-                   tombstones: bool = False) -> None:
-    """Delete the names; ``tombstones``: remember each delete (a cluster's target, see Store.delete)."""
+                   tombstones: bool = False, spread: list | None = None) -> None:
+    """Delete the names; ``tombstones``: remember each delete (a cluster's target, see Store.delete);
+    ``spread``: collects the deleted versions whose chunks are on other targets."""
     def delete(name: str) -> int:
         size = store.lookup(bucket, name).size
-        store.delete(bucket, name, None, time.time_ns() if tombstones else None)
+        gone = store.delete(bucket, name, None, time.time_ns() if tombstones else None)
+        if spread is not None and gone.spread:
+            spread.append(gone)
         return size
 
     _each(names, delete, missing_is_error, job, bucket)

@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rebalance-objects", dest="rebalance_objects", type=int, metavar="N",
                    help="target: objects its rebalance and rebuild walk works on at once, 1-64; more moves "
                    f"data faster and leaves clients less (default: {d.rebalance_objects})")
+    c.add_argument("--no-spread-chunks", dest="spread_chunks", action="store_const", const=False, help="target: "
+                   "keep every chunk of a large object on its holders, instead of spreading its chunks over all targets")
     return p
 
 
@@ -231,7 +233,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.log_level is not None:
         values["log_level"] = args.log_level
     for field in ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds",
-                  "rebalance_objects"):
+                  "rebalance_objects", "spread_chunks"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     if args.create_data_dirs:

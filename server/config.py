@@ -105,6 +105,9 @@ class ServerConfig:
     rebuild_after_seconds: float = 120 * SECONDS
     # target: objects its rebalance/rebuild walk works on at once (its speed vs clients' share)
     rebalance_objects: int = 4
+    # target: an object larger than one chunk keeps its chunks on every target (HRW per chunk),
+    # so that one object's parallel reads are served by all of them (docs/cluster.md)
+    spread_chunks: bool = True
 
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""

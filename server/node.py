@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from server import bucket_ops
+from server.cluster.spreadnames import chunks_bucket, owner_bucket
 from server.jobs import Job
 from server.store.meta import Listed, ObjectMeta
 from server.store.reader import OpenObject
@@ -48,6 +49,12 @@ class LocalNode:
 
     def destroy_bucket(self, bucket: str) -> None:
         self.target_store.destroy_bucket(bucket)
+        if chunks_bucket(bucket) in self.target_store.buckets:  # its large objects' chunks kept here
+            self.target_store.destroy_bucket(chunks_bucket(bucket))
+
+    def client_buckets(self) -> list[str]:
+        """The buckets clients see, sorted: not the chunks buckets a cluster keeps beside them."""
+        return sorted(b for b in self.target_store.buckets if owner_bucket(b) is None)
 
     def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:
         return self.target_store.list_page(bucket, prefix, after, limit)
@@ -64,8 +71,8 @@ class LocalNode:
         return self.target_store.writer(bucket, name)
 
     def delete(self, bucket: str, name: str, precondition: Callable[[ObjectMeta], None] | None = None,
-               tombstone_ns: int | None = None) -> None:
-        self.target_store.delete(bucket, name, precondition, tombstone_ns)
+               tombstone_ns: int | None = None) -> ObjectMeta:
+        return self.target_store.delete(bucket, name, precondition, tombstone_ns)
 
     def deleted_ns(self, bucket: str, name: str) -> int | None:
         return self.target_store.deleted_ns(bucket, name)
@@ -86,8 +93,8 @@ class LocalNode:
         return bucket_ops.selected(self.target_store, bucket, value, extra_keys)
 
     def delete_objects(self, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
-                       tombstones: bool = False) -> None:
-        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job, tombstones)
+                       tombstones: bool = False, spread: list | None = None) -> None:
+        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job, tombstones, spread)
 
     def copy_object(self, src_bucket: str, src_name: str, dst_bucket: str, dst_name: str) -> int:
         return bucket_ops.copy_object(self.target_store, src_bucket, src_name, dst_bucket, dst_name)

@@ -46,6 +46,7 @@ from server.getbatch.budget import Cancelled, Work
 from server.archive.members import MemberSource, RangeSource, open_member
 from server.archive.shards import ShardIndexCache
 from server.api.state import CONFIG, METRICS, NODE, OP_KEY
+from server.api import spread
 from server.store.reader import verify_in_thread, verify_pieces
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
     config = request.app[CONFIG]
     work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, request.app[METRICS])
     watchdog = asyncio.create_task(_stop_when_gone(request, work))
-    obj = node.open(bucket, name)
+    obj = await spread.open_object(request.app, bucket, name)
     src: MemberSource | None = None
     try:
         index = await asyncio.to_thread(_index_cache(request.app).get, node.target_store, obj.meta, obj, work)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
+from server.api import spread
 from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
 from server.errors import BadRequest
 
@@ -30,6 +31,10 @@ async def _open_peers(app: web.Application) -> None:
                                        auto_decompress=False)
 
 
+async def _install_spread(app: web.Application) -> None:
+    spread.install(app)  # the store's reads of chunks kept on other targets, through the loop
+
+
 async def _close_peers(app: web.Application) -> None:
     await app[PEERS].close()
 
@@ -37,5 +42,6 @@ async def _close_peers(app: web.Application) -> None:
 def add_routes(app: web.Application, membership) -> None:
     app[MEMBERSHIP] = membership
     app.on_startup.append(_open_peers)
+    app.on_startup.append(_install_spread)
     app.on_cleanup.append(_close_peers)
     app.router.add_post("/v1/cluster/map", map_push)

@@ -31,7 +31,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, daemon_api, neighbours, replicas
+from server.api import auth, daemon_api, neighbours, replicas, spread
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -44,6 +44,7 @@ from server.store.reader import discard, verify_in_thread, verify_pieces, OpenOb
 log = logging.getLogger(__name__)
 
 from server.api import archget  # GET ?archpath=: one member of a shard
+from server.cluster.spreadnames import owner_bucket
 
 INLINE_READ_MAX = 256 * 1024  # below this a read is one pread on the event loop (page cache)
 PUT_INLINE_MAX = 256 * 1024  # bodies up to this are read whole and written in one thread hop
@@ -71,8 +72,15 @@ def object_headers(meta: ObjectMeta) -> dict[str, str]:
     return h
 
 
-def _names(request: web.Request) -> tuple[str, str]:
-    return check_bucket(request.match_info["bucket"]), check_objname(request.match_info["obj"])
+async def _names(request: web.Request) -> tuple[str, str]:
+    bucket = request.match_info["bucket"]
+    owner = owner_bucket(bucket)
+    if owner is None or not await auth.cluster_signed(request):
+        # a cluster's chunks bucket is for signed requests between targets only; to anyone
+        # else its name is as invalid as it is to create
+        return check_bucket(bucket), check_objname(request.match_info["obj"])
+    check_bucket(owner)
+    return bucket, check_objname(request.match_info["obj"])
 
 
 @accepts(["prr"], common=False)
@@ -104,12 +112,13 @@ GET_OBJECT_PARAMS = ["latest-ver", neighbours.GFN_PARAM, *archget.ARCH_PARAMS]
 
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
-          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM, replicas.WRITTEN_PARAM])
+          replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM, replicas.WRITTEN_PARAM,
+          replicas.SPREAD_PARAM])
 async def put_object(request: web.Request) -> web.Response:
     """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py).
     In a cluster, the object's other copies are made before the answer (``replicas``)."""
     request[OP_KEY] = "put"
-    bucket, name = _names(request)
+    bucket, name = await _names(request)
     q = request.query
     if bool_param(request, "latest-ver") or bool_param(request, "synchronize"):
         raise BadRequest("latest-ver and synchronize apply to remote buckets; only ais:// buckets exist here")
@@ -123,6 +132,11 @@ async def put_object(request: web.Request) -> web.Response:
         replicas.refuse_single_copy_writes(request.app, "an append", bucket, name)
         return await _append(request, bucket, name)
     node = request.app[NODE]
+    if copy_of is not None and replicas.SPREAD_PARAM in q:  # another holder's spread version
+        meta = await spread.receive_manifest(request, bucket, name, copy_of)
+        return web.Response(text="", headers=object_headers(meta))
+    if copy_of is not None:
+        spread.ensure_chunks_bucket(node, bucket)
     writer = node.writer(bucket, name)
     precondition = None if copy_of is None else replicas.copy_precondition(request, writer, copy_of)
     try:
@@ -152,7 +166,7 @@ async def put_object(request: web.Request) -> web.Response:
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
     if copy_of is None:
-        await replicas.put_copies(request, bucket, name, meta)
+        meta = await spread.after_put(request, bucket, name, meta)
     return web.Response(text="", headers=object_headers(meta))
 
 
@@ -257,7 +271,7 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
 @accepts(["props", neighbours.GFN_PARAM])
 async def head_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "head"
-    bucket, name = _names(request)
+    bucket, name = await _names(request)
     props = [p for p in request.query.get("props", "").split(",") if p]
     unknown = set(props) - KNOWN_PROPS
     if unknown:
@@ -279,7 +293,7 @@ async def head_object(request: web.Request) -> web.StreamResponse:
 @accepts(GET_OBJECT_PARAMS)
 async def get_object(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "get"
-    bucket, name = _names(request)
+    bucket, name = await _names(request)
     bool_param(request, "latest-ver")  # ais:// objects have no newer remote version
     if request.headers.get("Ais-Blob-Download", "").lower() == "true":
         raise BadRequest("blob download applies to remote buckets; only ais:// buckets exist here")
@@ -288,8 +302,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
     try:
-        obj = request.app[NODE].open(bucket, name,
-                                     None if header is None else lambda meta: parse_range(header, meta.size))
+        obj = await spread.open_object(request.app, bucket, name,
+                                       None if header is None else lambda meta: parse_range(header, meta.size))
     except NotFound as e:
         if await neighbours.is_gfn(request):
             raise
@@ -364,17 +378,18 @@ async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict
 @accepts([replicas.REPLICA_PARAM])
 async def delete_object(request: web.Request) -> web.Response:
     request[OP_KEY] = "delete"
-    bucket, name = _names(request)
+    bucket, name = await _names(request)
     copy = await _replica_write(request) is not None
     try:
-        await asyncio.to_thread(request.app[NODE].delete, bucket, name, None,
-                                replicas.tombstone_time(request.app))
+        meta = await asyncio.to_thread(request.app[NODE].delete, bucket, name, None,
+                                       replicas.tombstone_time(request.app))
     except NotFound:
         if copy or not await replicas.delete_copies(request, bucket, name):
             raise
         return web.Response(text="")
     if not copy:
         await replicas.delete_copies(request, bucket, name)
+        await spread.forget_chunks(request.app, meta)
     return web.Response(text="")
 
 

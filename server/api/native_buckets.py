@@ -15,7 +15,7 @@ import msgpack
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import daemon_api, replicas
+from server.api import daemon_api, replicas, spread
 from server.api.guard import MSG_KEY, accepts, bool_param
 from server.api.state import MEMBERSHIP, NODE, OP_KEY
 from server.errors import BadRequest, NotFound
@@ -33,7 +33,7 @@ async def list_buckets(request: web.Request) -> web.Response:
         raise BadRequest("list buckets: the action's value must be empty")
     node = request.app[NODE]
     return web.json_response([{"name": b, "provider": "ais", "namespace": {"uuid": "", "name": ""}}
-                              for b in sorted(node.buckets)])
+                              for b in node.client_buckets()])
 
 
 @accepts(["bck_to"], actions=["create-bck", "copy-bck", "copy-listrange"])
@@ -144,11 +144,14 @@ async def bucket_delete(request: web.Request) -> web.Response:
         node.selected, bucket, msg.get("value"), bucket_ops.EVD_KEYS)
     registry = request.app[jobs.JOBS]
     job = registry.start("delete-listrange", bucket)
+    spread_versions: list = []  # deleted here, their chunks on other targets
     try:
         await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job,
-                                replicas.tombstone_time(request.app) is not None)
+                                replicas.tombstone_time(request.app) is not None, spread_versions)
     finally:
         registry.finish(job, job.error)
+        for gone in spread_versions:
+            await spread.forget_chunks(request.app, gone)
     return web.Response(text=job.id)
 
 

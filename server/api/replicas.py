@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from urllib.parse import quote
 
@@ -40,6 +41,7 @@ from server.errors import BadRequest, StoreError
 from server.store.meta import ObjectMeta
 
 REPLICA_PARAM = "replica"
+SPREAD_PARAM = "spread"  # a copy whose body is a spread version's manifest (server.api.spread)
 CKSUM_PARAM = "cksum"
 EXPECT_PARAM = "expect"  # a rebalance copy: commit only over this version ("none": only if absent)
 WRITTEN_PARAM = "written"  # a rebalance copy: when its version was written (ns), against tombstones
@@ -150,20 +152,36 @@ def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name
 async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,
                    expect: str | None = None) -> None:
     """Send this target's committed ``meta`` version to ``node``; with ``expect`` (a rebalance
-    copy) it replaces only that version there ("none": only if absent) — CopyRefused if not."""
-    path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(meta.cksum, safe='')}"
-    if expect is not None:
-        path_qs += f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"
+    copy) it replaces only that version there ("none": only if absent) — CopyRefused if not.
+    A spread version (its chunks on other targets) is sent as its manifest, not its bytes."""
+    extra = "" if expect is None else f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"
+    if meta.spread:
+        body = await asyncio.to_thread(manifest, app[NODE].target_store, meta)
+        await _send(app, node, bucket, name, f"&{SPREAD_PARAM}=1" + extra, meta.cksum, body, len(body))
+        return
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
+    try:
+        await send_bytes(app, node, bucket, name, meta.size, meta.cksum, obj.pread, extra)
+    finally:
+        obj.close()  # the body was sent (or failed): no reader is left
 
+
+async def send_bytes(app: web.Application, node: ClusterNode, bucket: str, name: str, size: int, cksum: str,
+                     read, extra_query: str = "") -> None:
+    """PUT ``size`` bytes, ``read(lo, hi)`` (blocking, verified), to ``node`` as a copy of
+    ``bucket/name`` with checksum ``cksum``."""
     async def body():
-        for off in range(0, meta.size, COPY_PIECE_BYTES):
-            yield await asyncio.to_thread(obj.pread, off, min(off + COPY_PIECE_BYTES, meta.size))
+        for off in range(0, size, COPY_PIECE_BYTES):
+            yield await asyncio.to_thread(read, off, min(off + COPY_PIECE_BYTES, size))
+    await _send(app, node, bucket, name, extra_query, cksum, body() if size else b"", size)
 
+
+async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str, extra_query: str, cksum: str,
+                body, size: int) -> None:
+    path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(cksum, safe='')}{extra_query}"
     try:
         async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs,
-                                body=body() if meta.size else b"", body_signed=False,
-                                headers={"Content-Length": str(meta.size)}) as r:
+                                body=body, body_signed=False, headers={"Content-Length": str(size)}) as r:
             if r.status == 412:
                 deleted = r.headers.get(DELETED_HEADER, "")
                 if deleted.isdigit():
@@ -175,8 +193,14 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise CopyFailed(f"ais://{bucket}/{name}: stored, but its copy on target {node.id} ({node.url}) "
                          f"failed ({e}); not acknowledged — retry the PUT") from None
-    finally:
-        obj.close()  # the body was sent (or failed): no reader is left
+
+
+def manifest(store, meta: ObjectMeta) -> bytes:
+    """What another holder needs to commit the same spread version (``spread.receive_manifest``)."""
+    sums = store.block_sums(meta)
+    return json.dumps({"size": meta.size, "cksum": meta.cksum, "chunk_size": meta.chunk_size, "tag": meta.tag,
+                       "chunks": [[c.size, c.cksum] for c in meta.chunks],
+                       "sums": None if sums is None else sums.sums.hex()}).encode()
 
 
 async def put_copies(request: web.Request, bucket: str, name: str, meta: ObjectMeta) -> None:

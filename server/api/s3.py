@@ -46,7 +46,7 @@ import time
 
 from aiohttp import web
 
-from server.api import native, replicas
+from server.api import native, replicas, spread
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
@@ -70,7 +70,8 @@ __all__ = ["add_routes", "error_response"]
 # -- service and buckets --------------------------------------------------------------------
 async def list_buckets(request: web.Request) -> web.Response:
     refuse_unsupported(request, "list_buckets")
-    return xml_response(list_buckets_doc(dict(request.app[NODE].buckets)))
+    node = request.app[NODE]
+    return xml_response(list_buckets_doc({b: node.buckets[b] for b in node.client_buckets()}))
 
 
 async def bucket(request: web.Request) -> web.StreamResponse:
@@ -167,6 +168,8 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
     # in a cluster a gateway sends this to every target: each deletes the copies it holds
     tombstones = replicas.tombstone_time(request.app) is not None
 
+    spread_versions = []  # deleted here with their chunks on other targets
+
     def delete_all() -> tuple[list[str], list[tuple[str, str, str]]]:
         deleted, errors = [], []
         for key, etag, version in wanted:
@@ -174,9 +177,11 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
                 errors.append((key, "NotImplemented", "versioning is not implemented"))
                 continue
             try:
-                node.delete(bucket_name, check_objname(key), None if etag is None else must_match(etag),
-                            time.time_ns() if tombstones else None)
+                gone = node.delete(bucket_name, check_objname(key), None if etag is None else must_match(etag),
+                                   time.time_ns() if tombstones else None)
                 deleted.append(key)
+                if gone.spread:
+                    spread_versions.append(gone)
             except BadRequest as e:
                 errors.append((key, "InvalidArgument", e.message))
             except NotFound:
@@ -189,6 +194,8 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
         return deleted, errors
 
     deleted, errors = await asyncio.to_thread(delete_all)
+    for gone in spread_versions:
+        await spread.forget_chunks(request.app, gone)
     return xml_response(delete_result_doc([] if quiet else deleted, errors))
 
 
@@ -226,21 +233,23 @@ async def obj(request: web.Request) -> web.StreamResponse:
         return await _put_object(request)
     bucket_name, key = require_bucket(request), object_key(request)
     if_match = request.headers.get("If-Match")
+    deleted = None
     try:
-        await asyncio.to_thread(request.app[NODE].delete, bucket_name, key,
-                                None if if_match is None else must_match(if_match),
-                                replicas.tombstone_time(request.app))
+        deleted = await asyncio.to_thread(request.app[NODE].delete, bucket_name, key,
+                                          None if if_match is None else must_match(if_match),
+                                          replicas.tombstone_time(request.app))
     except NotFound:
         if if_match is not None:  # a conditional delete of a missing key, as S3 answers it
             raise S3Error(404, "NoSuchKey", f"the key {key!r} does not exist (If-Match)") from None
         # S3 answers 204 whether or not the key existed
     await replicas.delete_copies(request, bucket_name, key)  # in a cluster: its other copies
+    await spread.forget_chunks(request.app, deleted)
     return web.Response(status=204)
 
 
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = require_bucket(request), object_key(request)
-    obj_ = request.app[NODE].open(bucket_name, key, s3_span(request.headers.get("Range")))
+    obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers.get("Range")))
     try:
         if (not_modified := read_preconditions(request, obj_.meta)) is not None:
             return not_modified
@@ -294,7 +303,7 @@ async def _put_object(request: web.Request) -> web.Response:
     s3_copy.early_check(node, bucket_name, key, precondition)
     meta = await receive(request, _writer(node, bucket_name, key, precondition), key)
     request.app[METRICS].bytes_in.inc(meta.size)
-    await replicas.put_copies(request, bucket_name, key, meta)  # in a cluster: before the answer
+    meta = await spread.after_put(request, bucket_name, key, meta)  # in a cluster: before the answer
     return web.Response(headers={"ETag": f'"{meta.etag}"'})
 
 
@@ -347,7 +356,7 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
         meta = await asyncio.to_thread(s3_multipart.assemble, node, up, numbers, precondition)
     finally:
         await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
-    await replicas.put_copies(request, bucket_name, key, meta)
+    meta = await spread.after_put(request, bucket_name, key, meta)
     return xml_response(upload_doc("CompleteMultipartUploadResult", bucket_name, key,
                                    Location=f"/{bucket_name}/{key}", ETag=f'"{meta.etag}"'))
 

@@ -25,6 +25,7 @@ import uuid as uuidlib
 from pathlib import Path
 
 from batchfs.wire import hrw
+from server.cluster.spreadnames import owner_bucket
 
 PROXY, TARGET = "proxy", "target"
 COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
@@ -83,7 +84,7 @@ class ClusterMap:
     def copies_for(self, bucket: str) -> int:
         """Copies of each object of ``bucket``: its property (``with_copies``), else the default;
         never more than there are targets."""
-        wanted = self._copies_of.get(bucket, COPIES)
+        wanted = self._copies_of.get(owner_bucket(bucket) or bucket, COPIES)  # a chunk: as its object
         return min(wanted, len(self.targets)) or 1
 
     def holders(self, bucket: str, objname: str) -> list[ClusterNode]:

@@ -3,6 +3,9 @@ table), ``Listed`` (what a listing page needs, without the chunk table), and the
 
 Invariants: an ``ObjectMeta`` is immutable and names one version (``tag``); its ETag is
 ``"<xxhash64>-<version>"``; the chunk table lists every chunk's mountpath, size and checksum.
+A chunk whose mountpath is ``ELSEWHERE`` is not on this node: in a cluster, a large object's
+chunks are objects of their own on other targets (``server.api.spread``), and every chunk of
+such a version is ``ELSEWHERE``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from typing import NamedTuple
 CKSUM_TYPE = "xxhash"
 
 
+ELSEWHERE = ""  # the mountpath of a chunk stored on other targets (never a mountpath id)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    mp: str  # mountpath id
+    mp: str  # mountpath id, or ELSEWHERE
     size: int
     cksum: str
 
@@ -35,6 +41,11 @@ class ObjectMeta:
     chunk_size: int  # 0: stored as one file
     tag: str
     chunks: tuple[Chunk, ...]
+
+    @property
+    def spread(self) -> bool:
+        """Whether this version's chunks are on other targets (a cluster's large object)."""
+        return bool(self.chunks) and self.chunks[0].mp == ELSEWHERE
 
     @property
     def chunked(self) -> bool:

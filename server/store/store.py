@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
-from server.errors import Conflict, CorruptData, NotFound
-from server.store.meta import Listed, ObjectMeta, row_to_meta
+from server.errors import Conflict, CorruptData, NotFound, StoreError
+from server.store.meta import ELSEWHERE, Listed, ObjectMeta, row_to_meta
 from server.store.metacache import MetaCache
 from server.store.mountpath import Mountpath
 from server.store.orphans import OrphanReport, collect_orphans
@@ -55,6 +55,17 @@ from server.store.reader import SUMS_CACHE_BYTES, VERIFY_BLOCK, BlockSums, OpenO
 from server.store.writer import PRECONDITIONS, PutWriter
 
 log = logging.getLogger(__name__)
+
+# (version, chunk indexes) -> (index -> a file holding that chunk, files to unlink once open)
+ChunkFetcher = Callable[[ObjectMeta, list[int]], tuple[dict[int, Path], list[Path]]]
+
+
+REPLACED_KEPT = 4096  # replaced spread versions remembered for their chunks' deletion
+
+
+class ChunksElsewhere(StoreError):
+    status = 503
+
 
 class Store:
     """Buckets and objects over mountpaths. Methods are blocking unless noted; the HTTP layer
@@ -76,6 +87,9 @@ class Store:
         self.sums_cache = SumsCache(SUMS_CACHE_BYTES)
         self.corrupt_reads = 0  # reads refused because stored bytes failed their checksum
         self.on_corrupt: Callable[[], None] | None = None  # the server's metric hook
+        self.chunks_elsewhere: ChunkFetcher | None = None  # a cluster target's (server.api.spread)
+        self._replaced: dict[tuple[str, str, str], ObjectMeta] = {}  # (bucket, name, new tag) -> old
+        self._replaced_lock = threading.Lock()
         self.buckets: dict[str, int] = {}
         for mp in self.mountpaths:
             for name, created in mp.reader().execute("SELECT name, created_ns FROM buckets"):
@@ -164,16 +178,30 @@ class Store:
 
     def open_version(self, meta: ObjectMeta, start: int = 0, end: int | None = None) -> "OpenObject":
         """Open exactly this version's chunks overlapping bytes [start, end);
-        FileNotFoundError if a PUT or DELETE has removed it."""
+        FileNotFoundError if a PUT or DELETE has removed it. The chunks of a version stored
+        on other targets (``meta.spread``) are brought here by ``chunks_elsewhere`` first —
+        blocking, so never on the event loop (it raises BlockingIOError there)."""
         end = meta.size if end is None else end
-        files: list[tuple[Path | None, int]] = []
+        wanted: list[int] = []
         base = 0
         for i, c in enumerate(meta.chunks):
             # an empty object's one empty chunk is opened too, so its file is still checked
-            wanted = base < end and start < base + c.size if c.size else start <= base <= end
-            files.append((self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, i) if wanted else None, c.size))
+            if base < end and start < base + c.size if c.size else start <= base <= end:
+                wanted.append(i)
             base += c.size
-        return OpenObject(meta, files, self)
+        if not meta.spread:
+            paths = {i: self.by_id[meta.chunks[i].mp].data_file(meta.bucket, meta.name, meta.tag, i) for i in wanted}
+            return OpenObject(meta, [(paths.get(i), c.size) for i, c in enumerate(meta.chunks)], self)
+        if self.chunks_elsewhere is None:
+            raise ChunksElsewhere(f"ais://{meta.bucket}/{meta.name}: its chunks are stored on other targets "
+                                  "of a cluster, and this node is not a target of one")
+        paths, temporary = self.chunks_elsewhere(meta, wanted)
+        try:  # open descriptors keep fetched copies readable once their names are gone
+            return OpenObject(meta, [(paths.get(i), c.size) for i, c in enumerate(meta.chunks)], self)
+        finally:
+            for p in temporary:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
 
     def block_sums(self, meta: ObjectMeta) -> "BlockSums | None":
         """The block checksums of this version (None: written before block sums existed),
@@ -196,7 +224,8 @@ class Store:
     def report_corrupt(self, meta: ObjectMeta, index: int, what: str) -> CorruptData:
         """Log and count a failed verification; the error to raise (a 500, never bytes)."""
         c = meta.chunks[index]
-        path = self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, index)
+        path = ("a copy fetched from another target" if c.mp == ELSEWHERE
+                else self.by_id[c.mp].data_file(meta.bucket, meta.name, meta.tag, index))
         log.error("corrupt read: ais://%s/%s version %s chunk %d (%s): %s", meta.bucket, meta.name,
                   meta.version, index, path, what)
         self.corrupt_reads += 1
@@ -217,15 +246,20 @@ class Store:
             w.abort()
             raise
 
-    def commit_put(self, bucket, name, size, cksum, chunk_size, tag, chunks, sums: bytes | None = None) -> ObjectMeta:
+    def commit_put(self, bucket, name, size, cksum, chunk_size, tag, chunks, sums: bytes | None = None,
+                   version: int | None = None,
+                   precondition: Callable[[ObjectMeta | None], None] | None = None) -> ObjectMeta:
+        """Commit a version (the writer's last step). ``version``: keep this number instead of
+        the next one (a version whose chunks moved to other targets is the same version).
+        ``precondition(current or None)`` runs in the transaction (default: the writer's, by tag)."""
         home = self.home(bucket, name)
         with home.writer() as db:
             row = db.execute("SELECT * FROM objects WHERE bucket = ? AND name = ?", (bucket, name)).fetchone()
             old = (home, row_to_meta(row)) if row else self.find_stored(bucket, name)
-            precondition = PRECONDITIONS.get(tag)
+            precondition = precondition or PRECONDITIONS.get(tag)
             if precondition is not None:  # a conditional commit (PutWriter.commit_if)
                 precondition(old[1] if old else None)
-            version = (old[1].version if old else 0) + 1
+            version = version or (old[1].version if old else 0) + 1
             meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
                        (bucket, name, size, cksum, version, meta.atime_ns, chunk_size, tag,
@@ -239,7 +273,17 @@ class Store:
         self.meta_cache.invalidate((bucket, name))
         if old is not None:
             self._forget(*old, drop_row=old[0] is not home)
+            if old[1].spread and old[1].tag != tag:
+                with self._replaced_lock:  # its chunks are on other targets: the API layer deletes them
+                    self._replaced[(bucket, name, tag)] = old[1]
+                    if len(self._replaced) > REPLACED_KEPT:
+                        del self._replaced[next(iter(self._replaced))]
         return meta
+
+    def replaced_spread(self, meta: ObjectMeta) -> ObjectMeta | None:
+        """The spread version that committing ``meta`` replaced here, if any (once)."""
+        with self._replaced_lock:
+            return self._replaced.pop((meta.bucket, meta.name, meta.tag), None)
 
     def _forget(self, mp: Mountpath, meta: ObjectMeta, drop_row: bool = True,
                 tombstone_ns: int | None = None) -> None:
@@ -265,8 +309,8 @@ class Store:
 
     def delete(self, bucket: str, name: str,
                precondition: Callable[[ObjectMeta], None] | None = None,
-               tombstone_ns: int | None = None) -> None:
-        """Delete the current version. ``precondition(version)`` may refuse (S3's If-Match);
+               tombstone_ns: int | None = None) -> ObjectMeta:
+        """Delete the current version (returned). ``precondition(version)`` may refuse (S3's If-Match);
         a PUT committed after the check survives, since only that version's row goes.
         ``tombstone_ns``: remember the delete as of that time (a cluster's targets do)."""
         self.require_bucket(bucket)
@@ -279,6 +323,7 @@ class Store:
         if precondition is not None:
             precondition(found[1])
         self._forget(*found, tombstone_ns=tombstone_ns)
+        return found[1]
 
     def deleted_ns(self, bucket: str, name: str) -> int | None:
         """When the name was last deleted here, if a tombstone says so (and no commit since)."""
@@ -296,7 +341,7 @@ class Store:
 
     def chunk_files(self, meta: ObjectMeta) -> list[tuple[Path, int]]:
         return [(self.by_id[c.mp].data_path(meta.bucket, meta.name, meta.tag, i), c.size)
-                for i, c in enumerate(meta.chunks)]
+                for i, c in enumerate(meta.chunks) if c.mp != ELSEWHERE]
 
     # -- listing ---------------------------------------------------------------------------
     def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:

@@ -3,8 +3,10 @@ separate ``batchfs-server`` processes on loopback sharing a cluster secret."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sqlite3
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -34,6 +36,31 @@ def holds(url: str, bucket: str, name: str) -> bool:
                    headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("HEAD", path_qs)})
     assert r.status_code in (200, 404), r.status_code
     return r.status_code == 200
+
+
+def stored_version(targets, bucket: str, name: str) -> tuple[str, list]:
+    """(version tag, chunk table) of the object's current version, read from the catalog of a
+    target process that holds it (a chunk's mountpath '' means: stored on other targets)."""
+    for t in targets:
+        for d in t.data_dirs:
+            db = sqlite3.connect(f"file:{d}/.batchfs/catalog.sqlite?mode=ro", uri=True)
+            try:
+                row = db.execute("SELECT tag, chunks FROM objects WHERE bucket = ? AND name = ?",
+                                 (bucket, name)).fetchone()
+            finally:
+                db.close()
+            if row is not None:
+                return row[0], json.loads(row[1])
+    raise AssertionError(f"no target holds ais://{bucket}/{name}")
+
+
+def chunk_names(targets, bucket: str, name: str) -> list[str]:
+    """The names of the chunk objects (in ``.chunks.BUCKET``) of the object's current version;
+    [] if it is not spread."""
+    from server.cluster.spreadnames import chunk_name
+
+    tag, chunks = stored_version(targets, bucket, name)
+    return [chunk_name(name, tag, i) for i in range(len(chunks))] if chunks[0][0] == "" else []
 
 
 def free_port() -> int:

@@ -54,6 +54,7 @@ def test_mount_through_a_gateway(cluster, tmp_path):
     data = {f"d/{i:02d}": os.urandom(1000 * i + 1) for i in range(24)}
     data["big.bin"] = os.urandom(20 << 20)
     later = {f"later/{i:02d}": os.urandom(5000 + i) for i in range(12)}
+    later["later/big.bin"] = os.urandom(25 << 20)  # its four chunks spread over the three targets
     for n, d in {**data, **later}.items():
         b.object(n).get_writer().put_content(d)
     mnt = tmp_path / "mnt"

@@ -16,7 +16,8 @@ import time
 import httpx
 
 from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import Cluster, SECRET, free_port, holds, ranked
+from server.cluster.spreadnames import chunks_bucket
+from tests.cluster.conftest import Cluster, SECRET, chunk_names, free_port, holds, ranked
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
@@ -31,6 +32,7 @@ def _stored(url: str, bucket: str, name: str) -> bytes:
 
 
 def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> dict:
+    """Every object, and every chunk object of a spread one, on exactly its first two HRW targets."""
     smap = cluster.smap()
     urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
     for name, data in objs.items():
@@ -39,7 +41,20 @@ def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> di
             assert holds(url, bucket, name) == (node_id in want), (name, node_id, want)
             if node_id in want:
                 assert _stored(url, bucket, name) == data, (name, node_id)
+        for cname in chunk_names(cluster.targets, bucket, name):
+            want = ranked(smap, chunks_bucket(bucket), cname)[:2]
+            for node_id, url in urls.items():
+                assert holds(url, chunks_bucket(bucket), cname) == (node_id in want), (name, cname, node_id, want)
     return smap
+
+
+def _moved_to(cluster: Cluster, smap: dict, node_id: str, bucket: str, objs: dict[str, bytes]) -> int:
+    """How many objects and chunk objects ``node_id`` holds now (one copy each was moved there)."""
+    moved = sum(node_id in ranked(smap, bucket, n)[:2] for n in objs)
+    for name in objs:
+        moved += sum(node_id in ranked(smap, chunks_bucket(bucket), c)[:2]
+                     for c in chunk_names(cluster.targets, bucket, name))
+    return moved
 
 
 def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
@@ -62,7 +77,7 @@ def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
         st = cluster.wait_rebalanced()
         smap = _placed_exactly(cluster, "rebal", objs)
         new_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == newcomer.url)
-        moved = sum(new_id in ranked(smap, "rebal", n)[:2] for n in objs)
+        moved = _moved_to(cluster, smap, new_id, "rebal", objs)
         walks = {n["id"]: n["rebalance"] for n in st["nodes"] if n["kind"] == "target"}
         assert sum(w["copied"] for w in walks.values()) == moved > 0  # one copy per object the newcomer holds now
         assert sum(w["deleted"] for w in walks.values()) == moved  # and one let go for each
@@ -98,6 +113,8 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
         b.create()
         rng = random.Random(4)
         objs = {f"d/{i:03d}": blob(f"d{i}", rng.choice([1, 5_000, 3 * (1 << 20)])) for i in range(45)}
+        objs["spread/a"] = blob("spread-a", 33 << 20)  # five chunks, each an object on two targets
+        objs["spread/b"] = blob("spread-b", 17 << 20)
         for name, data in objs.items():
             b.object(name).get_writer().put_content(data)
         cluster.wait_rebalanced()
@@ -105,17 +122,22 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
         victim_id = cluster.target_id(0)
         held = [n for n in objs if victim_id in ranked(smap, "rebuild", n)[:2]]
         assert held
+        old_chunks = chunk_names(cluster.targets, "rebuild", "spread/b")
+        assert len(old_chunks) == 3 and any(victim_id in ranked(smap, chunks_bucket("rebuild"), c)[:2]
+                                            for c in old_chunks)
 
         cluster.kill_until_dropped(0)
         _placed_exactly(cluster, "rebuild", objs)  # two copies of everything on the two left
 
-        rewritten = held[:10]  # newer versions while the victim is away
+        rewritten = held[:10] + ["spread/b"]  # newer versions while the victim is away
         for name in rewritten:
             objs[name] = blob(f"new-{name}", 4_321)
             b.object(name).get_writer().put_content(objs[name])
 
         cluster.bring_back(0)
         _placed_exactly(cluster, "rebuild", objs)  # every holder has the newest bytes
+        for c in old_chunks:  # the replaced version's chunks: deleted, and the victim's copies dropped
+            assert not any(holds(t.url, chunks_bucket("rebuild"), c) for t in cluster.targets), c
         for name, data in objs.items():
             assert b.object(name).get_reader().read_all() == data, name
     finally:

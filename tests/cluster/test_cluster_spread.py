@@ -1,0 +1,153 @@
+"""Large objects spread over a cluster's targets (server/api/spread.py): one gateway, three
+targets with 1 MiB chunks, real processes. Each chunk of an object larger than one chunk is
+an object of ``.chunks.BUCKET`` on its HRW holders; reads through any path are byte-exact."""
+
+from __future__ import annotations
+
+import os
+import random
+from urllib.parse import quote
+
+import boto3
+import httpx
+import pytest
+from botocore.config import Config
+
+from server.cluster.spreadnames import chunk_name, chunks_bucket
+from tests.cluster.conftest import Cluster, holds, ranked, stored_version
+from tests.support.getbatch import make_shard, sdk_client
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def spread_cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("spread"), target_args=("--chunk-size", "1MiB"))
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def _sent(target) -> float:
+    return sum(v for k, v in target.metrics().items() if k.startswith("batchfs_sent_bytes_total"))
+
+
+def _chunk_holders(cluster, bucket: str, name: str, n: int) -> dict[int, set[str]]:
+    """For each chunk index of the object's current version, the ids of targets holding it."""
+    smap = cluster.smap()
+    urls = {i: node["public_net"]["direct_url"] for i, node in smap["tmap"].items()}
+    out: dict[int, set[str]] = {}
+    tag = _version_tag(cluster, bucket, name)
+    for i in range(n):
+        cname = chunk_name(name, tag, i)
+        out[i] = {tid for tid, u in urls.items() if holds(u, chunks_bucket(bucket), cname)}
+    return out
+
+
+def _version_tag(cluster, bucket: str, name: str) -> str:
+    """The object's current version tag; its holder's chunk table must say it is spread."""
+    tag, chunks = stored_version(cluster.targets, bucket, name)
+    assert chunks[0][0] == "", "the holder's chunk table is not spread"
+    return tag
+
+
+def test_a_large_object_is_spread_over_every_target(spread_cluster):
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    bucket = sdk.bucket("big").create(exist_ok=True)
+    data = os.urandom(12 * MiB + 12345)
+    bucket.object("model.bin").get_writer().put_content(data)
+    smap = c.smap()
+    holders = _chunk_holders(c, "big", "model.bin", 13)
+    for i, found in holders.items():
+        want = set(ranked(smap, chunks_bucket("big"), chunk_name("model.bin", _version_tag(c, "big", "model.bin"), i))[:2])
+        assert found == want, (i, found, want)
+    assert set().union(*holders.values()) == set(smap["tmap"])  # every target keeps some chunk
+    # reads through the gateway, whole and in ranges, byte-exact; every target sends its chunks
+    sent = [_sent(t) for t in c.targets]
+    assert bucket.object("model.bin").get_reader().read_all() == data
+    tag = _version_tag(c, "big", "model.bin")
+    first = [ranked(smap, chunks_bucket("big"), chunk_name("model.bin", tag, i))[0] for i in range(13)]
+    sizes = [MiB] * 12 + [12345]
+    for k, t in enumerate(c.targets):  # a chunk comes from its first HRW target
+        tid = c.target_id(k)
+        assert _sent(t) - sent[k] >= sum(n for n, f in zip(sizes, first) if f == tid), (k, first)
+    rng = random.Random(5)
+    for _ in range(20):
+        lo = rng.randrange(len(data))
+        hi = min(len(data), lo + rng.randrange(1, 3 * MiB))
+        r = httpx.get(f"{c.url}/v1/objects/big/model.bin", headers={"Range": f"bytes={lo}-{hi - 1}"},
+                      timeout=30, follow_redirects=True)
+        assert r.status_code == 206 and r.content == data[lo:hi], (lo, hi)
+    # the chunks bucket is no client's
+    names = [b.name for b in sdk.cluster().list_buckets()]
+    assert chunks_bucket("big") not in names and "big" in names
+    r = httpx.get(f"{c.url}/v1/objects/{chunks_bucket('big')}/x", timeout=10, follow_redirects=True)
+    assert r.status_code == 400
+    t0 = c.targets[0].url
+    cname = chunk_name("model.bin", _version_tag(c, "big", "model.bin"), 0)
+    r = httpx.get(f"{t0}/v1/objects/{chunks_bucket('big')}/{quote(cname)}?gfn=1", timeout=10)
+    assert r.status_code == 400  # unsigned: the bucket name is invalid to a client
+
+
+def test_overwrite_and_delete_remove_the_chunks(spread_cluster):
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    bucket = sdk.bucket("big2").create(exist_ok=True)
+    first = os.urandom(5 * MiB)
+    bucket.object("o").get_writer().put_content(first)
+    old_tag = _version_tag(c, "big2", "o")
+    second = os.urandom(3 * MiB + 1)
+    bucket.object("o").get_writer().put_content(second)
+    assert bucket.object("o").get_reader().read_all() == second
+    urls = [t.url for t in c.targets]
+    for i in range(5):
+        assert not any(holds(u, chunks_bucket("big2"), chunk_name("o", old_tag, i)) for u in urls), i
+    new_tag = _version_tag(c, "big2", "o")
+    assert any(holds(u, chunks_bucket("big2"), chunk_name("o", new_tag, 0)) for u in urls)
+    bucket.object("o").delete()
+    for i in range(4):
+        assert not any(holds(u, chunks_bucket("big2"), chunk_name("o", new_tag, i)) for u in urls), i
+
+
+def test_s3_and_getbatch_read_a_spread_object(spread_cluster):
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    sdk.bucket("big3").create(exist_ok=True)
+    s3 = boto3.client("s3", endpoint_url=f"{c.url}/s3", aws_access_key_id="x", aws_secret_access_key="y",
+                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
+    data = os.urandom(4 * MiB + 7)
+    s3.put_object(Bucket="big3", Key="a/b.bin", Body=data)
+    assert s3.get_object(Bucket="big3", Key="a/b.bin")["Body"].read() == data
+    assert s3.get_object(Bucket="big3", Key="a/b.bin", Range="bytes=1048570-2097160")["Body"].read() \
+        == data[1048570:2097161]
+    small = os.urandom(1000)
+    s3.put_object(Bucket="big3", Key="small", Body=small)
+    batch = sdk.batch(objects=[sdk.bucket("big3").object("small"), sdk.bucket("big3").object("a/b.bin")])
+    got = [(info.obj_name, content) for info, content in batch.get()]
+    assert got == [("small", small), ("a/b.bin", data)]
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket="big3")["Contents"]] == ["a/b.bin", "small"]
+    assert [o["Size"] for o in s3.list_objects_v2(Bucket="big3")["Contents"]] == [len(data), 1000]
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_shard_members_of_a_spread_shard(spread_cluster, streaming):
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    bucket = sdk.bucket("shards").create(exist_ok=True)
+    members = {f"m/{i:02d}.bin": os.urandom(300_000 + 1000 * i) for i in range(20)}  # ~6 MiB: 6 chunks
+    shard = make_shard("tar", members)
+    bucket.object("s.tar").get_writer().put_content(shard)
+    assert _version_tag(c, "shards", "s.tar")  # spread (checked by the helper)
+    r = httpx.get(f"{c.url}/v1/objects/shards/s.tar", params={"archpath": "m/13.bin"}, timeout=30,
+                  follow_redirects=True)
+    assert r.status_code == 200 and r.content == members["m/13.bin"]
+    batch = sdk.batch(bucket=bucket, output_format=".tar", streaming_get=streaming)
+    wanted = ["m/19.bin", "m/00.bin", "m/07.bin", "m/07.bin"]
+    for m in wanted:
+        batch.add("s.tar", archpath=m)
+    batch.add("s.tar", start=MiB - 10, length=MiB + 20)  # a range across two chunks
+    got = list(batch.get())
+    assert [body for _, body in got[:4]] == [members[m] for m in wanted]
+    assert got[4][1] == shard[MiB - 10:2 * MiB + 10]
