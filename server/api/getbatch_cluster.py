@@ -66,7 +66,7 @@ from server.errors import StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
 from server.api.getbatch_members import SENDER_WAIT_SECONDS, Members, SenderFailed
-from server.api.getbatch_output import Coalesced, buffered, make_out
+from server.api.getbatch_output import Coalesced, buffered, make_out, read_buffered
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,33 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             log.warning("moss: sender(s) %s unreachable: their entries go to the next copies", sorted(down))
         raise SenderFailed(f"moss: no set of reachable senders holds every entry (unreachable: {sorted(down)})")
 
+    async def other_copies(j: int, lacking: str):
+        """Entry ``j`` asked of the targets of its other copies (not ``lacking``, none down), in
+        HRW order: (node, its 200 sub-reply) for each that answers, counted as get from neighbour."""
+        e = req.entries[j]
+        for node in smap.holders(e.bucket, e.objname):
+            if node.id == lacking or node.id in down:
+                continue
+            nodes[node.id] = node
+            try:
+                r = await open_sub(node.id, [j])
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                continue
+            if r.status != 200:
+                r.close()
+                continue
+            metrics.gb_gfn_n.inc()
+            yield node, r
+
+    async def buffered_elsewhere(j: int, lacking: str, room: int) -> tuple[dict, Members, int] | None:
+        """strm false: entry ``j``, which its sender gave as a placeholder, from the first other
+        copy's target that has it: (its metadata entry, a Members holding it, bytes read)."""
+        async for node, r in other_copies(j, lacking):
+            meta, members, n = await read_buffered(r, node, room)
+            if meta and not meta[0].get("err_msg"):
+                return meta[0], members, n
+        return None
+
     metrics = request.app[METRICS]
     bounds = windows(req.n, req.strm)
     stop: list[tuple[int, StoreError]] = []  # a bad entry in a later window: the reply ends before it
@@ -254,7 +281,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if not req.strm:
-            return await buffered(req, owners, first, cap)
+            return await buffered(req, owners, first, cap, buffered_elsewhere)
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
         await resp.prepare(request)
@@ -305,18 +332,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             hold it (a target that joined lacks what the rebalance has not brought yet). The
             member from the first that has it, else the placeholder."""
             e = req.entries[j]
-            for node in smap.holders(e.bucket, e.objname):
-                if node.id == lacking.node.id or node.id in down:
-                    continue
-                nodes[node.id] = node
-                try:
-                    r = await open_sub(node.id, [j])
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
-                    continue
-                if r.status != 200:
-                    continue
+            async for node, r in other_copies(j, lacking.node.id):
                 other = Members(node, r.content, rx=rx)
-                metrics.gb_gfn_n.inc()
                 try:
                     await other.copy_one(out)
                 except SenderFailed:

@@ -131,26 +131,39 @@ def make_out(mime: str, write: Write) -> TarOut | Reframed:
     return TarOut(write) if mime == ".tar" else Reframed(mime, write)
 
 
+async def read_buffered(r: aiohttp.ClientResponse, node: ClusterNode, room: int) -> tuple[list, Members, int]:
+    """One sender's buffered (multipart) reply read whole: its metadata entries, its archive's
+    members, and the bytes read; PayloadTooLarge past ``room`` bytes."""
+    meta: list = []
+    archive = Members(node, Bytes(b""))
+    total = 0
+    reader = aiohttp.MultipartReader.from_response(r)
+    while (part := await reader.next()) is not None:
+        data = await part.read()
+        total += len(data)
+        if total > room:
+            raise PayloadTooLarge("moss: buffered (strm false) reply over the getbatch_max_buffered_bytes cap; "
+                                  "use strm true to stream it")
+        if part.name == "metadata":
+            meta = json.loads(data)["out"]
+        elif part.name == "archive":
+            archive = Members(node, Bytes(data))
+    return meta, archive, total
+
+
 async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aiohttp.ClientResponse],
-                   cap: int) -> web.Response:
+                   cap: int, elsewhere=None) -> web.Response:
     """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
     multipart reply whose metadata and members are in request order — the senders' own entries,
-    error messages included."""
+    error messages included. An entry a sender gave as a placeholder is asked of the targets of
+    its other copies first (``await elsewhere(j, sender id, room)``: a (metadata entry, Members)
+    holding it, or None), as a streamed reply does."""
     metas: dict[str, list] = {}
     archives: dict[str, Members] = {}
     total = 0
     for node_id, r in subs.items():
-        reader = aiohttp.MultipartReader.from_response(r)
-        while (part := await reader.next()) is not None:
-            data = await part.read()
-            total += len(data)
-            if total > cap:
-                raise PayloadTooLarge(f"moss: buffered (strm false) reply over the {cap}-byte cap "
-                                      "(getbatch_max_buffered_bytes); use strm true to stream it")
-            if part.name == "metadata":
-                metas[node_id] = json.loads(data)["out"]
-            elif part.name == "archive":
-                archives[node_id] = Members(_node_of(owners, node_id), Bytes(data))
+        metas[node_id], archives[node_id], n = await read_buffered(r, _node_of(owners, node_id), cap - total)
+        total += n
     pieces: list[bytes] = []
 
     async def keep(data: bytes) -> None:
@@ -159,15 +172,22 @@ async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aioh
     out = make_out(req.mime, keep)
     metadata = []
     taken = {n: 0 for n in subs}
-    for e, node in zip(req.entries, owners):
+    for j, (e, node) in enumerate(zip(req.entries, owners)):
         metadata.append(metas[node.id][taken[node.id]])
         taken[node.id] += 1
         await archives[node.id].copy_one(out)
-        if archives[node.id].held is not None:  # a coer placeholder
-            if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across)
-                raise SenderFailed("moss: an entry is not on its owner yet (a rebalance is moving it); "
-                                   "retry, or ask with strm (streamed replies take it from the other copy)")
-            await out.placeholder(placeholder_name(e), archives[node.id].held)
+        if archives[node.id].held is None:
+            continue
+        found = await elsewhere(j, node.id, cap - total) if elsewhere is not None else None
+        if found is not None:  # another copy's target has it: its member and metadata
+            metadata[-1], other, n = found
+            total += n
+            await other.copy_one(out)
+            continue
+        if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across)
+            raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname} is not on its owner, and no other copy's "
+                               "target has it")
+        await out.placeholder(placeholder_name(e), archives[node.id].held)
     await out.finish()
     mp = aiohttp.MultipartWriter("mixed")
     part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
