@@ -23,7 +23,7 @@ import itertools
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from server.errors import BadRequest, NotFound
 from server.jobs import Job
@@ -130,9 +130,12 @@ EVD_KEYS = {"num-workers", "coer", "non-recurs"}
 
 
 def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
-                   tombstones: bool = False, spread: list | None = None) -> None:
+                   tombstones: bool = False, spread: list | None = None,
+                   mine: Callable[[str, str], bool] | None = None) -> None:
     """Delete the names; ``tombstones``: remember each delete (a cluster's target, see Store.delete);
-    ``spread``: collects the deleted versions whose chunks are on other targets."""
+    ``spread``: collects the deleted versions whose chunks are on other targets; ``mine``: the
+    names whose absence this target reports (in a cluster every holder deletes its copy, and
+    only the first reports a name that is nowhere)."""
     def delete(name: str) -> int:
         size = store.lookup(bucket, name).size
         gone = store.delete(bucket, name, None, time.time_ns() if tombstones else None)
@@ -140,26 +143,28 @@ def delete_objects(store: Store, bucket: str, names: Iterator[str], missing_is_e
             spread.append(gone)
         return size
 
-    _each(names, delete, missing_is_error, job, bucket)
+    _each(names, delete, missing_is_error, job, bucket, mine)
 
 
-def _each(names: Iterator[str], act, missing_is_error: bool, job: Job, bucket: str) -> None:
+def _each(names: Iterator[str], act, missing_is_error: bool, job: Job, bucket: str,
+          mine: Callable[[str, str], bool] | None = None) -> None:
     """Run ``act(name) -> bytes`` over the names, counting into ``job``; names that do not
-    exist are skipped, and with ``missing_is_error`` they are the job's error (as AIStore)."""
+    exist are skipped, and with ``missing_is_error`` they are the job's error (as AIStore) —
+    of those ``mine`` selects, if given."""
     missing = []
     for name in names:
         try:
             size = act(name)
         except NotFound:
-            if missing_is_error:
+            if missing_is_error and (mine is None or mine(bucket, name)):
                 missing.append(name)
             continue
         job.objects += 1
         job.bytes += size
-    _note_missing(job, bucket, missing)
+    note_missing(job, bucket, missing)
 
 
-def _note_missing(job: Job, bucket: str, missing: list[str]) -> None:
+def note_missing(job: Job, bucket: str, missing: list[str]) -> None:
     """Names of a list that did not exist are the job's error, as AIStore reports them."""
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -229,14 +234,17 @@ def copy_objects(store: Store, src: str, names: Iterator[str], missing_is_error:
 
 
 # -- summary --------------------------------------------------------------------------------
-def summary(store: Store, bucket: str, prefix: str) -> dict:
-    """AIStore's ``BsummResult`` (api/apc/bsummary.go) for one bucket, from its catalog."""
+def summary(store: Store, bucket: str, prefix: str, mine: Callable[[str, str], bool] | None = None) -> dict:
+    """AIStore's ``BsummResult`` (api/apc/bsummary.go) for one bucket, from its catalog; with
+    ``mine``, of the objects it selects (a cluster target's share)."""
     count = total = 0
     smin, smax = -1, 0
     after = ""
     while True:
         page, token = store.list_page(bucket, prefix, after, _LIST_PAGE)
         for m in page:
+            if mine is not None and not mine(bucket, m.name):
+                continue
             count += 1
             total += m.size
             smin = m.size if smin < 0 else min(smin, m.size)

@@ -49,8 +49,9 @@ class JobRegistry:
         self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self._max = max_jobs
 
-    def start(self, kind: str, bucket: str, dst_bucket: str = "") -> Job:
-        job = Job(new_job_id(), kind, bucket, time.time_ns(), dst_bucket=dst_bucket)
+    def start(self, kind: str, bucket: str, dst_bucket: str = "", job_id: str | None = None) -> Job:
+        """A new job record; ``job_id``: the id a gateway gave its job on every target."""
+        job = Job(job_id or new_job_id(), kind, bucket, time.time_ns(), dst_bucket=dst_bucket)
         self._jobs[job.id] = job
         while len(self._jobs) > self._max:
             self._jobs.popitem(last=False)

@@ -93,8 +93,9 @@ class LocalNode:
         return bucket_ops.selected(self.target_store, bucket, value, extra_keys)
 
     def delete_objects(self, bucket: str, names: Iterator[str], missing_is_error: bool, job: Job,
-                       tombstones: bool = False, spread: list | None = None) -> None:
-        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job, tombstones, spread)
+                       tombstones: bool = False, spread: list | None = None,
+                       mine: Callable[[str, str], bool] | None = None) -> None:
+        bucket_ops.delete_objects(self.target_store, bucket, names, missing_is_error, job, tombstones, spread, mine)
 
     def copy_object(self, src_bucket: str, src_name: str, dst_bucket: str, dst_name: str) -> int:
         return bucket_ops.copy_object(self.target_store, src_bucket, src_name, dst_bucket, dst_name)
@@ -103,5 +104,5 @@ class LocalNode:
                      dry_run: bool, job: Job) -> None:
         bucket_ops.copy_objects(self.target_store, src, names, missing_is_error, dst, prepend, dry_run, job)
 
-    def summary(self, bucket: str, prefix: str) -> dict:
-        return bucket_ops.summary(self.target_store, bucket, prefix)
+    def summary(self, bucket: str, prefix: str, mine: Callable[[str, str], bool] | None = None) -> dict:
+        return bucket_ops.summary(self.target_store, bucket, prefix, mine)

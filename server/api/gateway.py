@@ -9,6 +9,9 @@ AIStore's proxies do:
     object HEAD, PUT, DELETE, POST   307 to the HRW owner (a 307 keeps the method and body)
     bucket create, destroy           sent to every target; the first failure is the answer
     bucket HEAD, list buckets        asked of one target (every target holds every bucket)
+    bucket copies, summaries, multi-object deletes, job queries
+                                     every target does its share under one job id
+                                     (``gateway_jobs``); queries are merged
     list objects                     every target's page, merged in name order, cut at the
                                      page size; the token is the last name (AIStore's rule)
 
@@ -17,8 +20,8 @@ AIStore's proxies do:
 
     the S3 API                       proxied to the targets (``server.api.gateway_s3``)
 
-Anything else (archive reads, bucket copies, job status) is refused with 501 and a message
-naming it: not yet served through a gateway (docs/cluster.md says what is).
+Anything else is refused with 501 and a message naming it: not served through a gateway
+(docs/cluster.md says what is).
 
 Invariants:
 - Placement is ``ClusterMap.owner`` only: the redirect target is the one the SDK computes.
@@ -37,12 +40,12 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
-from server.api import gateway_admin, gateway_s3
+from server.api import gateway_admin, gateway_jobs, gateway_s3
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, read_json
 from server.cluster.smap import ClusterNode
-from server.errors import BadRequest, NotFound, StoreError
+from server.errors import BadRequest, StoreError
 from server.validate import check_bucket
 
 log = logging.getLogger(__name__)
@@ -77,15 +80,17 @@ async def to_all(request: web.Request) -> web.Response:
     check_bucket(request.match_info["bucket"])
     gw = gateway_of(request)
     body = await request.read()
-    if request.method == "POST":
-        try:
-            msg = json.loads(body) if body.strip() else {}
-        except ValueError as e:
-            raise BadRequest(f"malformed JSON request body: {e}") from None
-        if not isinstance(msg, dict) or msg.get("action") not in ("create-bck",):
-            raise NotImplementedThroughGateway(
-                f"bucket action {msg.get('action') if isinstance(msg, dict) else msg!r} is not served through a "
-                "gateway yet (served: create-bck; docs/cluster.md)")
+    try:
+        msg = json.loads(body) if body.strip() else {}
+    except ValueError as e:
+        raise BadRequest(f"malformed JSON request body: {e}") from None
+    action = msg.get("action") if isinstance(msg, dict) else None
+    if action in ("copy-bck", "copy-listrange", "delete-listrange"):  # jobs: each target does its share
+        return await gateway_jobs.run_job(request, body, msg)
+    if request.method == "POST" and action != "create-bck":
+        raise NotImplementedThroughGateway(
+            f"bucket action {action if action is not None else msg!r} is not served through a gateway "
+            "(served: create-bck, copy-bck, copy-listrange; docs/cluster.md)")
     answers = await asyncio.gather(*(gw.forward(request, t, body) for t in gw.targets()))
     for status, headers, reply in answers:
         if status >= 300:
@@ -105,7 +110,10 @@ async def to_one(request: web.Request) -> web.Response:
 async def list_objects(request: web.Request) -> web.Response:
     request[OP_KEY] = "list"
     bucket = check_bucket(request.match_info["bucket"])
+    body = await request.read()
     msg = await read_json(request, required=False) or {"action": "list", "value": {}}
+    if isinstance(msg, dict) and msg.get("action") == "summary-bck":
+        return await gateway_jobs.summary(request, body, msg)
     if not isinstance(msg, dict) or msg.get("action") != "list":
         raise NotImplementedThroughGateway(f"GET /v1/buckets/{bucket} with action "
                                            f"{msg.get('action') if isinstance(msg, dict) else msg!r} is not served "
@@ -141,6 +149,18 @@ async def list_objects(request: web.Request) -> web.Response:
     return web.Response(body=msgpack.packb(reply), headers={"Content-Type": "application/msgpack"})
 
 
+class _TargetSaid(StoreError):
+    """A target's 4xx answer to a listing, passed on as it is (status and AIStore's message)."""
+
+    def __init__(self, status: int, raw: bytes):
+        try:
+            message = json.loads(raw).get("message") or raw.decode(errors="replace")
+        except (ValueError, AttributeError):
+            message = raw.decode(errors="replace")[:300]
+        super().__init__(message)
+        self.status = status
+
+
 async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: bytes,
                     headers: dict) -> tuple[list[dict], str]:
     hdrs = {**headers, **({"Authorization": request.headers["Authorization"]}
@@ -148,8 +168,8 @@ async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: byt
     try:
         async with gw.session.get(t.url + request.path_qs, data=body, headers=hdrs) as r:
             raw = await r.read()
-            if r.status == 404:
-                raise NotFound(json.loads(raw).get("message", "not found") if raw else "not found")
+            if 400 <= r.status < 500:  # the request is wrong (or the bucket missing) everywhere: the same answer
+                raise _TargetSaid(r.status, raw)
             if r.status != 200:
                 raise StoreError(f"target {t.id}: HTTP {r.status}: {raw[:300]!r}")
             doc = json.loads(raw)
@@ -204,7 +224,9 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
         r.add_route(method, obj, object_redirect)
     r.add_get("/v1/buckets", to_one)
     r.add_get("/v1/buckets/", to_one)
-    r.add_head("/v1/buckets/{bucket}", to_one)
+    r.add_head("/v1/buckets/{bucket}", gateway_jobs.bucket_head)
+    r.add_head(r"/v1/buckets/{bucket}/{obj:[\s\S]+}", gateway_jobs.bucket_head)  # bucket.info(prefix=...)
+    r.add_get("/v1/cluster", gateway_jobs.cluster_get)
     r.add_post("/v1/buckets/{bucket}", to_all)
     r.add_delete("/v1/buckets/{bucket}", to_all)
     r.add_patch("/v1/buckets/{bucket}", gateway_admin.set_props)

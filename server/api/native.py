@@ -31,13 +31,13 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, daemon_api, neighbours, replicas, spread
+from server.api import auth, cluster_jobs, daemon_api, neighbours, replicas, spread
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
 from server.validate import check_bucket, check_objname, parse_range
-from server.api.state import METRICS, NODE, OP_KEY, read_json
+from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, read_json
 from server.store.meta import CKSUM_TYPE, ObjectMeta
 from server.store.reader import discard, verify_in_thread, verify_pieces, OpenObject
 
@@ -126,10 +126,8 @@ async def put_object(request: web.Request) -> web.Response:
     if copy_of is None and (elsewhere := replicas.misplaced(request, bucket, name)) is not None:
         return elsewhere
     if "object_to" in q:
-        replicas.refuse_single_copy_writes(request.app, "a server-side copy", bucket, name)
         return await _copy_object(request, bucket, name)
     if "append_type" in q or "append_handle" in q:
-        replicas.refuse_single_copy_writes(request.app, "an append", bucket, name)
         return await _append(request, bucket, name)
     node = request.app[NODE]
     if copy_of is not None and replicas.SPREAD_PARAM in q:  # another holder's spread version
@@ -207,7 +205,10 @@ async def _copy_object(request: web.Request, bucket: str, name: str) -> web.Resp
     node = request.app[NODE]
     node.lookup(bucket, name)  # 404 before anything else
     node.require_bucket(dst_bucket)
-    size = await asyncio.to_thread(node.copy_object, bucket, name, dst_bucket, dst_name)
+    if request.app.get(MEMBERSHIP) is not None:  # a cluster: to the destination's holder, which makes its copies
+        size = await cluster_jobs.copy_to_holder(request.app, bucket, name, dst_bucket, dst_name)
+    else:
+        size = await asyncio.to_thread(node.copy_object, bucket, name, dst_bucket, dst_name)
     request.app[METRICS].bytes_in.inc(size)
     return web.Response(text="")
 
@@ -234,6 +235,7 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
             except BaseException:
                 await asyncio.shield(asyncio.to_thread(session.writer.abort))
                 raise
+        meta = await spread.after_put(request, bucket, name, meta)  # in a cluster: its copies, as a PUT's
         return web.Response(text="", headers=object_headers(meta))
     if handle:
         session = appends.get(handle, bucket, name)

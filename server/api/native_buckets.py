@@ -15,7 +15,7 @@ import msgpack
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import daemon_api, replicas, spread
+from server.api import cluster_jobs, daemon_api, replicas, spread
 from server.api.guard import MSG_KEY, accepts, bool_param
 from server.api.state import MEMBERSHIP, NODE, OP_KEY
 from server.errors import BadRequest, NotFound
@@ -36,7 +36,7 @@ async def list_buckets(request: web.Request) -> web.Response:
                               for b in node.client_buckets()])
 
 
-@accepts(["bck_to"], actions=["create-bck", "copy-bck", "copy-listrange"])
+@accepts(["bck_to", *cluster_jobs.PARAMS], actions=["create-bck", "copy-bck", "copy-listrange"])
 async def bucket_post(request: web.Request) -> web.Response:
     request[OP_KEY] = "bucket_action"
     bucket = check_bucket(request.match_info["bucket"])
@@ -75,16 +75,26 @@ async def bucket_post(request: web.Request) -> web.Response:
         names_it, missing_is_error = await asyncio.to_thread(
             node.selected, bucket, value, bucket_ops.TC_KEYS)
         names = list(names_it)
-    job = registry.start(action, bucket, dst)
+    prepend, dry_run = value.get("prepend") or "", bool(value.get("dry_run"))
+    mine = await cluster_jobs.share(request)  # a gateway's job: this target's share of it
+    if mine is not None and bucket == dst and not prepend:
+        raise BadRequest("copying a bucket onto itself without 'prepend' would change nothing")
+    if mine is not None and not dry_run:
+        node.require_bucket(dst)  # the gateway made it on every target first
+    job = registry.start(action, bucket, dst, await cluster_jobs.job_id(request))
     try:
-        await asyncio.to_thread(node.copy_objects, bucket, iter(names), missing_is_error, dst,
-                                value.get("prepend") or "", bool(value.get("dry_run")), job)
+        if mine is None:
+            await asyncio.to_thread(node.copy_objects, bucket, iter(names), missing_is_error, dst, prepend,
+                                    dry_run, job)
+        else:
+            await cluster_jobs.copy_share(request.app, bucket, names, missing_is_error, dst, prepend, dry_run,
+                                          job, mine)
     finally:
         registry.finish(job, job.error)
     return web.Response(text=job.id)
 
 
-@accepts(["presence", "bsumm_remote", "uuid"])
+@accepts(["presence", "bsumm_remote", "uuid", *cluster_jobs.PARAMS])
 async def bucket_head(request: web.Request) -> web.Response:
     """HEAD a bucket: its props; with ``presence``, AIStore's bucket-info protocol (202 with a
     job id in ``Ais-Xaction-Id``, then 200 with ``Ais-Bucket-Summ`` when polled with it)."""
@@ -118,14 +128,15 @@ async def bucket_head(request: web.Request) -> web.Response:
         return web.Response(headers=headers)
     if presence in ("1", "3"):  # FLT_*_NO_PROPS: existence only, no summary
         return web.Response(headers=headers)
-    job = registry.start("summary-bck", bucket)  # AIStore's kind for both summary protocols
-    job.result = await asyncio.to_thread(node.summary, bucket, prefix)
+    # AIStore's kind for both summary protocols; in a cluster, of this target's share
+    job = registry.start("summary-bck", bucket, job_id=await cluster_jobs.job_id(request))
+    job.result = await asyncio.to_thread(node.summary, bucket, prefix, await cluster_jobs.share(request))
     registry.finish(job)
     headers["Ais-Xaction-Id"] = job.id
     return web.Response(status=202, headers=headers)
 
 
-@accepts(actions=["destroy-bck", "delete-listrange"])
+@accepts(list(cluster_jobs.PARAMS), actions=["destroy-bck", "delete-listrange"])
 async def bucket_delete(request: web.Request) -> web.Response:
     bucket = check_bucket(request.match_info["bucket"])
     msg = request[MSG_KEY]
@@ -143,11 +154,12 @@ async def bucket_delete(request: web.Request) -> web.Response:
     names, missing_is_error = await asyncio.to_thread(
         node.selected, bucket, msg.get("value"), bucket_ops.EVD_KEYS)
     registry = request.app[jobs.JOBS]
-    job = registry.start("delete-listrange", bucket)
+    job = registry.start("delete-listrange", bucket, job_id=await cluster_jobs.job_id(request))
     spread_versions: list = []  # deleted here, their chunks on other targets
     try:
         await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job,
-                                replicas.tombstone_time(request.app) is not None, spread_versions)
+                                replicas.tombstone_time(request.app) is not None, spread_versions,
+                                await cluster_jobs.share(request))
     finally:
         registry.finish(job, job.error)
         for gone in spread_versions:
@@ -170,7 +182,7 @@ ENTRY_IS_DIR = 1 << 8  # cmn/objlist.go EntryIsDir: a virtual directory in a non
 ENTRY_OK_PRESENT = 64  # status OK, plus 'cached' (present)
 
 
-@accepts(actions=["list", "summary-bck"], body_required=False)
+@accepts(list(cluster_jobs.PARAMS), actions=["list", "summary-bck"], body_required=False)
 async def list_objects(request: web.Request) -> web.Response:
     """``GET /v1/buckets/B`` with ``{"action":"list","value":{...}}``: one msgpack page; or
     ``summary-bck``: AIStore's summary protocol (202 + job id, then 200 + results)."""
@@ -284,7 +296,7 @@ async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Respo
     prefix = value.get("prefix") or ""
     if not isinstance(prefix, str):
         raise BadRequest("summary-bck: prefix must be a string")
-    job = registry.start("summary-bck", bucket)
-    job.result = await asyncio.to_thread(node.summary, bucket, prefix)
+    job = registry.start("summary-bck", bucket, job_id=await cluster_jobs.job_id(request))
+    job.result = await asyncio.to_thread(node.summary, bucket, prefix, await cluster_jobs.share(request))
     registry.finish(job)
     return web.Response(status=202, text=json.dumps(job.id), content_type="application/json")

@@ -16,8 +16,8 @@ Invariants:
   the client retries).
 - A copy is sent from the committed object, read back with its checksums verified: a copy is
   never made of bytes that do not match what was stored.
-- Only plain PUTs are copied; appends and server-side copies are refused in a cluster with
-  copies > 1 (they would leave a single copy), with a 501 saying so.
+- Every write a client makes through the native API is copied: a PUT, an append's flush and a
+  server-side copy (the destination's holder stores it as a PUT) — ``spread.after_put``.
 """
 
 from __future__ import annotations
@@ -141,12 +141,6 @@ async def require_gateway(request: web.Request, what: str) -> None:
     if request.app.get(MEMBERSHIP) is not None and not await auth.cluster_signed(request):
         raise NotWithCopies(f"{what} sent to one target of a cluster would change that target alone: "
                             "send it to a gateway")
-
-
-def refuse_single_copy_writes(app: web.Application, what: str, bucket: str, name: str) -> None:
-    if copy_targets(app, bucket, name):
-        raise NotWithCopies(f"{what} of ais://{bucket}/{name} is not served in a cluster that keeps copies yet "
-                            "(it would leave one copy): PUT the whole object instead")
 
 
 async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,

@@ -89,8 +89,10 @@ def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
     client.bucket("refusals").create(exist_ok=True)
     r = httpx.request("GET", f"{cluster.url}/v1/ml/moss", json={"in": []}, timeout=10, follow_redirects=True)
     assert r.status_code == 400 and "empty input" in r.json()["message"]  # a target's answer, as a node's
+    r = httpx.post(f"{cluster.url}/v1/buckets/refusals", json={"action": "move-bck", "value": {}}, timeout=10)
+    assert r.status_code == 501 and "move-bck" in r.json()["message"]
     r = httpx.post(f"{cluster.url}/v1/buckets/refusals", json={"action": "copy-bck", "value": {}}, timeout=10)
-    assert r.status_code == 501 and "copy-bck" in r.json()["message"]
+    assert r.status_code == 400 and "destination" in r.json()["message"]  # the targets' answer, as a node's
     r = httpx.get(f"{cluster.url}/s3/refusals", timeout=10)  # S3 goes through the gateway (test_cluster_s3)
     assert r.status_code == 200 and b"<ListBucketResult" in r.content
     for url in (t.url for t in cluster.targets):  # not to a target alone: it holds a share
@@ -108,11 +110,19 @@ def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
             assert r.status_code == 501 and "send it to a gateway" in r.json()["message"], (msg, r.text)
         assert httpx.head(f"{url}/v1/buckets/lonely", timeout=10).status_code == 404
     assert client.bucket("refusals").object("kept").get_reader().read_all() == b"kept"
-    # an append would leave one copy: refused, nothing written
+    # an append's flush is copied like a PUT: the object ends on both of its holders
     r = httpx.put(f"{cluster.url}/v1/objects/refusals/app?append_type=append", content=b"x", timeout=10,
                   follow_redirects=True)
-    assert r.status_code == 501 and "copies" in r.json()["message"]
+    assert r.status_code == 200
     assert httpx.head(f"{cluster.url}/v1/objects/refusals/app", timeout=10, follow_redirects=True).status_code == 404
+    handle = r.headers["Ais-Append-Handle"]
+    r = httpx.put(f"{cluster.url}/v1/objects/refusals/app?append_type=flush&append_handle={handle}", timeout=10,
+                  follow_redirects=True)
+    assert r.status_code == 200
+    smap = cluster.smap()
+    holders = set(ranked(smap, "refusals", "app")[:2])
+    assert {i for i, n in smap["tmap"].items() if holds(n["public_net"]["direct_url"], "refusals", "app")} == holders
+    assert client.bucket("refusals").object("app").get_reader().read_all() == b"x"
 
 
 def test_cluster_requests_need_the_secret(cluster, tmp_path):

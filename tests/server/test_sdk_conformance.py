@@ -107,6 +107,17 @@ EXPECTED = {
     "Batch.add": LOCAL, "Batch.clear": LOCAL, "Batch.get": WORKS, "Batch.requests_list": LOCAL,
 }
 
+# Through a cluster's gateway, what it does not serve is refused by the gateway itself (501, a
+# message naming what is served), before any target sees it; everything else is as above.
+CLUSTER_EXPECTED = {
+    m: refused(501) for m in (
+        "Bucket.create_inventory", "Bucket.show_inventory", "Bucket.transform",
+        "Bucket.rename", "Client.dsort", "Client.etl", "Cluster.get_cluster_logs", "Cluster.get_node_log",
+        "Cluster.get_node_log_archive", "Cluster.get_performance", "Cluster.list_etls", "Job.abort",
+        "Job.start", "Object.blob_download", "Object.promote", "ObjectGroup.archive",
+        "ObjectGroup.transform", "ObjectWriter.set_custom_props", "Bucket.inspect", "ObjectGroup.inspect")}
+
+
 def public_methods() -> set[str]:
     out = set()
     for label, cls in CLASSES.items():
@@ -128,10 +139,18 @@ def test_table_is_complete():
 
 
 # -- the server and the snapshot ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+@pytest.fixture(scope="module", params=["node", "cluster"])
+def srv(request, tmp_path_factory):
+    """The single node (two mountpaths), and a cluster of one gateway and three targets that the
+    SDK reaches through the gateway: the same table holds for both, except ``CLUSTER_EXPECTED``."""
     base = tmp_path_factory.mktemp("conformance")
-    s = ServerProcess([base / "d1", base / "d2"], "--chunk-size", str(1 << 20))
+    if request.param == "cluster":
+        from tests.cluster.conftest import Cluster
+
+        s = Cluster(base, target_args=("--chunk-size", str(1 << 20)))
+    else:
+        s = ServerProcess([base / "d1", base / "d2"], "--chunk-size", str(1 << 20))
+    s.mode = request.param
     try:
         yield s.start()
     finally:
@@ -148,7 +167,7 @@ def client(srv) -> Client:
 def snapshot(url: str) -> dict[str, dict[str, bytes]]:
     """Every bucket and every object's bytes, read over plain HTTP (not through the SDK)."""
     out = {}
-    with httpx.Client(base_url=url, timeout=30) as h:
+    with httpx.Client(base_url=url, timeout=30, follow_redirects=True) as h:  # a gateway redirects reads
         for b in h.get("/v1/buckets").json():
             names, token = [], ""
             while True:
@@ -167,8 +186,9 @@ def snapshot(url: str) -> dict[str, dict[str, bytes]]:
 class Env:
     """A fresh bucket with known objects (two of them over 1 MiB: chunked)."""
 
-    def __init__(self, client: Client, url: str, tmp: Path):
+    def __init__(self, client: Client, url: str, tmp: Path, targets: int = 1):
         self.client, self.url, self.tmp = client, url, tmp
+        self.targets = targets  # 3 through a cluster's gateway: a job has one record per target
         rnd = random.Random(os.urandom(4))
         self.bucket = client.bucket("c" + os.urandom(5).hex())
         self.bucket.create()
@@ -189,7 +209,7 @@ class Env:
 @pytest.fixture
 def env(client, srv, tmp_path) -> Env:
     try:
-        yield Env(client, srv.url, tmp_path)
+        yield Env(client, srv.url, tmp_path, 3 if srv.mode == "cluster" else 1)
     finally:  # every bucket goes, so each snapshot reads only this test's data
         for b in httpx.get(f"{srv.url}/v1/buckets").json():
             httpx.request("DELETE", f"{srv.url}/v1/buckets/{b['name']}", json={"action": "destroy-bck"})
@@ -257,14 +277,20 @@ def _smap(e: Env):
     c = e.client.cluster()
     assert c.is_ready()
     smap = c.get_info()
-    assert len(smap.tmap) == 1 and len(smap.pmap) == 1
-    (tid, tnode), = smap.tmap.items()
-    assert smap.proxy_si.daemon_id == tid == next(iter(smap.pmap)) and tnode.daemon_type == "target"
+    assert len(smap.tmap) == e.targets and len(smap.pmap) == 1
+    assert all(t.daemon_type == "target" for t in smap.tmap.values())
+    if e.targets == 1:  # one node: gateway and target at once
+        assert smap.proxy_si.daemon_id == next(iter(smap.tmap)) == next(iter(smap.pmap))
+    else:
+        assert smap.proxy_si.daemon_id == next(iter(smap.pmap)) not in smap.tmap
     assert c.get_primary_url() == e.url and c.get_uuid() == smap.uuid != ""
     from aistore.sdk.utils import get_digest  # the digest the SDK places objects by (direct reads)
-    assert tnode.id_digest == get_digest(tid) and smap.get_target_for_object("ais/@#/b/o") is tnode
+    assert all(t.id_digest == get_digest(tid) for tid, t in smap.tmap.items())
+    from batchfs.wire import hrw
+    owner = hrw.ranked(hrw.digest("ais/@#/b/o"), {i: t.id_digest for i, t in smap.tmap.items()})[0]
+    assert smap.get_target_for_object("ais/@#/b/o") is smap.tmap[owner]
     r = httpx.get(f"{e.url}/v1/daemon", params={"what": "smap"}).json()
-    assert r["version"] == "1" and r["proxy_si"]["public_net"]["direct_url"] == e.url
+    assert (r["version"] == "1") == (e.targets == 1) and r["proxy_si"]["public_net"]["direct_url"] == e.url
 
 
 @scenario("Cluster.get_cluster_logs")
@@ -479,7 +505,7 @@ def _object_local(e: Env):
     o = e.bucket.object("a/1")
     assert (o.bucket_name, o.bucket_provider.value, o.name) == (e.bucket.name, "ais", "a/1")
     assert o.query_params == {"provider": "ais"} and o.uname == f"ais/@#/{e.bucket.name}/a/1"
-    assert httpx.get(o.get_url()).content == e.data["a/1"]
+    assert httpx.get(o.get_url(), follow_redirects=True).content == e.data["a/1"]
     assert o.get_semantic_url() == f"ais://{e.bucket.name}/a/1"
     assert o.props_cached is None and o.get_writer() is not None
 
@@ -634,7 +660,7 @@ def _group_lists(e: Env):
     g = e.bucket.objects(obj_names=["a/1", "b/x"])
     objs = list(g.list_all_objects_iter())
     assert [o.name for o in objs] == ["a/1", "b/x"] and objs[0].props_cached.size == len(e.data["a/1"])
-    assert [httpx.get(u).content for u in g.list_urls()] == [e.data["a/1"], e.data["b/x"]]
+    assert [httpx.get(u, follow_redirects=True).content for u in g.list_urls()] == [e.data["a/1"], e.data["b/x"]]
 
 
 @scenario("Job.abort")
@@ -652,10 +678,10 @@ def _job_start(e: Env):
 def _job_details(e: Env):
     before = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=5)
     job = e.delete_job()
-    snaps = job.get_details().list_snapshots()
-    assert len(snaps) == 1 and snaps[0].id == job.job_id and snaps[0].is_idle
+    snaps = job.get_details().list_snapshots()  # one per target
+    assert len(snaps) == e.targets and all(s.id == job.job_id and s.is_idle for s in snaps)
     assert job.get_total_time() is not None
-    assert [s.id for s in job.get_within_timeframe(before)] == [job.job_id]
+    assert [s.id for s in job.get_within_timeframe(before)] == [job.job_id] * e.targets
     assert job.wait_for_idle(timeout=30).success
     assert job.wait_single_node(timeout=30).success
     with pytest.raises(AISError) as err:
@@ -674,12 +700,16 @@ def _cases() -> list:
         # works and local rows may share a scenario: both must run without error
         expected = {WORKS if EXPECTED[m] == LOCAL else EXPECTED[m] for m in methods}
         assert len(expected) == 1, f"{methods} share a scenario but not an expected behaviour"
-        cases.append(pytest.param(fn, expected.pop(), id="+".join(methods)))
+        in_cluster = {CLUSTER_EXPECTED.get(m) for m in methods}
+        assert len(in_cluster) == 1, f"{methods} share a scenario but not a behaviour through a gateway"
+        cases.append(pytest.param(fn, expected.pop(), in_cluster.pop(), id="+".join(methods)))
     return cases
 
 
-@pytest.mark.parametrize("scenario_fn,expected", _cases())
-def test_sdk_method(scenario_fn, expected, env):
+@pytest.mark.parametrize("scenario_fn,expected,through_gateway", _cases())
+def test_sdk_method(scenario_fn, expected, through_gateway, env):
+    if env.targets > 1 and through_gateway is not None:
+        expected = through_gateway
     if expected in (WORKS, LOCAL):
         scenario_fn(env)
         return

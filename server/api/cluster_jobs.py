@@ -1,0 +1,114 @@
+"""A target's part of a bucket-wide job a gateway runs on every target (bucket copies, summaries,
+multi-object deletes): which objects are this target's to do, under which job id, and how an
+object is copied to the targets its destination name belongs to.
+
+    gateway: job id J, targets down D -> every live target, signed, ?bfs_job=J&bfs_down=D
+    target:  registers the job as J; does the names whose first holder not in D is itself
+             (each object once in the cluster, whatever its copies); a copy is a PUT of the
+             object to its destination's holder, which stores it as any client PUT (copies,
+             spread chunks) — the queries for J (``GET /v1/cluster``) are merged by the gateway
+
+Invariants: the job id and the share are taken only from requests signed by the cluster (a
+client cannot name either); on a single node (no map) everything is the node's share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from batchfs.wire.urls import object_path
+from server.bucket_ops import note_missing
+from server.validate import check_objname
+from server.api import auth, spread
+from server.api.daemon_api import NODE_INFO
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
+from server.cluster import peers
+from server.errors import BadRequest, NotFound, StoreError
+
+JOB_PARAM = "bfs_job"
+DOWN_PARAM = "bfs_down"
+PARAMS = (JOB_PARAM, DOWN_PARAM)
+_JOB_ID = re.compile(r"[A-Za-z0-9]{6,32}")
+COPY_PIECE_BYTES = 8 << 20
+
+
+class CopyFailed(StoreError):
+    status = 503
+
+
+async def job_id(request: web.Request) -> str | None:
+    """The id a gateway gave this job (its share on every target has the same), else None."""
+    given = request.query.get(JOB_PARAM)
+    if given is None:
+        return None
+    if not await auth.cluster_signed(request) or not _JOB_ID.fullmatch(given):
+        raise BadRequest(f"{JOB_PARAM} is for a gateway's requests to its targets")
+    return given
+
+
+async def share(request: web.Request) -> Callable[[str, str], bool] | None:
+    """``mine(bucket, name)``: whether this target does the object in the gateway's job (its
+    first holder not down); None when every object is this node's (a single node)."""
+    member = request.app.get(MEMBERSHIP)
+    if member is None or member.smap is None or not await auth.cluster_signed(request):
+        return None
+    smap, me = member.smap, request.app[NODE_INFO]["id"]
+    down = set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
+
+    def mine(bucket: str, name: str) -> bool:
+        first = next((n for n in smap.holders(bucket, name) if n.id not in down), None)
+        return first is not None and first.id == me
+    return mine
+
+
+async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, new: str) -> int:
+    """Copy ``src/name`` to ``dst/new`` in the cluster: read here (verified), PUT to the first
+    holder of the destination, which makes its copies; the size. NotFound if it is not here."""
+    obj = await spread.open_object(app, src, name)
+    try:
+        holders = app[MEMBERSHIP].smap.holders(dst, new)
+        size = obj.meta.size
+
+        async def body():
+            for off in range(0, size, COPY_PIECE_BYTES):
+                yield await asyncio.to_thread(obj.pread, off, min(off + COPY_PIECE_BYTES, size))
+        failed = []
+        for node in holders:  # the first that answers stores it (and its copies)
+            try:
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new),
+                                        body=body() if size else b"", body_signed=False,
+                                        headers={"Content-Length": str(size)}) as r:
+                    if r.status == 200:
+                        return size
+                    failed.append(f"{node.id}: HTTP {r.status}: {(await r.text())[:200]}")
+                    break  # it answered: another holder would answer the same
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                failed.append(f"{node.id}: {e}")
+        raise CopyFailed(f"copy of ais://{src}/{name} to ais://{dst}/{new}: " + "; ".join(failed))
+    finally:
+        obj.close()
+
+
+async def copy_share(app: web.Application, src: str, names: list[str], missing_is_error: bool, dst: str,
+                     prepend: str, dry_run: bool, job, mine: Callable[[str, str], bool]) -> None:
+    """The cluster's ``bucket_ops.copy_objects`` for this target's share, counted into ``job``
+    as a single node counts (names missing with ``missing_is_error``: the job's error)."""
+    missing = []
+    for name in names:
+        if not mine(src, name):
+            continue
+        try:
+            new = check_objname(prepend + name)
+            n = app[NODE].lookup(src, name).size if dry_run else await copy_to_holder(app, src, name, dst, new)
+        except NotFound:
+            if missing_is_error:
+                missing.append(name)
+            continue
+        job.objects += 1
+        job.bytes += n
+    note_missing(job, src, missing)
