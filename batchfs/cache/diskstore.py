@@ -54,6 +54,7 @@ from batchfs.cache.idlewriter import IdleWriter
 log = logging.getLogger(__name__)
 
 SQLITE_HEADROOM_BYTES = 2 * 1024 * 1024  # WAL growth between checkpoints, page slack
+UNCACHE_MIN_BYTES = 4 * 1024 * 1024  # entries this large leave the page cache once written or read (_uncache)
 DISK_THREADS = 4
 FILTER_BITS = 1 << 24
 # A SQLite transaction costs ~0.3 ms of CPU: small entries (a loader's 10 KiB files) are
@@ -67,6 +68,20 @@ SPACE_RECHECK_SECONDS = 1.0
 
 def _slot(key: str) -> int:
     return hash(key) & (FILTER_BITS - 1)  # per-process hashes are fine: the filter is rebuilt at open
+
+
+def _uncache(fd: int, sync: bool = False) -> None:
+    """Drop a large entry's file from the kernel's page cache once written (``sync``: after
+    writing it back) or read. Its bytes are the caller's now (the mount's files, whose pages
+    the kernel keeps for the next epoch); left cached, a table's worth of entries written in
+    one epoch pushed those pages off the inactive list of a machine whose page cache is full,
+    and the next epoch's reads came back to the daemon (docs/rowgroups.md). Best effort."""
+    try:
+        if sync:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:
+        log.debug("disk cache: could not drop an entry from the page cache: %s", e)
 
 
 def _pending_size(data: bytes | Parts | int) -> int:
@@ -191,6 +206,8 @@ class DiskStore:
                 if raw is not None and not isinstance(raw, (bytes, int)):  # a file entry
                     with raw:
                         data = read_entry(raw)
+                        if data is not None and len(data) >= UNCACHE_MIN_BYTES:
+                            _uncache(raw.fileno())
                     if data is not None:
                         return data, False
                     raw = b""
@@ -304,6 +321,9 @@ class DiskStore:
             self._cache.set(key, header + blob, retry=True)  # a SQLite blob
         else:
             self._cache.set(key, EntryReader(header, data), read=True, retry=True)
+            if len(data) >= UNCACHE_MIN_BYTES:
+                with self._cache.get(key, read=True, retry=True) as f:  # the file just written
+                    _uncache(f.fileno(), sync=True)
 
     async def get_int(self, key: str) -> int | None:
         if not self._maybe_present(key):

@@ -179,3 +179,26 @@ async def test_an_entry_given_in_parts_reads_back_as_their_concatenation(tmp_pat
         fh.write(bytes([byte[0] ^ 1]))
     assert await cache.get("big") is None
     cache.close()
+
+
+@pytest.mark.trio
+async def test_large_entries_leave_the_page_cache_once_written_and_read(tmp_path: Path):
+    """A row group's worth of entries left cached pushed the mount's own file pages out of a
+    full page cache (docs/rowgroups.md): entries of UNCACHE_MIN_BYTES and more are dropped
+    from it after their write (written back first) and after each read; small ones stay."""
+    from batchfs.cache.diskstore import UNCACHE_MIN_BYTES
+    from tests.support.pagecache import resident_pages
+
+    cache = await DiskStore.open(tmp_path / "c", 256 * MiB)
+    big, small = os.urandom(UNCACHE_MIN_BYTES + 12345), os.urandom(512 * KiB)
+    cache.put("big", Parts([big[:1000], big[1000:]]))
+    cache.put("small", small)
+    await _drain(cache)
+    files = {p.stat().st_size: p for p in (tmp_path / "c").rglob("*.val")}
+    big_file = next(p for n, p in files.items() if n > UNCACHE_MIN_BYTES)
+    small_file = next(p for n, p in files.items() if n < UNCACHE_MIN_BYTES)
+    assert resident_pages(big_file)[0] == 0
+    assert resident_pages(small_file)[0] == resident_pages(small_file)[1] > 0  # written, still cached
+    assert await cache.get("big") == big  # read (and verified) from the disk ...
+    assert resident_pages(big_file)[0] == 0  # ... and dropped again
+    cache.close()
