@@ -305,7 +305,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     # Only the chunks the range covers are opened (a bad range fails before any is).
     try:
         obj = await spread.open_object(request.app, bucket, name,
-                                       None if header is None else lambda meta: parse_range(header, meta.size))
+                                       None if header is None else lambda meta: parse_range(header, meta.size),
+                                       stream=True)
     except NotFound as e:
         if await neighbours.is_gfn(request):
             raise
@@ -316,7 +317,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         obj.close()
 
 
-async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict | None = None) -> web.StreamResponse:
+async def send_object(request: web.Request, obj: OpenObject | spread.Streamed,
+                      extra_headers: dict | None = None) -> web.StreamResponse:
     """Reply with an open object (honouring ``Range``); shared by the native and S3 GETs."""
     meta = obj.meta
     headers = {"Content-Type": "application/octet-stream"} | object_headers(meta) | (extra_headers or {})
@@ -326,6 +328,9 @@ async def send_object(request: web.Request, obj: OpenObject, extra_headers: dict
         status = 206
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{meta.size}"
     metrics = request.app[METRICS]
+    if isinstance(obj, spread.Streamed):  # a spread version across several chunks: one at a time
+        return await spread.send_spread(request, meta, start, end, status, headers,
+                                        metrics.bytes_out.labels(request.get(OP_KEY, "get")).inc)
     if end - start <= INLINE_READ_MAX:
         body = obj.pread(start, end)  # verified; CorruptData here is a clean 500
         metrics.bytes_out.labels(request.get(OP_KEY, "get")).inc(end - start)

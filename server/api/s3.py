@@ -249,7 +249,8 @@ async def obj(request: web.Request) -> web.StreamResponse:
 
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = require_bucket(request), object_key(request)
-    obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers.get("Range")))
+    obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers.get("Range")),
+                                    stream=True)
     try:
         if (not_modified := read_preconditions(request, obj_.meta)) is not None:
             return not_modified

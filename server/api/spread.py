@@ -57,6 +57,7 @@ PARALLEL_CHUNKS = 4  # chunks of one object sent or fetched at a time
 FETCH_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)
 FETCH_PIECE = 1 << 20
 FETCH_WAIT_SECONDS = 300.0  # a thread waits this long for the chunks of one open
+STREAM_PIECE = 4 << 20  # a spread GET reads and sends its chunks in pieces of this size
 
 
 def enabled(app: web.Application) -> bool:
@@ -65,13 +66,89 @@ def enabled(app: web.Application) -> bool:
             and len(member.smap.targets) >= 2)
 
 
-async def open_object(app: web.Application, bucket: str, name: str, span=None):
-    """``Node.open``, on the loop when it can (a local version), in a thread for a spread one."""
+async def open_object(app: web.Application, bucket: str, name: str, span=None, stream: bool = False):
+    """``Node.open``, on the loop when it can (a local version), in a thread for a spread one.
+    ``stream``: a spread version whose span covers several chunks is not opened at all but
+    returned as ``Streamed`` — ``send_spread`` then sends it a chunk at a time."""
     node = app[NODE]
+    if stream:
+        meta = node.lookup(bucket, name)
+        if meta.spread and _spans(meta, *(span(meta) if span is not None else (0, meta.size)))[1:]:
+            return Streamed(meta)
     try:
         return node.open(bucket, name, span)
     except BlockingIOError:
         return await asyncio.to_thread(node.open, bucket, name, span)
+
+
+class Streamed:
+    """A spread version to be sent chunk by chunk (``send_spread``), nothing opened yet."""
+
+    def __init__(self, meta: ObjectMeta):
+        self.meta = meta
+
+    def close(self) -> None:
+        pass
+
+
+def _spans(meta: ObjectMeta, start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of bytes [start, end) in each chunk they cross."""
+    out, base = [], 0
+    for c in meta.chunks:
+        lo, hi = max(start, base), min(end, base + c.size)
+        if lo < hi:
+            out.append((lo, hi))
+        base += c.size
+    return out
+
+
+async def send_spread(request: web.Request, meta: ObjectMeta, start: int, end: int, status: int,
+                      headers: dict, count) -> web.StreamResponse:
+    """Send bytes [start, end) of a spread version a chunk at a time: each chunk is brought here
+    (fetched or local), read verified in pieces of STREAM_PIECE and let go before the next but
+    one is opened, so a GET of a whole large object holds at most two chunks on this target's
+    disk and STREAM_PIECE in memory, and its first byte waits for one chunk, not for all.
+    ``count(n)``: the bytes sent. An error before the first chunk is the answer; after the 200,
+    the connection is cut (a short body, never a wrong byte), as ``send_object`` does."""
+    store = request.app[NODE].target_store
+    spans = _spans(meta, start, end)
+
+    def opening(k: int) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.to_thread(store.open_version, meta, *spans[k]))
+    try:
+        obj = await opening(0)
+    except FileNotFoundError:  # a chunk kept here was deleted meanwhile (the object replaced)
+        raise ChunksElsewhere(f"ais://{meta.bucket}/{meta.name}: replaced while it was being read; "
+                              "read it again") from None
+    resp = web.StreamResponse(status=status, headers=headers)
+    resp.content_length = end - start
+    nxt: asyncio.Future | None = None
+    try:
+        await resp.prepare(request)
+        for k, (lo, hi) in enumerate(spans):
+            nxt = opening(k + 1) if k + 1 < len(spans) else None
+            try:
+                for p in range(lo, hi, STREAM_PIECE):
+                    data = await asyncio.to_thread(obj.pread, p, min(p + STREAM_PIECE, hi))
+                    await resp.write(data)
+                    count(len(data))
+            finally:
+                obj.close()
+            if nxt is not None:
+                obj, nxt = await nxt, None
+        await resp.write_eof()
+    except (StoreError, OSError) as e:  # after the 200: a short body is the only signal left
+        if isinstance(e, ConnectionError):
+            raise  # the client went away: nothing to tell it
+        log.error("%s %s: aborting the response of a spread object: %s", request.method, request.path,
+                  getattr(e, "message", e))
+        if request.transport is not None:
+            request.transport.close()
+    finally:
+        if nxt is not None:  # a chunk being opened for a reply that ended: closed when it is
+            nxt.add_done_callback(lambda f: f.result().close() if not f.cancelled() and f.exception() is None
+                                  else None)
+    return resp
 
 
 # -- writing -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from urllib.parse import quote
 
 import boto3
@@ -151,3 +152,34 @@ def test_shard_members_of_a_spread_shard(spread_cluster, streaming):
     got = list(batch.get())
     assert [body for _, body in got[:4]] == [members[m] for m in wanted]
     assert got[4][1] == shard[MiB - 10:2 * MiB + 10]
+
+
+def test_whole_reads_go_a_chunk_at_a_time_and_leave_nothing_behind(spread_cluster):
+    """A GET across chunks sends them one at a time (send_spread); a client that goes away
+    mid-object, or any read, leaves no fetched chunk in any target's tmp/."""
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    bucket = sdk.bucket("big4").create(exist_ok=True)
+    data = os.urandom(9 * MiB + 3)
+    bucket.object("o").get_writer().put_content(data)
+    owner = ranked(c.smap(), "big4", "o")[0]
+    url = c.smap()["tmap"][owner]["public_net"]["direct_url"] + "/v1/objects/big4/o"
+    with httpx.stream("GET", url, timeout=30) as r:  # read 1.5 MiB, then hang up
+        got = b""
+        for piece in r.iter_bytes():
+            got += piece
+            if len(got) > 3 * MiB // 2:
+                break
+    assert data.startswith(got)
+    r = httpx.get(url, headers={"Range": f"bytes={MiB - 5}-{5 * MiB + 5}"}, timeout=30)
+    assert r.status_code == 206 and r.content == data[MiB - 5:5 * MiB + 6]
+    assert bucket.object("o").get_reader().read_all() == data
+    tmps = [d / ".batchfs" / "tmp" for t in c.targets for d in t.data_dirs]
+    assert all(p.is_dir() for p in tmps)  # where fetched chunks go (the first mountpath's tmp/)
+    deadline = time.monotonic() + 10
+    while True:
+        left = [p for tmp in tmps for p in tmp.glob("chunk-*")]
+        if not left:
+            break
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
