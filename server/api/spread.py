@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -273,7 +274,13 @@ def install(app: web.Application) -> None:
     def fetch(meta: ObjectMeta, indexes: list[int]) -> tuple[dict[int, Path], list[Path]]:
         if threading.get_ident() == loop_thread:
             raise BlockingIOError(errno.EWOULDBLOCK, "a spread version is opened in a thread")
-        return asyncio.run_coroutine_threadsafe(_gather(app, meta, indexes), loop).result(FETCH_WAIT_SECONDS)
+        fut = asyncio.run_coroutine_threadsafe(_gather(app, meta, indexes), loop)
+        try:
+            return fut.result(FETCH_WAIT_SECONDS)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # its fetches stop and remove what they brought (_gather)
+            raise ChunksElsewhere(f"ais://{meta.bucket}/{meta.name}: its chunks were not brought here "
+                                  f"within {FETCH_WAIT_SECONDS:g} s") from None
     app[NODE].target_store.chunks_elsewhere = fetch
 
 
@@ -288,13 +295,16 @@ async def _gather(app: web.Application, meta: ObjectMeta, indexes: list[int]) ->
             paths[i] = path
             if temp:
                 temporary.append(path)
-    results = await asyncio.gather(*(one(i) for i in indexes), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
+    try:
+        results = await asyncio.gather(*(one(i) for i in indexes), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+    except BaseException:  # a failed fetch, or the waiting thread gave up (cancelled): none is kept
         for p in temporary:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
-        raise failed[0]
+        raise
     return paths, temporary
 
 
