@@ -45,7 +45,10 @@ def _add_put(subparsers) -> None:
         "put", help="upload a local directory tree into a bucket with parallel PUTs",
         description="Upload every regular file under LOCAL_DIR to http://HOST:PORT/BUCKET[/PREFIX]; "
         "object names are the relative paths under PREFIX. The bucket is created if needed. "
-        "Symlinks and special files are skipped with a warning. Exit status: 0 all uploaded, "
+        "Symlinks and special files are skipped with a warning. URL may be a cluster's gateway: "
+        "the cluster map is read once and each file is sent straight to the target that owns it "
+        "(HRW), which stores its copies before it answers; a target that cannot be reached is "
+        "retried through the gateway. Exit status: 0 all uploaded, "
         "1 some file failed or the upload could not start, 2 bad arguments.",
         epilog="Example: batchfs put ./imagenet http://127.0.0.1:8080/imagenet/train")
     p.add_argument("local_dir", metavar="LOCAL_DIR", type=Path, help="directory to upload")
