@@ -24,7 +24,7 @@ from aiohttp import web
 from batchfs.wire.urls import object_path
 from server.bucket_ops import note_missing
 from server.validate import check_objname
-from server.api import auth, spread
+from server.api import auth, replicas, spread
 from server.api.daemon_api import NODE_INFO
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.cluster import peers
@@ -34,20 +34,29 @@ JOB_PARAM = "bfs_job"
 DOWN_PARAM = "bfs_down"
 PARAMS = (JOB_PARAM, DOWN_PARAM)
 _JOB_ID = re.compile(r"[A-Za-z0-9]{6,32}")
-COPY_PIECE_BYTES = 8 << 20
 
 
 class CopyFailed(StoreError):
     status = 503
 
 
+async def _from_gateway(request: web.Request) -> bool:
+    """Whether the request is a gateway's (signed); BadRequest if it names a job or the targets
+    down without being one — from a client they would be ignored, and nothing is."""
+    signed = await auth.cluster_signed(request)
+    if not signed and any(p in request.query for p in PARAMS):
+        raise BadRequest(f"{' and '.join(p for p in PARAMS if p in request.query)}: for a gateway's "
+                         "requests to its targets only")
+    return signed
+
+
 async def job_id(request: web.Request) -> str | None:
     """The id a gateway gave this job (its share on every target has the same), else None."""
     given = request.query.get(JOB_PARAM)
-    if given is None:
+    if not await _from_gateway(request) or given is None:
         return None
-    if not await auth.cluster_signed(request) or not _JOB_ID.fullmatch(given):
-        raise BadRequest(f"{JOB_PARAM} is for a gateway's requests to its targets")
+    if not _JOB_ID.fullmatch(given):
+        raise BadRequest(f"{JOB_PARAM}={given!r}: not a job id")
     return given
 
 
@@ -55,7 +64,7 @@ async def share(request: web.Request) -> Callable[[str, str], bool] | None:
     """``mine(bucket, name)``: whether this target does the object in the gateway's job (its
     first holder not down); None when every object is this node's (a single node)."""
     member = request.app.get(MEMBERSHIP)
-    if member is None or member.smap is None or not await auth.cluster_signed(request):
+    if not await _from_gateway(request) or member is None or member.smap is None:
         return None
     smap, me = member.smap, request.app[NODE_INFO]["id"]
     down = set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
@@ -73,15 +82,11 @@ async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, ne
     try:
         holders = app[MEMBERSHIP].smap.holders(dst, new)
         size = obj.meta.size
-
-        async def body():
-            for off in range(0, size, COPY_PIECE_BYTES):
-                yield await asyncio.to_thread(obj.pread, off, min(off + COPY_PIECE_BYTES, size))
         failed = []
         for node in holders:  # the first that answers stores it (and its copies)
             try:
                 async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new),
-                                        body=body() if size else b"", body_signed=False,
+                                        body=replicas.pieces(obj.pread, size) if size else b"", body_signed=False,
                                         headers={"Content-Length": str(size)}) as r:
                     if r.status == 200:
                         return size

@@ -16,6 +16,7 @@ whole; nothing here holds more than the targets' answers to one request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from urllib.parse import urlencode
 
@@ -24,6 +25,7 @@ from aiohttp import web
 from server.api.cluster_jobs import DOWN_PARAM, JOB_PARAM
 from server.api.gateway_map import Gateway, gateway_of, passthrough
 from server.api.state import OP_KEY
+from server.bucket_ops import parse_uname
 from server.errors import BadRequest
 from server.jobs import new_job_id
 from server.validate import check_bucket
@@ -66,10 +68,10 @@ async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
 
 
 def _destination(request: web.Request, msg: dict, value: dict) -> str | None:
-    if msg["action"] == "copy-bck":
-        uname = request.query.get("bck_to", "")
-        parts = uname.split("/")
-        return check_bucket(parts[2]) if uname.startswith("ais/@#/") and len(parts) >= 3 and parts[2] else None
+    if msg["action"] == "copy-bck":  # a malformed one is the targets' 400, as a node's
+        with contextlib.suppress(BadRequest):
+            return parse_uname(request.query.get("bck_to", ""), want_object=False)[0]
+        return None
     tobck = value.get("tobck")
     return check_bucket(tobck.get("name") or "") if isinstance(tobck, dict) else None
 

@@ -164,10 +164,14 @@ async def send_bytes(app: web.Application, node: ClusterNode, bucket: str, name:
                      read, extra_query: str = "") -> None:
     """PUT ``size`` bytes, ``read(lo, hi)`` (blocking, verified), to ``node`` as a copy of
     ``bucket/name`` with checksum ``cksum``."""
-    async def body():
-        for off in range(0, size, COPY_PIECE_BYTES):
-            yield await asyncio.to_thread(read, off, min(off + COPY_PIECE_BYTES, size))
-    await _send(app, node, bucket, name, extra_query, cksum, body() if size else b"", size)
+    await _send(app, node, bucket, name, extra_query, cksum, pieces(read, size) if size else b"", size)
+
+
+async def pieces(read, size: int):
+    """A request body of ``size`` bytes read with the blocking ``read(lo, hi)`` in a thread,
+    COPY_PIECE_BYTES at a time."""
+    for off in range(0, size, COPY_PIECE_BYTES):
+        yield await asyncio.to_thread(read, off, min(off + COPY_PIECE_BYTES, size))
 
 
 async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str, extra_query: str, cksum: str,

@@ -39,6 +39,14 @@ def test_copy_summary_and_delete_jobs(tmp_path):
             want = set(ranked(smap, "jdst", f"c/{n}")[:2])
             assert {i for i, u in urls.items() if holds(u, "jdst", f"c/{n}")} == want, n
 
+        # a client naming a job id or the targets down (the gateway's parameters): refused, not ignored
+        t = cluster.targets[1].url
+        for params in ({"presence": "0", "bfs_down": "x"}, {"presence": "0", "bfs_job": "abcdefgh"}):
+            r = httpx.head(f"{t}/v1/buckets/jsrc", params=params, timeout=10)
+            assert r.status_code == 400, (params, r.status_code)
+        r = httpx.request("GET", f"{t}/v1/buckets/jsrc", params={"bfs_down": "x"}, timeout=10,
+                          json={"action": "summary-bck", "value": {}})
+        assert r.status_code == 400 and "bfs_down" in r.json()["message"]
         summ = src.summary()
         assert summ["ObjCount"]["obj_count_present"] == str(len(data))
         assert summ["TotalSize"]["size_all_present_objs"] == str(sum(map(len, data.values())))

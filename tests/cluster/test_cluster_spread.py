@@ -61,14 +61,14 @@ def test_a_large_object_is_spread_over_every_target(spread_cluster):
     bucket.object("model.bin").get_writer().put_content(data)
     smap = c.smap()
     holders = _chunk_holders(c, "big", "model.bin", 13)
+    tag = _version_tag(c, "big", "model.bin")
     for i, found in holders.items():
-        want = set(ranked(smap, chunks_bucket("big"), chunk_name("model.bin", _version_tag(c, "big", "model.bin"), i))[:2])
+        want = set(ranked(smap, chunks_bucket("big"), chunk_name("model.bin", tag, i))[:2])
         assert found == want, (i, found, want)
     assert set().union(*holders.values()) == set(smap["tmap"])  # every target keeps some chunk
     # reads through the gateway, whole and in ranges, byte-exact; every target sends its chunks
     sent = [_sent(t) for t in c.targets]
     assert bucket.object("model.bin").get_reader().read_all() == data
-    tag = _version_tag(c, "big", "model.bin")
     first = [ranked(smap, chunks_bucket("big"), chunk_name("model.bin", tag, i))[0] for i in range(13)]
     sizes = [MiB] * 12 + [12345]
     for k, t in enumerate(c.targets):  # a chunk comes from its first HRW target
@@ -87,7 +87,7 @@ def test_a_large_object_is_spread_over_every_target(spread_cluster):
     r = httpx.get(f"{c.url}/v1/objects/{chunks_bucket('big')}/x", timeout=10, follow_redirects=True)
     assert r.status_code == 400
     t0 = c.targets[0].url
-    cname = chunk_name("model.bin", _version_tag(c, "big", "model.bin"), 0)
+    cname = chunk_name("model.bin", tag, 0)
     r = httpx.get(f"{t0}/v1/objects/{chunks_bucket('big')}/{quote(cname)}?gfn=1", timeout=10)
     assert r.status_code == 400  # unsigned: the bucket name is invalid to a client
 
