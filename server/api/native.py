@@ -123,6 +123,8 @@ async def put_object(request: web.Request) -> web.Response:
     if bool_param(request, "latest-ver") or bool_param(request, "synchronize"):
         raise BadRequest("latest-ver and synchronize apply to remote buckets; only ais:// buckets exist here")
     copy_of = await _replica_write(request)
+    if copy_of is None and replicas.SPREAD_PARAM in q:
+        raise BadRequest(f"{replicas.SPREAD_PARAM}= is for copies between targets of a cluster")
     if copy_of is None and (elsewhere := replicas.misplaced(request, bucket, name)) is not None:
         return elsewhere
     if "object_to" in q:

@@ -90,6 +90,8 @@ def test_a_large_object_is_spread_over_every_target(spread_cluster):
     cname = chunk_name("model.bin", tag, 0)
     r = httpx.get(f"{t0}/v1/objects/{chunks_bucket('big')}/{quote(cname)}?gfn=1", timeout=10)
     assert r.status_code == 400  # unsigned: the bucket name is invalid to a client
+    r = httpx.put(f"{t0}/v1/objects/big/forged?spread=1", content=b'{"size": 1}', timeout=10)
+    assert r.status_code == 400 and not holds(t0, "big", "forged")  # a manifest only from a holder
 
 
 def test_overwrite_and_delete_remove_the_chunks(spread_cluster):
