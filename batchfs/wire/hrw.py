@@ -10,6 +10,8 @@ place objects exactly this way or direct reads go to the wrong node.
 - A node's digest (``id_digest`` in the cluster map) is xxhash64 of its daemon id, same seed.
 - The score of a node is ``xoshiro256_hash(node_digest ^ object_digest)``; the highest wins.
   ``ranked`` orders every node by score: the first is the owner, the next ones are where copies go.
+  ``ranked_many`` does the same for many objects at once, in NumPy (a GetBatch of 128 entries is
+  placed on the gateway and again on its designated target: 0.67 ms each in Python).
 
 Invariants: no I/O, nothing but integer arithmetic on 64-bit values; the same inputs give the
 same owner on every node and every client; removing a node moves only the objects it owned, and
@@ -19,8 +21,9 @@ node id, so the answer never depends on the order nodes are given in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import xxhash
 
 XXHASH_SEED = 1103515245  # AIStore's cos.MLCG32; the SDK's XX_HASH_SEED
@@ -66,6 +69,32 @@ def owner(object_digest: int, nodes: Mapping[str, int]) -> str:
     if not nodes:
         raise ValueError("no nodes to place an object on")
     return max((xoshiro256_hash(nd ^ object_digest), node_id) for node_id, nd in nodes.items())[1]
+
+
+def _xoshiro256_hash_np(seed: np.ndarray) -> np.ndarray:
+    """``xoshiro256_hash`` of every element (uint64 arithmetic wraps modulo 2**64, as above)."""
+    golden, mix1, mix2 = np.uint64(_GOLDEN), np.uint64(_MIX1), np.uint64(_MIX2)
+    z = seed + golden
+    z = (z ^ (z >> np.uint64(30))) * mix1
+    z = (z ^ (z >> np.uint64(27))) * mix2
+    z = (z ^ (z >> np.uint64(31))) + golden
+    z = (z ^ (z >> np.uint64(30))) * mix1
+    z = (z ^ (z >> np.uint64(27))) * mix2
+    z = (z ^ (z >> np.uint64(31))) * np.uint64(5)
+    z = (z << np.uint64(7)) | (z >> np.uint64(57))
+    return z * np.uint64(9)
+
+
+def ranked_many(object_digests: Sequence[int], node_ids: Sequence[str], node_digests: Sequence[int]) -> np.ndarray:
+    """For each object digest, the indexes into ``node_ids`` in ``ranked`` order (highest score
+    first, ties to the larger node id): an int array of shape (objects, nodes)."""
+    objs = np.array(object_digests, dtype=np.uint64).reshape(-1, 1)
+    scores = _xoshiro256_hash_np(objs ^ np.array(node_digests, dtype=np.uint64).reshape(1, -1))
+    id_rank = np.empty(len(node_ids), dtype=np.int64)
+    id_rank[np.argsort(np.array(node_ids, dtype=object), kind="stable")] = np.arange(len(node_ids))
+    # ascending by (score, id rank), then reversed: highest score first, a tie to the larger id
+    order = np.lexsort((np.broadcast_to(id_rank, scores.shape), scores), axis=-1)
+    return order[:, ::-1]
 
 
 def smap_targets(doc: Mapping) -> dict[str, tuple[int, str]]:

@@ -191,12 +191,13 @@ async def moss_redirect(request: web.Request) -> web.Response:
     counts: dict[str, int] = {}
     try:
         doc = json.loads(await request.read())
-        for item in (doc.get("in") or [])[:DT_SAMPLE]:
-            bucket, name = item.get("bucket") or default_bucket, item.get("objname")
-            if isinstance(bucket, str) and isinstance(name, str):
-                owner = gw.holder(bucket, name)
+        sample = [(item.get("bucket") or default_bucket, item.get("objname")) for item in (doc.get("in") or [])[:DT_SAMPLE]]
+        sample = [(b, n) for b, n in sample if isinstance(b, str) and isinstance(n, str)]
+        for ranked in gw.smap.holders_many(sample):
+            owner = next((n for n in ranked if n.id not in gw.down), None)
+            if owner is not None:  # none: every copy's target is down (the DT answers for it)
                 counts[owner.id] = counts.get(owner.id, 0) + 1
-    except (ValueError, AttributeError, TypeError, Unavailable):
+    except (ValueError, AttributeError, TypeError):
         pass  # the target answers the 400 (or 503) a single node gives
     dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
     return web.Response(status=307, headers={"Location": dt.url + _granted(request, request.rel_url.raw_path_qs)})

@@ -87,8 +87,8 @@ def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none
     reachable target holds is None with ``none_ok`` (a placeholder under ``coer``), else
     SenderFailed."""
     owners: list[ClusterNode | None] = []
-    for e in req.entries[lo:hi]:
-        ranked = smap.holders(e.bucket, e.objname)
+    entries = req.entries[lo:hi]
+    for e, ranked in zip(entries, smap.holders_many([(e.bucket, e.objname) for e in entries])):
         node = next((n for n in ranked if n.id not in down), None)
         if node is None and not none_ok:
             raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: every target holding a copy "

@@ -22,6 +22,7 @@ import json
 import os
 import time
 import uuid as uuidlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from batchfs.wire import hrw
@@ -131,6 +132,24 @@ class ClusterMap:
             return []
         order = hrw.ranked(hrw.digest(hrw.uname(bucket, objname)), self._target_digests)
         return [targets[i] for i in order]
+
+    def holders_many(self, objects: Sequence[tuple[str, str]]) -> list[list[ClusterNode]]:
+        """``holders`` of each (bucket, objname), computed together (``hrw.ranked_many``)."""
+        targets = self.targets
+        if not targets or not objects:
+            return [[] for _ in objects]
+        ids = list(targets)
+        order = hrw.ranked_many([hrw.digest(hrw.uname(b, o)) for b, o in objects], ids,
+                                [self._target_digests[i] for i in ids]).tolist()
+        nodes = [targets[i] for i in ids]
+        copies: dict[str, int] = {}
+        out = []
+        for (bucket, _), row in zip(objects, order):
+            n = copies.get(bucket)
+            if n is None:
+                n = copies[bucket] = self.copies_for(bucket)
+            out.append([nodes[j] for j in row[:n]])
+        return out
 
     def owner(self, bucket: str, objname: str) -> ClusterNode | None:
         ranked = self.ranked(bucket, objname)

@@ -60,3 +60,19 @@ def test_order_of_nodes_does_not_matter_and_no_nodes_is_an_error():
     assert hrw.ranked(o, digests) == hrw.ranked(o, list(reversed(list(digests.items()))))
     with pytest.raises(ValueError, match="no nodes"):
         hrw.owner(o, {})
+
+
+@pytest.mark.parametrize("targets", [1, 2, 3, 5, 16])
+def test_ranked_many_equals_ranked_object_by_object(targets):
+    rng = random.Random(targets)
+    nodes = {f"t{rng.getrandbits(32):08x}": hrw.digest(f"n{i}") for i in range(targets)}
+    digests = [hrw.digest(hrw.uname("b", n)) for n in _names(2000, targets)] + [0, 2**64 - 1]
+    rows = hrw.ranked_many(digests, list(nodes), list(nodes.values())).tolist()
+    ids = list(nodes)
+    assert [[ids[j] for j in row] for row in rows] == [hrw.ranked(d, nodes) for d in digests]
+
+
+def test_ranked_many_breaks_ties_as_ranked_does():
+    nodes = {"a": 7, "c": 7, "b": 7}  # equal node digests: equal scores for every object
+    rows = hrw.ranked_many([1, 2**63], list(nodes), list(nodes.values())).tolist()
+    assert [[list(nodes)[j] for j in row] for row in rows] == [hrw.ranked(1, nodes)] * 2 == [["c", "b", "a"]] * 2
