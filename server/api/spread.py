@@ -13,7 +13,8 @@ one object's parallel range reads are served by every target's disks, not by its
 
 Invariants:
 - A spread version is committed only once every copy of every chunk is committed; until then
-  the object is the whole local version (a failure leaves it so, and the client gets 503).
+  the object is the whole local version (a failure leaves it so, the chunks already stored for
+  it are deleted again, best effort, and the client gets 503).
 - A chunk is read only if its bytes match the chunk checksum of the object's version (fetched
   copies are checked whole; local chunk objects must carry that checksum); reads of a spread
   version are then verified against its block sums like any other.
@@ -58,6 +59,7 @@ PARALLEL_CHUNKS = 4  # chunks of one object sent or fetched at a time
 FETCH_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)
 FETCH_PIECE = 1 << 20
 FETCH_WAIT_SECONDS = 300.0  # a thread waits this long for the chunks of one open
+_CLEANUPS: set[asyncio.Task] = set()  # deletes of a failed spread's chunks, still running
 STREAM_PIECE = 4 << 20  # a spread GET reads and sends its chunks in pieces of this size
 
 
@@ -172,18 +174,26 @@ async def spread_committed(app: web.Application, meta: ObjectMeta) -> ObjectMeta
     node = app[NODE]
     obj = await asyncio.to_thread(node.target_store.open_version, meta)
     try:
-        slots = asyncio.Semaphore(PARALLEL_CHUNKS)
+        try:
+            slots = asyncio.Semaphore(PARALLEL_CHUNKS)
 
-        async def one(i: int) -> None:
-            async with slots:
-                await _store_chunk(app, meta, obj, i)
-        results = await asyncio.gather(*(one(i) for i in range(len(meta.chunks))), return_exceptions=True)
-    finally:
-        obj.close()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return await asyncio.to_thread(_commit_spread, node.target_store, meta)
+            async def one(i: int) -> None:
+                async with slots:
+                    await _store_chunk(app, meta, obj, i)
+            results = await asyncio.gather(*(one(i) for i in range(len(meta.chunks))), return_exceptions=True)
+        finally:
+            obj.close()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return await asyncio.to_thread(_commit_spread, node.target_store, meta)
+    except BaseException:
+        # the version stays whole here: the chunks already stored for it are nobody's. Deleted
+        # in the background (the client's 503 need not wait; a cancelled request still cleans)
+        task = asyncio.get_running_loop().create_task(_delete_chunks(app, meta, "of a failed spread"))
+        _CLEANUPS.add(task)
+        task.add_done_callback(_CLEANUPS.discard)
+        raise
 
 
 async def _store_chunk(app: web.Application, meta: ObjectMeta, obj, i: int) -> None:
@@ -377,7 +387,14 @@ async def _fetch(app: web.Application, node, cbucket: str, cname: str, c: Chunk,
 async def forget_chunks(app: web.Application, meta: ObjectMeta | None) -> None:
     """Delete the chunk objects of a spread version a client's PUT or DELETE has just replaced
     or removed here. Best effort: a chunk left behind costs space, never a wrong byte."""
-    if meta is None or not meta.spread or MEMBERSHIP not in app or app[MEMBERSHIP].smap is None:
+    if meta is None or not meta.spread:
+        return
+    await _delete_chunks(app, meta, "replaced")
+
+
+async def _delete_chunks(app: web.Application, meta: ObjectMeta, what: str) -> None:
+    """Delete every chunk object of ``meta``'s version on its holders (those not stored: 404)."""
+    if MEMBERSHIP not in app or app[MEMBERSHIP].smap is None:
         return
     smap, me = app[MEMBERSHIP].smap, app[NODE_INFO]["id"]
     cbucket = chunks_bucket(meta.bucket)
@@ -393,6 +410,6 @@ async def forget_chunks(app: web.Application, meta: ObjectMeta | None) -> None:
                     if r.status not in (200, 404):
                         raise StoreError(f"HTTP {r.status}")
             except (NotFound, StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("ais://%s/%s: its replaced chunk %d was not deleted on %s: %s",
-                            meta.bucket, meta.name, i, holder.id, getattr(e, "message", e))
+                log.warning("ais://%s/%s: its chunk %d (%s) was not deleted on %s: %s",
+                            meta.bucket, meta.name, i, what, holder.id, getattr(e, "message", e))
 

@@ -185,3 +185,31 @@ def test_whole_reads_go_a_chunk_at_a_time_and_leave_nothing_behind(spread_cluste
             break
         assert time.monotonic() < deadline, left
         time.sleep(0.2)
+
+
+def test_a_failed_spread_deletes_the_chunks_it_stored(spread_cluster):
+    """A PUT whose chunks cannot all be stored (a chunk's target is dead, not yet dropped from
+    the map) is a 503 that keeps the object whole on its holder, and the chunks it did store on
+    the live targets are deleted again (before: left until the bucket was destroyed)."""
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    sdk.bucket("big5").create(exist_ok=True)
+    smap = c.smap()
+    dead = c.target_id(2)
+    name = next(f"o{i}" for i in range(1000) if dead not in ranked(smap, "big5", f"o{i}")[:2])
+    owner_url = smap["tmap"][ranked(smap, "big5", name)[0]]["public_net"]["direct_url"]
+    live = c.targets[:2]
+    c.targets[2].proc.kill()
+    c.targets[2].proc.wait()
+    try:
+        r = httpx.put(f"{owner_url}/v1/objects/big5/{name}", content=os.urandom(13 * MiB), timeout=60)
+        assert r.status_code == 503, r.text
+        tag, chunks = stored_version(live, "big5", name)
+        assert chunks[0][0] != "", "a failed spread must leave the object whole"
+        names = [chunk_name(name, tag, i) for i in range(len(chunks))]
+        deadline = time.monotonic() + 20
+        while left := [(t.url, n) for t in live for n in names if holds(t.url, chunks_bucket("big5"), n)]:
+            assert time.monotonic() < deadline, left
+            time.sleep(0.2)
+    finally:
+        c.bring_back(2)
