@@ -9,8 +9,8 @@ Each output file is a plain ``.npy`` that ``np.load(path, mmap_mode="r")`` reads
 | string, large_string | ``C.npy`` as fixed-width unicode (``<U{longest}``, at least ``<U1``); a value ending in NUL is refused (NumPy would drop it) |
 | binary, large_binary | ``C.values.npy`` (uint8, every value's bytes) and ``C.offsets.npy`` (int64, rows + 1) |
 | dictionary | decoded first, then as its value type |
-| fixed_size_list of a type above | ``C.npy`` 2-D, one row per value |
-| list, large_list of a type above | ``C.values.npy`` (flattened) and ``C.offsets.npy`` (int64, rows + 1) |
+| fixed_size_list of a type above but binary | ``C.npy`` 2-D, one row per value |
+| list, large_list of a type above but binary | ``C.values.npy`` (flattened) and ``C.offsets.npy`` (int64, rows + 1) |
 | anything else (struct, map, decimal, union, nested lists) | not produced; ``unsupported`` says why |
 
 A column with nulls also gets ``C.null.npy``: a bool array, True where the row is null (for
@@ -31,6 +31,9 @@ import io
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+
+STRING_OFFSET_MAX = 2**31 - 1  # the largest offset of an Arrow ``string`` (``large_string``: 64-bit)
 
 
 class Unsupported(Exception):
@@ -85,6 +88,8 @@ def _ascii_strings(arr: pa.Array, what: str) -> np.ndarray:
         raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
                           "strings cannot keep")
     width = max(pc.max(pc.binary_length(arr)).as_py() or 0, 1)
+    if len(arr) * width > STRING_OFFSET_MAX and pa.types.is_string(arr.type):
+        arr = arr.cast(pa.large_string())  # the padded values would overflow 32-bit offsets
     padded = pc.ascii_rpad(arr, width=width, padding="\0")  # NumPy's S dtype ends a value at a NUL
     off_type = np.int64 if pa.types.is_large_string(padded.type) else np.int32
     start = int(np.frombuffer(padded.buffers()[1], dtype=off_type)[padded.offset])
@@ -99,6 +104,9 @@ def column_arrays(name: str, column: pa.ChunkedArray | pa.Array) -> dict[str, np
     if not file_name_ok(name):
         raise Unsupported(f"column {name!r}: its name cannot be a file name")
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(arr.type):
+        # decoded first: a null may live in the dictionary itself (null_count 0 on the indices)
+        arr = arr.dictionary_decode()
     t = arr.type
     out: dict[str, np.ndarray] = {}
     if pa.types.is_fixed_size_list(t):

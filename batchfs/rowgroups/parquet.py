@@ -9,8 +9,9 @@ error, not a silent fetch.
 - ``footer_span(size, tail)``: where the footer is, from the object's last bytes (``PAR1`` magic
   and the footer length); ``FOOTER_GUESS_BYTES`` from the end usually cover it in one request.
 - ``read_metadata(size, footer)``: the file's metadata from the footer bytes.
-- ``chunk_ranges(metadata, rg, columns)``: the (offset, length) of each column chunk of row group
-  ``rg`` (dictionary page included), adjacent ones merged.
+- ``chunk_ranges(metadata, rg, columns, size)``: the (offset, length) of each column chunk of row
+  group ``rg`` (dictionary page included, and the padding Arrow reads after the chunks of files
+  from parquet-mr before 1.2.9), adjacent ones merged.
 - ``read_row_group(size, metadata, ranges, rg, columns)``: the row group as an Arrow table.
 
 Invariants: no I/O here (the caller fetches the ranges); a truncated or non-Parquet object
@@ -20,6 +21,7 @@ raises ``NotParquet`` with the reason; nothing reads outside the ranges given.
 from __future__ import annotations
 
 import io
+import re
 import struct
 import threading
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ FOOTER_GUESS_BYTES = 64 * 1024  # the last bytes fetched first: most footers fit
 # A larger footer is refused: its length is the object's own claim, and it is read into memory
 # whole (real footers of thousands of row groups and columns stay far below this).
 MAX_FOOTER_BYTES = 64 * 1024 * 1024
+OLD_WRITER_PAD_BYTES = 100  # Arrow's kMaxDictHeaderSize, read past chunks of parquet-mr < 1.2.9
 
 
 class NotParquet(Exception):
@@ -55,8 +58,10 @@ def footer_span(size: int, tail: bytes) -> tuple[int, int]:
 class SparseFile(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only ``ranges`` ({offset: bytes}) are known.
 
-    The position is per thread: pyarrow decodes a row group's columns in its own threads, each
-    reading as a seek and then a read, and one thread's seek must not move another's read."""
+    The position is per thread. pyarrow 26 with ``pre_buffer=False`` reads from the calling
+    thread only and holds a lock around each seek + read of a ``PythonFile`` (measured), so
+    this is a guard, not a need today: a version that read from its decoding threads could
+    never have one thread's seek move another's read."""
 
     def __init__(self, size: int, ranges: dict[int, bytes]):
         self.size = size
@@ -117,16 +122,29 @@ def read_metadata(size: int, footer: bytes) -> pq.FileMetaData:
         raise NotParquet(f"corrupt footer: {e}") from None
 
 
-def chunk_ranges(metadata: pq.FileMetaData, rg: int, columns: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """Byte ranges of row group ``rg``'s column chunks (all columns, or the leaf indexes given)."""
+def _old_parquet_mr(created_by: str | None) -> bool:
+    """Written by parquet-mr before 1.2.9, whose column chunk sizes may leave out the dictionary
+    page header (PARQUET-816): Arrow then reads ``OLD_WRITER_PAD_BYTES`` past each chunk."""
+    m = re.match(r"parquet-mr version (\d+)\.(\d+)\.(\d+)", created_by or "")
+    return m is not None and tuple(int(x) for x in m.groups()) < (1, 2, 9)
+
+
+def chunk_ranges(metadata: pq.FileMetaData, rg: int, columns: Sequence[int] | None = None,
+                 size: int | None = None) -> list[tuple[int, int]]:
+    """Byte ranges of row group ``rg``'s column chunks (all columns, or the leaf indexes given).
+    With the object's ``size``, a file of an old parquet-mr gets Arrow's padding after each."""
     group = metadata.row_group(rg)
+    pad = size is not None and _old_parquet_mr(metadata.created_by)
     spans = []
     for j in range(group.num_columns) if columns is None else columns:
         c = group.column(j)
         start = c.data_page_offset
         if c.has_dictionary_page and c.dictionary_page_offset is not None and 0 < c.dictionary_page_offset < start:
             start = c.dictionary_page_offset
-        spans.append((start, c.total_compressed_size))
+        length = c.total_compressed_size
+        if pad:
+            length += max(0, min(OLD_WRITER_PAD_BYTES, size - start - length))
+        spans.append((start, length))
     spans.sort()
     merged: list[list[int]] = []
     for off, n in spans:

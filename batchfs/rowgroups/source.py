@@ -124,7 +124,7 @@ def transform_bytes(md, rg: int) -> int:
     """What transforming row group ``rg`` may hold at once: ``TRANSFORM_COPIES`` × its size plus
     the bytes fetched. The footer's sizes are the file's own claims, so the size is the larger of
     the uncompressed size and the fetched bytes: understating either cannot pass the budget."""
-    fetched = sum(n for _, n in parquet.chunk_ranges(md, rg))
+    fetched = sum(n for _, n in parquet.chunk_ranges(md, rg))  # without padding: at most 100 bytes a chunk
     return TRANSFORM_COPIES * max(md.row_group(rg).total_byte_size, fetched) + fetched
 
 
@@ -280,7 +280,7 @@ class RowGroupSource:
 
     async def _make(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
         md = lay.metadata
-        spans = parquet.chunk_ranges(md, rg)
+        spans = parquet.chunk_ranges(md, rg, size=lay.size)
         if any(off < 0 or off + n > lay.size for off, n in spans):
             raise TransformError(f"{bucket}/{key}: row group {rg}: its footer names bytes outside the object")
         need = transform_bytes(md, rg)

@@ -161,3 +161,22 @@ def test_npy_bytes_are_numpys_own_format():
         np.lib.format.write_array(ref, np.ascontiguousarray(a), allow_pickle=False)
         assert npy_bytes(a) == ref.getvalue()
         assert np.array_equal(np.load(_io.BytesIO(npy_bytes(a))), a)
+
+
+def test_a_null_kept_in_the_dictionary_is_a_null_and_dictionaries_of_binary_decode():
+    files = column_arrays("s", pa.array(["x", None, "x"]).dictionary_encode(null_encoding="encode"))
+    assert list(files["s.npy"]) == ["x", "", "x"] and list(files["s.null.npy"]) == [False, True, False]
+    files = column_arrays("b", pa.array([b"a\0", None, b"a\0"]).dictionary_encode())
+    assert bytes(files["b.values.npy"]) == b"a\0a\0" and list(files["b.offsets.npy"]) == [0, 2, 2, 4]
+    assert list(files["b.null.npy"]) == [False, True, False]
+
+
+def test_ascii_strings_past_32_bit_offsets_once_padded(monkeypatch):
+    """rows x longest past 2**31 - 1 bytes: padded as large_string (string would overflow)."""
+    import batchfs.rowgroups.arrays as arrays
+
+    words = ["a", "bcd", "", "efghij"] * 5
+    expect = list(column_arrays("w", pa.array(words))["w.npy"])
+    monkeypatch.setattr(arrays, "STRING_OFFSET_MAX", 10)
+    got = column_arrays("w", pa.array(words))["w.npy"]
+    assert got.dtype == np.dtype("<U6") and list(got) == expect == words

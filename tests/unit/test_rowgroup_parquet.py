@@ -85,3 +85,23 @@ def test_a_footer_claiming_more_than_the_limit_is_refused_before_it_is_read(monk
     monkeypatch.setattr(pqmod, "MAX_FOOTER_BYTES", 100)
     with pytest.raises(NotParquet, match="over the 100-byte limit"):
         footer_span(len(data), data[-FOOTER_GUESS_BYTES:])
+
+
+def test_a_file_of_an_old_parquet_mr_is_read_with_arrows_padding():
+    """parquet-mr before 1.2.9 could leave a dictionary page header out of a chunk's size; Arrow
+    then reads up to 100 bytes past each chunk (PARQUET-816), so those bytes are fetched too."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"a": list(range(100)), "b": [str(i % 7) for i in range(100)]}), buf, row_group_size=50)
+    data = buf.getvalue()
+    old = pq.ParquetFile(io.BytesIO(data)).metadata.created_by.encode()
+    data = data.replace(old, b"parquet-mr version 1.2.8".ljust(len(old)))  # same length: offsets hold
+    size = len(data)
+    off, n = footer_span(size, data[-FOOTER_GUESS_BYTES:])
+    md = read_metadata(size, data[off:off + n])
+    reference = pq.ParquetFile(io.BytesIO(data))
+    for rg in range(md.num_row_groups):
+        ranges = chunk_ranges(md, rg, size=size)
+        assert ranges != chunk_ranges(md, rg)  # padded
+        assert all(o + k <= size for o, k in ranges)
+        got = read_row_group(size, md, {o: data[o:o + k] for o, k in ranges}, rg)
+        assert got.equals(reference.read_row_group(rg))
