@@ -122,7 +122,11 @@ def test_a_dead_target_is_rebuilt_elsewhere_and_its_stale_copies_lose(tmp_path):
         victim_id = cluster.target_id(0)
         held = [n for n in objs if victim_id in ranked(smap, "rebuild", n)[:2]]
         assert held
-        old_chunks = chunk_names(cluster.targets, "rebuild", "spread/b")
+        for _ in range(20):  # chunk names follow the version's random tag: one the victim holds some of
+            old_chunks = chunk_names(cluster.targets, "rebuild", "spread/b")
+            if any(victim_id in ranked(smap, chunks_bucket("rebuild"), c)[:2] for c in old_chunks):
+                break
+            b.object("spread/b").get_writer().put_content(objs["spread/b"])
         assert len(old_chunks) == 3 and any(victim_id in ranked(smap, chunks_bucket("rebuild"), c)[:2]
                                             for c in old_chunks)
 
