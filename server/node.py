@@ -64,8 +64,8 @@ class LocalNode:
         return self.target_store.lookup(bucket, name)
 
     def open(self, bucket: str, name: str,
-             span: Callable[[ObjectMeta], tuple[int, int]] | None = None) -> OpenObject:
-        return self.target_store.open(bucket, name, span)
+             span: Callable[[ObjectMeta], tuple[int, int]] | None = None, lazy: bool = False) -> OpenObject:
+        return self.target_store.open(bucket, name, span, lazy)
 
     def writer(self, bucket: str, name: str) -> PutWriter:
         return self.target_store.writer(bucket, name)

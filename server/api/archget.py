@@ -103,7 +103,7 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
     config = request.app[CONFIG]
     work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, request.app[METRICS])
     watchdog = asyncio.create_task(_stop_when_gone(request, work))
-    obj = await spread.open_object(request.app, bucket, name)
+    obj = await spread.open_object(request.app, bucket, name, lazy=True)  # reads below run in threads
     src: MemberSource | None = None
     try:
         index = await asyncio.to_thread(_index_cache(request.app).get, node.target_store, obj.meta, obj, work)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from server.api import spread
+from server.api import spread, spread_deletes
 from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
 from server.errors import BadRequest
 
@@ -43,5 +43,6 @@ def add_routes(app: web.Application, membership) -> None:
     app[MEMBERSHIP] = membership
     app.on_startup.append(_open_peers)
     app.on_startup.append(_install_spread)
+    app.on_shutdown.append(spread_deletes.stop_cleanups)  # before the peer session closes (on_cleanup)
     app.on_cleanup.append(_close_peers)
     app.router.add_post("/v1/cluster/map", map_push)

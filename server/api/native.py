@@ -31,7 +31,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, cluster_jobs, daemon_api, neighbours, replicas, spread
+from server.api import auth, cluster_jobs, daemon_api, neighbours, replicas, spread, spread_deletes
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -398,7 +398,7 @@ async def delete_object(request: web.Request) -> web.Response:
         return web.Response(text="")
     if not copy:
         await replicas.delete_copies(request, bucket, name)
-        await spread.forget_chunks(request.app, meta)
+        await spread_deletes.forget_chunks(request.app, meta)
     return web.Response(text="")
 
 

@@ -15,7 +15,7 @@ import msgpack
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import cluster_jobs, daemon_api, replicas, spread
+from server.api import cluster_jobs, daemon_api, replicas, spread_deletes
 from server.api.guard import MSG_KEY, accepts, bool_param
 from server.api.state import MEMBERSHIP, NODE, OP_KEY
 from server.errors import BadRequest, NotFound
@@ -163,7 +163,7 @@ async def bucket_delete(request: web.Request) -> web.Response:
     finally:
         registry.finish(job, job.error)
         for gone in spread_versions:
-            await spread.forget_chunks(request.app, gone)
+            await spread_deletes.forget_chunks(request.app, gone)
     return web.Response(text=job.id)
 
 

@@ -46,7 +46,7 @@ import time
 
 from aiohttp import web
 
-from server.api import native, replicas, spread
+from server.api import native, replicas, spread, spread_deletes
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
@@ -195,7 +195,7 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
 
     deleted, errors = await asyncio.to_thread(delete_all)
     for gone in spread_versions:
-        await spread.forget_chunks(request.app, gone)
+        await spread_deletes.forget_chunks(request.app, gone)
     return xml_response(delete_result_doc([] if quiet else deleted, errors))
 
 
@@ -243,7 +243,7 @@ async def obj(request: web.Request) -> web.StreamResponse:
             raise S3Error(404, "NoSuchKey", f"the key {key!r} does not exist (If-Match)") from None
         # S3 answers 204 whether or not the key existed
     await replicas.delete_copies(request, bucket_name, key)  # in a cluster: its other copies
-    await spread.forget_chunks(request.app, deleted)
+    await spread_deletes.forget_chunks(request.app, deleted)
     return web.Response(status=204)
 
 

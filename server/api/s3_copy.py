@@ -46,7 +46,8 @@ def _copy_source(text: str) -> tuple[str, str]:
 
 def _copy_into(node, src, bucket_name: str, key: str, precondition) -> ObjectMeta:
     """Write a new version of bucket/key from an open source version, chunk by chunk (each
-    chunk read whole, so its checksum is verified; memory is one chunk)."""
+    chunk read whole, so its checksum is verified; memory is one chunk; a spread source
+    holds one chunk on this target's disk at a time)."""
     writer = node.writer(bucket_name, key)
     try:
         base = 0
@@ -54,6 +55,7 @@ def _copy_into(node, src, bucket_name: str, key: str, precondition) -> ObjectMet
             if chunk.size:
                 writer.write(src.pread(base, base + chunk.size))
             base += chunk.size
+            src.let_go_before(base)
         return writer.commit_if(precondition)
     except BaseException:
         writer.abort()
@@ -82,7 +84,7 @@ async def copy_object(request: web.Request, bucket_name: str, key: str) -> web.R
     if src_bucket not in node.buckets:
         raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
     try:
-        src = await spread.open_object(request.app, src_bucket, check_objname(src_key))
+        src = await spread.open_object(request.app, src_bucket, check_objname(src_key), lazy=True)
     except BadRequest:
         raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None
     except NotFound:

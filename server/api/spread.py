@@ -14,7 +14,7 @@ one object's parallel range reads are served by every target's disks, not by its
 Invariants:
 - A spread version is committed only once every copy of every chunk is committed; until then
   the object is the whole local version (a failure leaves it so, the chunks already stored for
-  it are deleted again, best effort, and the client gets 503).
+  it are deleted again, best effort — ``spread_deletes`` — and the client gets 503).
 - A chunk is read only if its bytes match the chunk checksum of the object's version (fetched
   copies are checked whole; local chunk objects must carry that checksum); reads of a spread
   version are then verified against its block sums like any other.
@@ -22,6 +22,8 @@ Invariants:
   the same chunks, and rebalance and rebuild move them like any object.
 - The event loop never waits for a chunk: ``Store.open_version`` raises BlockingIOError there
   and the caller opens in a thread (``open_object``); fetches run on the loop, the thread waits.
+  A lazy open (GetBatch entries, shard members, archive GETs, CopyObject sources) brings each
+  chunk when a read in a thread first reaches it, so a member costs its chunks, not the object.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import xxhash
 from aiohttp import web
 
 from batchfs.wire.urls import object_path
-from server.api import replicas
+from server.api import replicas, spread_deletes
 from server.api.daemon_api import NODE_INFO
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, NODE, PEERS
 from server.cluster import peers
@@ -59,7 +61,6 @@ PARALLEL_CHUNKS = 4  # chunks of one object sent or fetched at a time
 FETCH_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)
 FETCH_PIECE = 1 << 20
 FETCH_WAIT_SECONDS = 300.0  # a thread waits this long for the chunks of one open
-_CLEANUPS: set[asyncio.Task] = set()  # deletes of a failed spread's chunks, still running
 STREAM_PIECE = 4 << 20  # a spread GET reads and sends its chunks in pieces of this size
 
 
@@ -69,19 +70,22 @@ def enabled(app: web.Application) -> bool:
             and len(member.smap.targets) >= 2)
 
 
-async def open_object(app: web.Application, bucket: str, name: str, span=None, stream: bool = False):
+async def open_object(app: web.Application, bucket: str, name: str, span=None, stream: bool = False,
+                      lazy: bool = False):
     """``Node.open``, on the loop when it can (a local version), in a thread for a spread one.
     ``stream``: a spread version whose span covers several chunks is not opened at all but
-    returned as ``Streamed`` — ``send_spread`` then sends it a chunk at a time."""
+    returned as ``Streamed`` — ``send_spread`` then sends it a chunk at a time. ``lazy``: a
+    spread version's chunks are brought when reads (in threads) reach them, so a shard
+    member costs its chunks, not the shard (archive GETs, CopyObject sources)."""
     node = app[NODE]
     if stream:
         meta = node.lookup(bucket, name)
         if meta.spread and _spans(meta, *(span(meta) if span is not None else (0, meta.size)))[1:]:
             return Streamed(meta)
     try:
-        return node.open(bucket, name, span)
+        return node.open(bucket, name, span, lazy)
     except BlockingIOError:
-        return await asyncio.to_thread(node.open, bucket, name, span)
+        return await asyncio.to_thread(node.open, bucket, name, span, lazy)
 
 
 class Streamed:
@@ -162,7 +166,7 @@ async def after_put(request: web.Request, bucket: str, name: str, meta: ObjectMe
     replaced = request.app[NODE].target_store.replaced_spread(meta)
     meta = await spread_committed(request.app, meta)
     await replicas.put_copies(request, bucket, name, meta)
-    await forget_chunks(request.app, replaced)
+    await spread_deletes.forget_chunks(request.app, replaced)
     return meta
 
 
@@ -186,13 +190,18 @@ async def spread_committed(app: web.Application, meta: ObjectMeta) -> ObjectMeta
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        return await asyncio.to_thread(_commit_spread, node.target_store, meta)
     except BaseException:
-        # the version stays whole here: the chunks already stored for it are nobody's. Deleted
-        # in the background (the client's 503 need not wait; a cancelled request still cleans)
-        task = asyncio.get_running_loop().create_task(_delete_chunks(app, meta, "of a failed spread"))
-        _CLEANUPS.add(task)
-        task.add_done_callback(_CLEANUPS.discard)
+        # the version stays whole here: the chunks already stored for it are nobody's (no other
+        # holder has its manifest yet). Deleted in the background: the client's 503 need not wait
+        spread_deletes.clean_later(app, meta)
+        raise
+    commit = asyncio.ensure_future(asyncio.to_thread(_commit_spread, node.target_store, meta))
+    try:
+        return await asyncio.shield(commit)
+    except asyncio.CancelledError:
+        raise  # the commit thread may still finish: then these chunks are the version's, kept
+    except BaseException:
+        spread_deletes.clean_later(app, meta)  # the commit ended without committing (e.g. replaced meanwhile: 409)
         raise
 
 
@@ -280,6 +289,7 @@ def install(app: web.Application) -> None:
     """Let this target's store open spread versions (``Store.chunks_elsewhere``); on startup."""
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
+    app[spread_deletes.CLEANUPS] = set()
 
     def fetch(meta: ObjectMeta, indexes: list[int]) -> tuple[dict[int, Path], list[Path]]:
         if threading.get_ident() == loop_thread:
@@ -384,32 +394,3 @@ async def _fetch(app: web.Application, node, cbucket: str, cname: str, c: Chunk,
 
 
 # -- forgetting --------------------------------------------------------------------------------
-async def forget_chunks(app: web.Application, meta: ObjectMeta | None) -> None:
-    """Delete the chunk objects of a spread version a client's PUT or DELETE has just replaced
-    or removed here. Best effort: a chunk left behind costs space, never a wrong byte."""
-    if meta is None or not meta.spread:
-        return
-    await _delete_chunks(app, meta, "replaced")
-
-
-async def _delete_chunks(app: web.Application, meta: ObjectMeta, what: str) -> None:
-    """Delete every chunk object of ``meta``'s version on its holders (those not stored: 404)."""
-    if MEMBERSHIP not in app or app[MEMBERSHIP].smap is None:
-        return
-    smap, me = app[MEMBERSHIP].smap, app[NODE_INFO]["id"]
-    cbucket = chunks_bucket(meta.bucket)
-    for i in range(len(meta.chunks)):
-        cname = chunk_name(meta.name, meta.tag, i)
-        for holder in smap.holders(cbucket, cname):
-            try:
-                if holder.id == me:
-                    await asyncio.to_thread(app[NODE].delete, cbucket, cname, None, replicas.tombstone_time(app))
-                    continue
-                path_qs = f"{object_path(cbucket, cname)}?{replicas.REPLICA_PARAM}=1"
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", holder.url, path_qs) as r:
-                    if r.status not in (200, 404):
-                        raise StoreError(f"HTTP {r.status}")
-            except (NotFound, StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("ais://%s/%s: its chunk %d (%s) was not deleted on %s: %s",
-                            meta.bucket, meta.name, i, what, holder.id, getattr(e, "message", e))
-

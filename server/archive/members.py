@@ -52,6 +52,7 @@ class RangeSource(MemberSource):
         if len(data) != end - self._pos:
             raise BadRequest(f"ais://{self._obj.meta.bucket}/{self._obj.meta.name}: shorter than its index says")
         self._pos = end
+        self._obj.let_go_before(end)  # a spread version: the chunks passed go (not while others read)
         return data
 
     def span(self) -> tuple[OpenObject, tuple[int, int]]:

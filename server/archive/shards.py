@@ -333,8 +333,10 @@ class ShardIndexCache:
 
 
 def open_version(store: Store, meta: ObjectMeta) -> OpenObject:
-    """Open exactly this version; NotFound if a PUT or DELETE has removed it since."""
+    """Open exactly this version; NotFound if a PUT or DELETE has removed it since. A spread
+    version's chunks are brought as reads reach them (``Store.open_version(lazy=True)``): a
+    shard member or a range costs the chunks it covers, not the whole object."""
     try:
-        return store.open_version(meta)
+        return store.open_version(meta, lazy=True)
     except FileNotFoundError:
         raise NotFound(f"ais://{meta.bucket}/{meta.name} changed while being read") from None

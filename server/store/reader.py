@@ -1,5 +1,6 @@
-"""Reading object versions, verified: ``OpenObject`` (the chunk files of one version, opened),
-block sums and their cache, and the helpers that verify reads off the event loop.
+"""Reading object versions, verified: ``OpenObject`` (the chunk files of one version, opened;
+those of a spread version brought as reads reach them), and the helpers that verify reads off
+the event loop. The block sums reads are checked against: ``blocksums``.
 
 Invariants: no byte leaves ``OpenObject`` unverified. A read that covers a whole chunk is
 checked against the chunk's checksum, a partial read by reading the ``VERIFY_BLOCK`` blocks
@@ -12,19 +13,20 @@ verified (whole-chunk reads are). Every file opened here is closed by ``OpenObje
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import io
+import itertools
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 import xxhash
 
 from server.errors import CorruptData
+from server.store.blocksums import VERIFY_BLOCK, BlockSums
 from server.store.meta import ObjectMeta
 
 
@@ -36,70 +38,8 @@ class CorruptionReporter(Protocol):
     def block_sums(self, meta: ObjectMeta) -> BlockSums | None: ...
 
 
-# Reads are verified in blocks of this size (one xxh3-64, 8 bytes, per block of each chunk
-# larger than a block). A range read reads and hashes the blocks that cover it, so a 4 KiB
-# range costs at most two blocks of reading; the sums of a 1 GiB object are 128 KiB.
-# 64 KiB measured best among 64 KiB / 256 KiB / 1 MiB (docs/server.md, "Checksums"): with
-# 256 KiB blocks 64 KiB range GETs lost ~40%, with 64 KiB about nothing.
-VERIFY_BLOCK = 64 * 1024
 VERIFY_PIECE = 4 * 1024 * 1024  # streamed GETs verify (then send) this much at a time
 _MAP_MIN = 128 * 1024  # reads that check at least this much map the file instead of copying it all
-SUMS_CACHE_BYTES = 16 * 1024 * 1024  # block sums of recently read objects kept in memory
-
-
-class BlockSums:
-    """The block checksums of one object version: ``VERIFY_BLOCK``-sized xxh3-64 sums of
-    every chunk, concatenated in chunk order (8 bytes each, little-endian)."""
-
-    __slots__ = ("block_size", "sums", "first")
-
-    def __init__(self, meta: ObjectMeta, block_size: int, sums: bytes):
-        self.block_size, self.sums = block_size, sums
-        self.first: list[int] = []  # index of each chunk's first sum
-        n = 0
-        for c in meta.chunks:
-            self.first.append(n)
-            n += -(-c.size // block_size)
-        if n * 8 != len(sums):
-            raise ValueError("block sums do not match the chunk table")
-
-    def get(self, chunk: int, block: int) -> int:
-        i = (self.first[chunk] + block) * 8
-        return int.from_bytes(self.sums[i:i + 8], "little")
-
-
-class SumsCache:
-    """A bounded LRU of block sums by (bucket, name, tag), with ``False`` for versions that
-    have none; a version's sums never change, so nothing is ever invalidated but by size."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._bytes = 0
-        self._items: collections.OrderedDict[tuple[str, str, str], BlockSums | bool] = collections.OrderedDict()
-
-    def get(self, key: tuple[str, str, str]) -> "BlockSums | bool | None":
-        with self._lock:
-            v = self._items.get(key)
-            if v is not None:
-                self._items.move_to_end(key)
-            return v
-
-    def put(self, key: tuple[str, str, str], value: "BlockSums | bool") -> None:
-        cost = 64 + (len(value.sums) if isinstance(value, BlockSums) else 0)
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = value
-            self._bytes += cost
-            while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= 64 + (len(old.sums) if isinstance(old, BlockSums) else 0)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
 
 
 class OpenObject:
@@ -111,9 +51,17 @@ class OpenObject:
     chunk or blocks matched their checksums, and ``verify`` checks a span that the caller
     then sends with ``sendfile`` from the same (now cached) pages."""
 
-    def __init__(self, meta: ObjectMeta, files: list[tuple[Path | str | None, int]], store: CorruptionReporter | None = None):
+    def __init__(self, meta: ObjectMeta, files: list[tuple[Path | str | None, int]], store: CorruptionReporter | None = None,
+                 bring: Callable[[int], tuple[Path, bool]] | None = None):
         self.meta = meta
         self.store = store
+        # A spread version opened lazily: ``bring(i)`` puts chunk i here when a read first
+        # reaches it (blocking: never on the event loop) — (its file, whether that is a
+        # temporary copy to unlink once open). A read of one shard member brings its chunk,
+        # not the whole shard.
+        self._bring = bring
+        self._bring_lock = threading.Lock()
+        self._brought: list[int] = []  # chunks brought by reads, in order
         self._sums: BlockSums | None | bool = True  # True: not looked up yet
         # Holders: the owner (released by close) plus one per thread still reading; the files
         # close with the last release, so a cancelled request never closes (and the kernel
@@ -194,11 +142,50 @@ class OpenObject:
             lo, hi = max(start, base), min(end, base + size)
             if lo < hi:
                 if fd < 0:
-                    raise ValueError(f"ais://{self.meta.bucket}/{self.meta.name}: chunk {i} was not opened")
+                    fd = self._brought_fd(i)
                 yield i, fd, lo - base, hi - lo
             base += size
             if base >= end:
                 break
+
+    def _brought_fd(self, i: int) -> int:
+        """The descriptor of chunk ``i``, brought here now if this object brings chunks."""
+        if self._bring is None:
+            raise ValueError(f"ais://{self.meta.bucket}/{self.meta.name}: chunk {i} was not opened")
+        with self._bring_lock:
+            fd, size = self.files[i]
+            if fd >= 0:
+                return fd
+            path, temporary = self._bring(i)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            finally:
+                if temporary:  # the open descriptor keeps it readable
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            if os.fstat(fd).st_size != size:
+                os.close(fd)
+                raise self._corrupt(i, "has the wrong size on disk")
+            self.files[i] = (fd, size)
+            self._brought.append(i)
+            return fd
+
+    def let_go_before(self, pos: int) -> None:
+        """Close the brought chunks that end at or before object byte ``pos`` — a sequential
+        reader has passed them — unless another thread holds this object: a long read of a
+        spread version then keeps a chunk or two on this target's disk, not all it crossed.
+        A later read of them brings them again."""
+        if not self._brought:
+            return
+        with self._refs_lock, self._bring_lock:
+            if self._refs != 1 or self._owner_closed:
+                return
+            ends = list(itertools.accumulate(c.size for c in self.meta.chunks))
+            for i in [i for i in self._brought if ends[i] <= pos]:
+                fd, size = self.files[i]
+                os.close(fd)
+                self.files[i] = (-1, size)
+                self._brought.remove(i)
 
     def _read_chunk(self, i: int, fd: int, off: int, count: int, flags: int = 0,
                     check_only: bool = False) -> memoryview | bytes | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import json
@@ -51,7 +52,8 @@ from server.store.metacache import MetaCache
 from server.store.mountpath import Mountpath
 from server.store.orphans import OrphanReport, collect_orphans
 from server.store.placement import hrw
-from server.store.reader import SUMS_CACHE_BYTES, VERIFY_BLOCK, BlockSums, OpenObject, SumsCache
+from server.store.blocksums import SUMS_CACHE_BYTES, VERIFY_BLOCK, BlockSums, SumsCache
+from server.store.reader import OpenObject
 from server.store.writer import PRECONDITIONS, PutWriter
 
 log = logging.getLogger(__name__)
@@ -157,7 +159,7 @@ class Store:
         return found[1]
 
     def open(self, bucket: str, name: str,
-             span: Callable[[ObjectMeta], tuple[int, int]] | None = None) -> "OpenObject":
+             span: Callable[[ObjectMeta], tuple[int, int]] | None = None, lazy: bool = False) -> "OpenObject":
         """Look up the current version and open the chunk files holding its bytes
         ``[start, end) = span(meta)`` (default: the whole object).
 
@@ -165,22 +167,25 @@ class Store:
         a large object cost one open + fstat per chunk (128 per 8 MiB range of a 1 GiB object,
         quadratic over a sequential read). Open descriptors keep a version readable even if a
         concurrent PUT or DELETE unlinks its files; a version replaced between lookup and open
-        is looked up again. ``span`` may raise (a bad Range) before anything is opened."""
+        is looked up again. ``span`` may raise (a bad Range) before anything is opened.
+        ``lazy``: a spread version's chunks are brought as reads reach them (``open_version``)."""
         for _ in range(3):
             meta = self.lookup(bucket, name)
             start, end = span(meta) if span is not None else (0, meta.size)
             try:
-                return self.open_version(meta, start, end)
+                return self.open_version(meta, start, end, lazy)
             except FileNotFoundError:
                 self.meta_cache.invalidate((bucket, name))
                 continue
         raise CorruptData(f"ais://{bucket}/{name}: data files missing")
 
-    def open_version(self, meta: ObjectMeta, start: int = 0, end: int | None = None) -> "OpenObject":
+    def open_version(self, meta: ObjectMeta, start: int = 0, end: int | None = None,
+                     lazy: bool = False) -> "OpenObject":
         """Open exactly this version's chunks overlapping bytes [start, end);
         FileNotFoundError if a PUT or DELETE has removed it. The chunks of a version stored
         on other targets (``meta.spread``) are brought here by ``chunks_elsewhere`` first —
-        blocking, so never on the event loop (it raises BlockingIOError there)."""
+        blocking, so never on the event loop (it raises BlockingIOError there) — or, with
+        ``lazy``, each when a read first reaches it (reads then only in threads)."""
         end = meta.size if end is None else end
         wanted: list[int] = []
         base = 0
@@ -195,6 +200,9 @@ class Store:
         if self.chunks_elsewhere is None:
             raise ChunksElsewhere(f"ais://{meta.bucket}/{meta.name}: its chunks are stored on other targets "
                                   "of a cluster, and this node is not a target of one")
+        if lazy:
+            return OpenObject(meta, [(None, c.size) for c in meta.chunks], self,
+                              bring=functools.partial(self._bring_chunk, meta))
         paths, temporary = self.chunks_elsewhere(meta, wanted)
         try:  # open descriptors keep fetched copies readable once their names are gone
             return OpenObject(meta, [(paths.get(i), c.size) for i, c in enumerate(meta.chunks)], self)
@@ -202,6 +210,10 @@ class Store:
             for p in temporary:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
+
+    def _bring_chunk(self, meta: ObjectMeta, i: int) -> tuple[Path, bool]:
+        paths, temporary = self.chunks_elsewhere(meta, [i])
+        return paths[i], paths[i] in temporary
 
     def block_sums(self, meta: ObjectMeta) -> "BlockSums | None":
         """The block checksums of this version (None: written before block sums existed),

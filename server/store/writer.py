@@ -21,7 +21,7 @@ import xxhash
 
 from server.store.meta import Chunk, ObjectMeta
 from server.store.mountpath import Mountpath, fsync_dir, makedirs_durable
-from server.store.reader import VERIFY_BLOCK
+from server.store.blocksums import VERIFY_BLOCK
 
 # Preconditions of commits in flight, by version tag (unique per writer): the catalog's
 # ``commit_put`` runs the one for its tag inside its catalog transaction. A table rather than a

@@ -4,8 +4,10 @@ an object of ``.chunks.BUCKET`` on its HRW holders; reads through any path are b
 
 from __future__ import annotations
 
+import io
 import os
 import random
+import tarfile
 import time
 from urllib.parse import quote
 
@@ -154,6 +156,34 @@ def test_shard_members_of_a_spread_shard(spread_cluster, streaming):
     got = list(batch.get())
     assert [body for _, body in got[:4]] == [members[m] for m in wanted]
     assert got[4][1] == shard[MiB - 10:2 * MiB + 10]
+
+
+def test_a_member_of_a_spread_shard_costs_its_chunk_not_the_shard(spread_cluster):
+    """A GetBatch entry naming a member of a spread shard brings the chunk holding the member,
+    not every chunk of the shard (before: the whole shard, ~5 of its 8 MiB, crossed between
+    targets for each such request)."""
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    bucket = sdk.bucket("shards2").create(exist_ok=True)
+    members = {f"m/{i:02d}.bin": os.urandom(200_000) for i in range(40)}  # ~8 MiB: 8 chunks
+    shard = make_shard("tar", members)
+    bucket.object("s.tar").get_writer().put_content(shard)
+    assert _version_tag(c, "shards2", "s.tar")  # spread (checked by the helper)
+    with tarfile.open(fileobj=io.BytesIO(shard)) as tf:
+        inside = [m for m in tf.getmembers() if m.offset_data // MiB == (m.offset_data + m.size - 1) // MiB]
+    name = inside[len(inside) // 2].name
+
+    def one() -> bytes:
+        batch = sdk.batch(bucket=bucket, output_format=".tar", streaming_get=True)
+        batch.add("s.tar", archpath=name)
+        (_, body), = list(batch.get())
+        return body
+
+    assert one() == members[name]  # the designated target builds the shard's index (reads it all)
+    before = sum(_sent(t) for t in c.targets)
+    assert one() == members[name]
+    sent = sum(_sent(t) for t in c.targets) - before
+    assert sent < MiB + 2 * len(members[name]) + 64 * 1024, sent  # at most its chunk, and the member
 
 
 def test_whole_reads_go_a_chunk_at_a_time_and_leave_nothing_behind(spread_cluster):
