@@ -388,4 +388,7 @@ class ObjectReader(io.RawIOBase):
         data = self._obj.pread(self._pos, end)
         b[: len(data)] = data
         self._pos += len(data)
+        # tarfile and zipfile read forward (a shard's index scan); a spread version's chunks
+        # passed go, and one read again (zipfile's seeks back) is brought again
+        self._obj.let_go_before(self._pos)
         return len(data)

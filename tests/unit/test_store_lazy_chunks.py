@@ -61,3 +61,37 @@ def test_chunks_are_brought_when_reached_and_let_go_once_passed(tmp_path):
     finally:
         obj.close()
     assert obj.files == []  # every brought chunk closed with the object
+
+
+def test_a_shard_index_scan_keeps_a_chunk_or_two(tmp_path):
+    """Building a TAR shard's index reads every header: with a lazily opened version the chunks
+    the scan has passed go, and the index equals the one of a version opened whole."""
+    import io
+    import tarfile
+
+    from server.archive.shards import build_index
+
+    store = Store([tmp_path / "d"], 1 * MiB)
+    store.create_bucket("b")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for i in range(30):
+            ti = tarfile.TarInfo(f"m/{i:02d}")
+            ti.size = 200_000
+            tf.addfile(ti, io.BytesIO(os.urandom(ti.size)))
+    obj, brought = _lazy(store, tmp_path, buf.getvalue())
+    most = [0]
+    bring = obj._bring
+
+    def counting(i):
+        most[0] = max(most[0], len(open_chunks(obj)) + 1)
+        return bring(i)
+
+    obj._bring = counting
+    try:
+        index = build_index(obj, None)
+    finally:
+        obj.close()
+    with store.open("b", "o") as whole:
+        assert index.members == build_index(whole, None).members and len(index.members) == 30
+    assert sorted(set(brought)) == list(range(len(obj.meta.chunks))) and most[0] <= 2
