@@ -41,13 +41,14 @@ import os
 
 from aiohttp import web
 
-from server.errors import BadRequest, StoreError
+from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Cancelled, Work
-from server.archive.members import MemberSource, RangeSource, open_member
+from server.archive.members import MemberSource, RangeSource, member_span, open_member
 from server.archive.shards import ShardIndexCache
 from server.api.state import CONFIG, METRICS, NODE, OP_KEY
 from server.api import spread
 from server.store.reader import verify_in_thread, verify_pieces
+from server.store.store import ChunksElsewhere
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,18 @@ async def get_member(request: web.Request, bucket: str, name: str) -> web.Stream
     obj = await spread.open_object(request.app, bucket, name, lazy=True)  # reads below run in threads
     src: MemberSource | None = None
     try:
-        index = await asyncio.to_thread(_index_cache(request.app).get, node.target_store, obj.meta, obj, work)
-        _, size = index.find(obj.meta, archpath)
+        for attempt in range(2):
+            index = await asyncio.to_thread(_index_cache(request.app).get, node.target_store, obj.meta, obj, work)
+            _, size = index.find(obj.meta, archpath)
+            try:  # the member's chunks here before the 200: an overwrite cannot cut the reply
+                await asyncio.to_thread(obj.bring_span, *member_span(obj, index, archpath, 0, size))
+                break
+            except (NotFound, ChunksElsewhere):
+                current = node.lookup(bucket, name)
+                if attempt or (current.tag == obj.meta.tag and current.spread == obj.meta.spread):
+                    raise
+                obj.close()  # replaced meanwhile: the current version
+                obj = await spread.open_object(request.app, bucket, name, lazy=True)
         src = await asyncio.to_thread(open_member, obj, index, archpath, 0, size, False, work)
         headers = {"Content-Type": "application/octet-stream"}
         request.app[METRICS].bytes_out.labels(request[OP_KEY]).inc(size)

@@ -20,6 +20,7 @@ from server.api.s3_xml import S3Error, copy_result_doc, xml_response
 from server.api.state import METRICS, NODE, OP_KEY
 from server.errors import BadRequest, NotFound
 from server.store.meta import ObjectMeta
+from server.store.store import ChunksElsewhere
 from server.validate import check_objname
 
 
@@ -53,7 +54,12 @@ def _copy_into(node, src, bucket_name: str, key: str, precondition) -> ObjectMet
         base = 0
         for chunk in src.meta.chunks:
             if chunk.size:
-                writer.write(src.pread(base, base + chunk.size))
+                try:
+                    data = src.pread(base, base + chunk.size)
+                except NotFound:  # a spread source's chunk went with a newer version: nothing is committed
+                    raise ChunksElsewhere(f"the source ais://{src.meta.bucket}/{src.meta.name} was replaced or "
+                                          "deleted while being copied; copy it again") from None
+                writer.write(data)
             base += chunk.size
             src.let_go_before(base)
         return writer.commit_if(precondition)

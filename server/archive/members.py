@@ -19,6 +19,11 @@ from server.archive.shards import (CORRUPT_ERRORS, TGZ_SPACING, GzStream, Indexe
                                    buffered_reader, corrupt_error, norm_name)
 from server.errors import BadRequest
 from server.store.reader import OpenObject
+
+_ZIP_HEADER_MARGIN = 2 * 65536 + 30 + 4096  # a local header: name and extra field of up to 64 KiB each
+_TGZ_READ_MARGIN = 1 << 20  # GzStream reads compressed bytes ahead, 64 KiB at a time
+
+
 class MemberSource:
     """Blocking reader of bytes [start, start + length) of one member; ``read(n)`` returns b''
     at the end. Holds the shard (or object) open until ``close``."""
@@ -150,6 +155,20 @@ class TgzReader:
 
     def close(self) -> None:
         self._stream = None
+
+
+def member_span(obj: OpenObject, index: ShardIndex, archpath: str, start: int, length: int) -> tuple[int, int]:
+    """Shard bytes [lo, hi) that reading bytes [start, start+length) of a member needs — for a
+    ZIP or TGZ member with a margin (local header, decompression read-ahead), never short."""
+    offset, _ = index.find(obj.meta, archpath)
+    if index.kind == "tar":
+        return offset + start, offset + start + length
+    if index.kind == "zip":
+        zi = index.zipinfos[norm_name(archpath)]
+        return zi.header_offset, zi.header_offset + zi.compress_size + _ZIP_HEADER_MARGIN
+    first = index.checkpoint_before(max(0, offset + start - TGZ_SPACING))  # a run's stream may start earlier
+    after = next((c for c in index.checkpoints if c.out_pos >= offset + start + length), None)
+    return first.in_pos, (obj.meta.size if after is None else after.in_pos + _TGZ_READ_MARGIN)
 
 
 def open_member(obj: OpenObject, index: ShardIndex, archpath: str, start: int, length: int,

@@ -41,11 +41,11 @@ from server.archive.writers import TarWriter
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.getbatch.budget import Work
 from server.getbatch.request import MossReq, Entry, span
-from server.archive.members import MemberSource, RangeSource, TgzReader, open_member
+from server.archive.members import MemberSource, RangeSource, TgzReader, member_span, open_member
 from server.archive.shards import ShardIndexCache, open_version
 from server.store.meta import ObjectMeta
 from server.store.reader import OpenObject
-from server.store.store import Store
+from server.store.store import ChunksElsewhere, Store
 
 
 
@@ -126,24 +126,35 @@ class _Handles:
 def open_source(store: Store, cache: ShardIndexCache, e: Entry, work: Work,
                 h: _Handles | None = None) -> tuple[MemberSource, int, int]:
     """Open entry ``e`` for reading: (source, byte count, mtime). With ``h``, the shard or
-    object stays open in ``h`` (shared by a run); otherwise closing the source closes it."""
+    object stays open in ``h`` (shared by a run); otherwise closing the source closes it.
+    The entry's bytes are on this target before it returns (a spread version's chunks brought
+    now), so no overwrite can cut it half-way: a version replaced or deleted since the plan, or
+    while its chunks were brought, is read in its current version, if any."""
     meta = e.meta if e.meta is not None else store.lookup(e.bucket, e.objname)
     try:
-        obj = h.obj(store, meta) if h else open_version(store, meta)
-    except NotFound:  # replaced or deleted since the plan: take the current version, if any
-        obj = store.open(e.bucket, e.objname)
-        meta = obj.meta
-        if h:
-            h.objs[meta.tag] = obj
+        return _open_entry(store, cache, e, work, h, meta)
+    except (NotFound, ChunksElsewhere):
+        current = store.lookup(e.bucket, e.objname)  # NotFound: deleted
+        if current.tag == meta.tag and current.spread == meta.spread:
+            raise  # the same version as it was: a real error (a missing member, chunks unreachable)
+        # replaced, or the same version re-committed spread (its local files gone): as it is now
+        return _open_entry(store, cache, e, work, h, current)
+
+
+def _open_entry(store: Store, cache: ShardIndexCache, e: Entry, work: Work, h: _Handles | None,
+                meta: ObjectMeta) -> tuple[MemberSource, int, int]:
+    obj = h.obj(store, meta) if h else open_version(store, meta)
     own = h is None
     try:
         mtime = meta.atime_ns // 1_000_000_000
         if not e.archpath:
             start, count = span(e, meta.size)
+            obj.bring_span(start, start + count)
             return RangeSource(obj, start, count, close_obj=own), count, mtime
         index = cache.get(store, meta, obj, work)
         _, member_size = index.find(meta, e.archpath)
         start, count = span(e, member_size)
+        obj.bring_span(*member_span(obj, index, e.archpath, start, count))
         if index.kind == "tgz" and h is not None:
             reader = h.tgz.get(meta.tag)
             if reader is None:

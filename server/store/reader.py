@@ -25,7 +25,7 @@ from typing import Protocol
 
 import xxhash
 
-from server.errors import CorruptData
+from server.errors import CorruptData, NotFound
 from server.store.blocksums import VERIFY_BLOCK, BlockSums
 from server.store.meta import ObjectMeta
 
@@ -159,6 +159,9 @@ class OpenObject:
             path, temporary = self._bring(i)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # the copy kept here went with a newer version
+                raise NotFound(f"ais://{self.meta.bucket}/{self.meta.name}: chunk {i} of version "
+                               f"{self.meta.tag} is gone (replaced or deleted while being read)") from None
             finally:
                 if temporary:  # the open descriptor keeps it readable
                     with contextlib.suppress(FileNotFoundError):
@@ -169,6 +172,14 @@ class OpenObject:
             self.files[i] = (fd, size)
             self._brought.append(i)
             return fd
+
+    def bring_span(self, start: int, end: int) -> None:
+        """Bring now every chunk overlapping object bytes [start, end) (nothing to do unless
+        this object brings chunks): an entry about to be read holds its bytes before its first
+        byte goes out, so a version replaced meanwhile cannot cut it half-way."""
+        if self._bring is not None:
+            for _ in self.segments(max(0, start), min(end, self.meta.size)):
+                pass
 
     def let_go_before(self, pos: int) -> None:
         """Close the brought chunks that end at or before object byte ``pos`` — a sequential
