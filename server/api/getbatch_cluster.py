@@ -65,7 +65,7 @@ from server.cluster.smap import ClusterMap, ClusterNode
 from server.errors import StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
-from server.api.getbatch_members import SENDER_WAIT_SECONDS, Members, SenderFailed
+from server.api.getbatch_members import SENDER_WAIT_SECONDS, CopiesDiffer, Members, SenderFailed
 from server.api.getbatch_output import Coalesced, buffered, make_out, read_buffered
 
 log = logging.getLogger(__name__)
@@ -384,8 +384,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     if m.held is not None:
                         await from_other_copies(i, m)
                 except SenderFailed as e:
-                    if recoveries >= 2 * len(smap.targets):  # a dead sender may fail two open windows
-                        raise
+                    if recoveries >= 2 * len(smap.targets) or isinstance(e, CopiesDiffer):
+                        raise  # a dead sender may fail two open windows; a changed object ends the reply
                     log.warning("moss (designated target): %s; entry %d on: from the next copies", e.message, i)
                     resume = m.resume_point()
                     await recover(i, m)

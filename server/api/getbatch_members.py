@@ -10,6 +10,8 @@ Invariants:
 - A member's headers are handed on only once its own header is read (so a held placeholder
   leaves nothing in the reply); what was written of a member is counted, so a member cut by a
   failing sender can be finished from another copy (``resume_point``, ``copy_one(resume=...)``).
+- A member finished from another copy (``resume``) is spliced only if that copy's first bytes
+  hash like those already written (xxh3): otherwise ``CopiesDiffer`` and the reply ends.
 - A sender silent for ``SENDER_WAIT_SECONDS`` (AIStore's ``max_wait``) or ending early is a
   ``SenderFailed``.
 """
@@ -21,6 +23,7 @@ import tarfile
 import time
 
 import aiohttp
+import xxhash
 
 from batchfs.wire.getbatch import MISSING_PREFIX
 from server.cluster.smap import ClusterNode
@@ -35,6 +38,11 @@ _PREFIX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tar
 
 class SenderFailed(StoreError):
     status = 502
+
+
+class CopiesDiffer(SenderFailed):
+    """Another copy's member does not begin with the bytes already sent of it (the object
+    changed between the copies): the member cannot be finished, the reply must end."""
 
 
 def _padded(n: int) -> int:
@@ -87,6 +95,7 @@ class Members:
         self.node, self.stream, self.wait = node, stream, wait_seconds  # stream: read_nowait(n), await readexactly(n)
         self.rx = rx if rx is not None else [0]  # ns spent waiting for this sender's bytes (shared: rxwait)
         self.headers_written = self.data_written = 0
+        self.sent = xxhash.xxh3_64()  # of the current member's data written so far
         self.size: int | None = None  # the current member's padded data size, once its header is out
         # a ``coer`` placeholder (``__404__/NAME``, no data) the last ``copy_one`` read and did
         # not write: its header bytes, for the caller to write if no other copy has the entry
@@ -112,21 +121,24 @@ class Members:
         finally:
             self.rx[0] += time.perf_counter_ns() - started
 
-    def resume_point(self) -> tuple[int, int] | None:
-        """(padded data size, data bytes written) of a member begun and cut in its data; None if
-        nothing of it was written; SenderFailed when cut inside its headers (not resumable)."""
+    def resume_point(self) -> tuple[int, int, int] | None:
+        """(padded data size, data bytes written, their xxh3) of a member begun and cut in its
+        data; None if nothing of it was written; SenderFailed when cut inside its headers (not
+        resumable)."""
         if self.headers_written == 0:
             return None
         if self.size is None:
             raise SenderFailed(f"moss: sender {self.node.id} failed inside a member's headers")
-        return self.size, self.data_written
+        return self.size, self.data_written, self.sent.intdigest()
 
-    async def copy_one(self, out, resume: tuple[int, int] | None = None) -> None:
+    async def copy_one(self, out, resume: tuple[int, int, int] | None = None) -> None:
         """Copy the next member to ``out`` (``getbatch_output.TarOut`` or ``Reframed``); with
         ``resume`` (another sender's ``resume_point``), drop its headers and the data already
-        written, and write the rest (the same bytes: the same object from another copy, checked
-        by size)."""
+        written, and write the rest — only if it is the same object: the same size, and the
+        bytes skipped hash like those written (else ``CopiesDiffer``: the object was overwritten
+        between the copies, and splicing them would serve bytes of two versions)."""
         self.headers_written = self.data_written = 0
+        self.sent = xxhash.xxh3_64()
         self.size, self.held = None, None
         pax_size = pax_path = None
         headers: list[bytes] = []  # written once the member's own header says it is not a placeholder
@@ -155,18 +167,25 @@ class Members:
                 self.headers_written = len(headers)
             self.size = left = _padded(size)
             if resume is not None:
-                size, skip = resume
+                size, skip, digest = resume
                 if size != left:
-                    raise SenderFailed(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
+                    raise CopiesDiffer(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
                                        f"{size}): the member cannot be finished from it")
                 self.headers_written, self.data_written = 1, skip
                 while skip:
-                    skip -= len(await self._read(min(COPY_BYTES, skip)))
+                    piece = await self._read(min(COPY_BYTES, skip))
+                    self.sent.update(piece)
+                    skip -= len(piece)
+                if self.sent.intdigest() != digest:
+                    raise CopiesDiffer(f"moss: another copy on {self.node.id} does not begin with the "
+                                       f"{self.data_written} bytes already sent (the object changed): the "
+                                       "member cannot be finished from it")
                 left -= self.data_written
             while left:
                 chunk = await self._read(min(COPY_BYTES, left))
                 left -= len(chunk)
                 await out.data(chunk)
+                self.sent.update(chunk)
                 self.data_written += len(chunk)
             await out.end()
             return
