@@ -90,8 +90,11 @@ def test_raw_moss_through_the_gateway_redirects_to_the_owner_of_most_entries(clu
     t_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == t.url)
     others = [n for n in sorted(objs) if ranked(smap, "gbx", n)[0] != t_id][:20]
     before = t.metrics().get("getbatch_rxwait_ns_total", 0)
-    direct = moss(t.url, "gbx", {"in": [{"objname": n} for n in others], "mime": ".tar", "strm": True})
-    assert direct.status_code == 200 and [d for _, d in tar_members(direct.content)] == [objs[n] for n in others]
+    for _ in range(10):  # a DT finding every byte already received waits 0 ns: asked again then
+        direct = moss(t.url, "gbx", {"in": [{"objname": n} for n in others], "mime": ".tar", "strm": True})
+        assert direct.status_code == 200 and [d for _, d in tar_members(direct.content)] == [objs[n] for n in others]
+        if t.metrics().get("getbatch_rxwait_ns_total", 0) > before:
+            break
     assert t.metrics().get("getbatch_rxwait_ns_total", 0) > before
     # the archive ends properly (two zero blocks), so tar reads it to the end without complaint
     with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
