@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import re
 import struct
-import threading
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -58,23 +57,13 @@ def footer_span(size: int, tail: bytes) -> tuple[int, int]:
 class SparseFile(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only ``ranges`` ({offset: bytes}) are known.
 
-    The position is per thread. pyarrow 26 with ``pre_buffer=False`` reads from the calling
-    thread only and holds a lock around each seek + read of a ``PythonFile`` (measured), so
-    this is a guard, not a need today: a version that read from its decoding threads could
-    never have one thread's seek move another's read."""
+    One position: pyarrow reads it (``pre_buffer=False``) from the calling thread only, under
+    ``PythonFile``'s lock around each seek + read, even while its threads decode columns."""
 
     def __init__(self, size: int, ranges: dict[int, bytes]):
         self.size = size
         self._spans = sorted((off, memoryview(data).cast("B")) for off, data in ranges.items())  # slices: no copy
-        self._local = threading.local()
-
-    @property
-    def _pos(self) -> int:
-        return getattr(self._local, "pos", 0)
-
-    @_pos.setter
-    def _pos(self, value: int) -> None:
-        self._local.pos = value
+        self._pos = 0
 
     def readable(self) -> bool:
         return True

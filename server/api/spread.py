@@ -392,5 +392,3 @@ async def _fetch(app: web.Application, node, cbucket: str, cname: str, c: Chunk,
         raise StoreError(f"sent {n} bytes with checksum {h.hexdigest()}, expected {c.size} with {c.cksum}")
     return path
 
-
-# -- forgetting --------------------------------------------------------------------------------
