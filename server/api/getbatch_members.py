@@ -26,6 +26,7 @@ import aiohttp
 import xxhash
 
 from batchfs.wire.getbatch import MISSING_PREFIX
+from batchfs.wire.tarheader import tar_header
 from server.cluster.smap import ClusterNode
 from server.errors import StoreError
 
@@ -47,6 +48,21 @@ class CopiesDiffer(SenderFailed):
 
 def _padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
+
+
+def _plain_header(block: bytes) -> tuple[str, int, int] | None:
+    """(name, size, mtime) of a plain USTAR member header exactly as ``tar_header`` writes it
+    (what every sender writes for an ASCII name of at most 100 bytes), else None.
+
+    Checked by building that header again and comparing all 512 bytes (checksum, type, mode,
+    magic included), so a header that is anything else goes to ``tarfile``; ~5x cheaper than
+    ``TarInfo.frombuf``, which py-spy had at 14 % of the designated target's CPU."""
+    try:
+        name = block[:block.index(0, 0, 100)].decode("ascii") if block[99] == 0 else block[:100].decode("ascii")
+        size, mtime = int(block[124:135], 8), int(block[136:147], 8)
+    except ValueError:  # no NUL where expected, not ASCII, not octal: not ours
+        return None
+    return (name, size, mtime) if tar_header(name, size, mtime) == block else None
 
 
 def _pax_record(data: bytes, want: bytes) -> bytes | None:
@@ -142,15 +158,19 @@ class Members:
         self.size, self.held = None, None
         pax_size = pax_path = None
         headers: list[bytes] = []  # written once the member's own header says it is not a placeholder
-        while True:
+        while True:  # the member's headers: PAX or GNU prefixes, then its own
             block = await self._read(BLOCK)
             if block == ZERO:
                 raise SenderFailed(f"moss: sender {self.node.id} sent fewer members than it was asked for")
+            plain = _plain_header(block) if not headers else None
+            headers.append(block)
+            if plain is not None:
+                name, size, mtime = plain
+                break
             try:
                 info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
             except tarfile.HeaderError as e:
                 raise SenderFailed(f"moss: sender {self.node.id} sent a bad TAR header: {e}") from None
-            headers.append(block)
             if info.type in _PREFIX_TYPES:  # a header for the member that follows
                 data = await self._read(_padded(info.size))
                 if info.type == tarfile.XHDTYPE:
@@ -159,33 +179,34 @@ class Members:
                 continue
             size = info.size if pax_size is None else int(pax_size)
             name = info.name if pax_path is None else pax_path.decode("utf-8", "surrogateescape")
-            if size == 0 and name.startswith(MISSING_PREFIX) and resume is None:
-                self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
-                return
-            if resume is None:
-                await out.head(headers, name, info.mtime, size)
-                self.headers_written = len(headers)
-            self.size = left = _padded(size)
-            if resume is not None:
-                size, skip, digest = resume
-                if size != left:
-                    raise CopiesDiffer(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
-                                       f"{size}): the member cannot be finished from it")
-                self.headers_written, self.data_written = 1, skip
-                while skip:
-                    piece = await self._read(min(COPY_BYTES, skip))
-                    self.sent.update(piece)
-                    skip -= len(piece)
-                if self.sent.intdigest() != digest:
-                    raise CopiesDiffer(f"moss: another copy on {self.node.id} does not begin with the "
-                                       f"{self.data_written} bytes already sent (the object changed): the "
-                                       "member cannot be finished from it")
-                left -= self.data_written
-            while left:
-                chunk = await self._read(min(COPY_BYTES, left))
-                left -= len(chunk)
-                await out.data(chunk)
-                self.sent.update(chunk)
-                self.data_written += len(chunk)
-            await out.end()
+            mtime = info.mtime
+            break
+        if size == 0 and name.startswith(MISSING_PREFIX) and resume is None:
+            self.held = b"".join(headers)  # maybe another copy's target has it (get from neighbour)
             return
+        if resume is None:
+            await out.head(headers, name, mtime, size)
+            self.headers_written = len(headers)
+        self.size = left = _padded(size)
+        if resume is not None:
+            size, skip, digest = resume
+            if size != left:
+                raise CopiesDiffer(f"moss: another copy on {self.node.id} differs in size ({left} bytes, not "
+                                   f"{size}): the member cannot be finished from it")
+            self.headers_written, self.data_written = 1, skip
+            while skip:
+                piece = await self._read(min(COPY_BYTES, skip))
+                self.sent.update(piece)
+                skip -= len(piece)
+            if self.sent.intdigest() != digest:
+                raise CopiesDiffer(f"moss: another copy on {self.node.id} does not begin with the "
+                                   f"{self.data_written} bytes already sent (the object changed): the "
+                                   "member cannot be finished from it")
+            left -= self.data_written
+        while left:
+            chunk = await self._read(min(COPY_BYTES, left))
+            left -= len(chunk)
+            await out.data(chunk)
+            self.sent.update(chunk)
+            self.data_written += len(chunk)
+        await out.end()

@@ -20,7 +20,7 @@ from typing import Protocol
 from server.archive.members import MemberSource
 from server.archive.shards import ShardIndexCache
 from server.getbatch.budget import ShardIndexer, Work
-from server.getbatch.reads import RunResult, open_source, plan_chunk, read_run, read_run_cached
+from server.getbatch.reads import RunResult, open_source, plan_cached, plan_chunk, read_run, read_run_cached
 from server.getbatch.request import Entry, MossReq
 from server.store.meta import ObjectMeta
 from server.store.store import Store
@@ -30,6 +30,8 @@ class ItemSource(Protocol):
     def require_bucket(self, bucket: str) -> None: ...  # NotFound unless the bucket exists
 
     def plan(self, req: MossReq, lo: int, hi: int, work: Work) -> int: ...  # placeholders planned; NeedIndex
+
+    def plan_cached(self, req: MossReq, lo: int, hi: int) -> bool: ...  # on the loop: planned, no placeholders
 
     async def build_index(self, meta: ObjectMeta, work: Work) -> None: ...
 
@@ -51,6 +53,9 @@ class LocalItems:
 
     def plan(self, req: MossReq, lo: int, hi: int, work: Work) -> int:
         return plan_chunk(self.store, self.shard_indexes, req, lo, hi, work)
+
+    def plan_cached(self, req: MossReq, lo: int, hi: int) -> bool:
+        return plan_cached(self.store, req, lo, hi)
 
     async def build_index(self, meta: ObjectMeta, work: Work) -> None:
         await self.indexer.build(self.store, meta, work)

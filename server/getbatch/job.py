@@ -52,6 +52,9 @@ from server.metrics import Metrics
 from server.archive.shards import ShardIndexCache
 
 PLAN_CHUNK = 512  # entries checked and looked up per thread call after the first window
+# Up to this many entries are planned on the event loop when every one's metadata is cached
+# (a few microseconds each); a larger chunk goes to a thread even then, so the loop is not held.
+PLAN_CACHED_MAX = 256
 RUN_FIRST_ENTRIES = 8
 RUN_MAX_ENTRIES = 64
 RUN_MAX_BYTES = 1 * MiB
@@ -124,6 +127,9 @@ class BatchJob:
         upto = min(upto, self.req.n)
         while self.planned < upto:
             lo, hi = self.planned, min(self.planned + chunk, self.req.n)
+            if hi - lo <= PLAN_CACHED_MAX and self.items.plan_cached(self.req, lo, hi):
+                self.planned = hi
+                continue
             try:
                 self.plan_missing += await self.run(self.items.plan, self.req, lo, hi, self.work)
             except NeedIndex as need:  # built off the reader pool, then plan on from there

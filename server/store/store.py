@@ -143,6 +143,10 @@ class Store:
                 return mp, row_to_meta(row)
         return None
 
+    def cached_meta(self, bucket: str, name: str) -> ObjectMeta | None:
+        """``lookup`` if the metadata is cached, else None (never a catalog query)."""
+        return self.meta_cache.get((bucket, name)) if bucket in self.buckets else None
+
     def lookup(self, bucket: str, name: str) -> ObjectMeta:
         """Object metadata: from the cache, else a catalog point lookup (tens of
         microseconds; safe to call on the event loop)."""
