@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import uuid
+from typing import Callable
 
 from aiohttp import MultipartWriter, web
 
@@ -49,12 +50,14 @@ from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch.items import LocalItems
 from server.getbatch.request import Entry, parse_request
+from server.config import ServerConfig
 from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
 from server.api import auth
 from server.api.daemon_api import NODE_INFO
 from server.api.getbatch_cluster import moss_across
+from server.api.getbatch_local import open_local
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
 
 log = logging.getLogger(__name__)
@@ -86,9 +89,8 @@ class _Progress:
             self.done += 1
 
 
-async def _watch(request: web.Request, job: BatchJob, progress: _Progress) -> str:
+async def _watch(request: web.Request, c: ServerConfig, metrics: Metrics, progress: _Progress) -> str:
     """Return why the request must stop: its client is gone, stalled, or it ran too long."""
-    c = job.config
     loop = asyncio.get_running_loop()
     started = last_move = loop.time()
     last_done, last_buffered = progress.done, -1
@@ -97,18 +99,18 @@ async def _watch(request: web.Request, job: BatchJob, progress: _Progress) -> st
         now = loop.time()
         transport = request.transport
         if transport is None or transport.is_closing():
-            job.metrics.gb_cancelled_n.inc()
+            metrics.gb_cancelled_n.inc()
             return "client disconnected"
         buffered = transport.get_write_buffer_size()
         if not progress.busy or progress.done != last_done or buffered < last_buffered:
             last_move = now  # not waiting on the client, or bytes left since the last look
         last_done, last_buffered = progress.done, buffered
         if now - last_move > c.getbatch_stall_timeout_seconds:
-            job.metrics.gb_aborted_stalled_n.inc()
+            metrics.gb_aborted_stalled_n.inc()
             return (f"client read nothing for {c.getbatch_stall_timeout_seconds:g} s "
                     "(getbatch_stall_timeout_seconds)")
         if now - started > c.getbatch_max_time_seconds:
-            job.metrics.gb_timed_out_n.inc()
+            metrics.gb_timed_out_n.inc()
             return f"request ran longer than {c.getbatch_max_time_seconds:g} s (getbatch_max_time_seconds)"
 
 
@@ -294,12 +296,16 @@ async def moss(request: web.Request) -> web.StreamResponse:
             if (me is None or _any_elsewhere(req, member.smap, me, items)
                     or _lacks_any(node, req)):  # e.g. joined, before the rebalance: from the other copies
                 throttle = state.admission.admit()  # the designated target's admission control
+                progress = _Progress()
                 try:
                     if throttle:
                         await state.admission.throttle(config.getbatch_throttle_seconds)
-                    return await moss_across(request, req, member.smap, me or _unknown(app),
-                                             app[CLUSTER_SECRET], app[PEERS], config.getbatch_max_buffered_bytes,
-                                             lambda upto: req.check_upto(upto, items))
+                    across = moss_across(request, req, member.smap, me or _unknown(app), app[CLUSTER_SECRET],
+                                         app[PEERS], config.getbatch_max_buffered_bytes,
+                                         lambda upto: req.check_upto(upto, items),
+                                         lambda sub: open_local(items, state, metrics, request.path, sub,
+                                                                PRECHECK_ENTRIES), progress)
+                    return await _watched(request, across, progress, config, metrics)
                 finally:
                     state.admission.leave()
         req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
@@ -311,29 +317,13 @@ async def moss(request: web.Request) -> web.StreamResponse:
     if signed:
         job.soft_limit = req.n
     progress = _Progress()
-    watch = asyncio.create_task(_watch(request, job, progress))
-    work: asyncio.Task | None = None
     try:
         if throttle:
             await state.admission.throttle(config.getbatch_throttle_seconds)
-        work = asyncio.create_task(_stream(request, job, metrics, progress) if req.strm
-                                   else _buffered(request, job, progress))
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the watchdog fired: stop everything this request holds
-            reason = watch.result()
-            job.work.stop(reason)
-            # cancel before aborting: a loop.sendfile in progress must first take its writer
-            # off the socket, or the closed descriptor stays in the selector and breaks the
-            # next connection that gets its number
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if request.transport is not None:
-                request.transport.abort()  # drops what the transport still buffers
-            metrics.gb_err_n.inc()
-            log.info("moss: request stopped: %s", reason)
-            return web.Response(status=499)  # nobody reads it; aiohttp drops it quietly
-        resp = work.result()
-        metrics.gb_n.inc()
+        resp = await _watched(request, _stream(request, job, metrics, progress) if req.strm
+                              else _buffered(request, job, progress), progress, config, metrics, job.work.stop)
+        if resp.status != 499:  # 499: stopped by the watchdog
+            metrics.gb_n.inc()
         return resp
     except _Truncated as t:
         metrics.gb_err_n.inc()
@@ -349,14 +339,43 @@ async def moss(request: web.Request) -> web.StreamResponse:
         metrics.gb_err_n.inc()
         raise
     finally:
-        watch.cancel()
-        if work is not None and not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
         await job.shutdown()
         metrics.gb_rxwait_ns.inc(job.rxwait_ns)
         state.admission.leave()
         trim_if_idle(state.budget)
+
+
+async def _watched(request: web.Request, work_coro, progress: _Progress, config: ServerConfig, metrics: Metrics,
+                   on_stop: Callable[[str], None] | None = None) -> web.StreamResponse:
+    """Run a reply's work under the watchdog (``_watch``): if the client goes away, stops
+    reading for ``getbatch_stall_timeout_seconds`` or the request runs past
+    ``getbatch_max_time_seconds``, ``on_stop(reason)`` is called, the work is cancelled (every
+    sub-request and job it holds is closed by its own ``finally``), the connection is
+    dropped, and the answer is a 499 nobody reads."""
+    watch = asyncio.create_task(_watch(request, config, metrics, progress))
+    work = asyncio.create_task(work_coro)
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        reason = watch.result()
+        if on_stop is not None:
+            on_stop(reason)
+        # cancel before aborting: a loop.sendfile in progress must first take its writer
+        # off the socket, or the closed descriptor stays in the selector and breaks the
+        # next connection that gets its number
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        if request.transport is not None:
+            request.transport.abort()  # drops what the transport still buffers
+        metrics.gb_err_n.inc()
+        log.info("moss: request stopped: %s", reason)
+        return web.Response(status=499)  # nobody reads it; aiohttp drops it quietly
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
 
 
 def _unknown(app: web.Application):

@@ -51,7 +51,7 @@ import json
 import logging
 import re
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -144,8 +144,14 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
 
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
                       secret: ClusterSecret, session: aiohttp.ClientSession, cap: int,
-                      check: Callable[[int], None]) -> web.StreamResponse:
-    """``check(upto)`` checks the request's entries up to ``upto`` (``MossReq.check_upto``)."""
+                      check: Callable[[int], None],
+                      local: Callable[[MossReq], Awaitable] | None = None,
+                      progress=None) -> web.StreamResponse:
+    """``check(upto)`` checks the request's entries up to ``upto`` (``MossReq.check_upto``);
+    ``local(sub)`` serves this target's own share of a streamed window in-process
+    (``getbatch_local``) instead of over HTTP; ``progress.track(write)`` wraps every write of
+    the reply, for the caller's watchdog (a client that stops reading)."""
+    track = progress.track if progress is not None else (lambda aw: aw)
     down: set[str] = set()
     lenient = False  # senders asked with coer: their placeholders are looked for on other copies
     rx = [0]  # ns the streamed reply waited on senders' bytes (rxwait)
@@ -154,6 +160,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
     opened: list[aiohttp.ClientResponse] = []  # every sub-request, closed at the end
 
     async def open_sub(node_id: str, idx: list[int], coer: bool = False) -> aiohttp.ClientResponse:
+        if local is not None and node_id == me.id and req.strm:
+            r = await local(MossReq([req.items[i] for i in idx], req.default_bucket, ".tar",
+                                    req.coer or lenient or coer, req.onob, req.strm))
+            opened.append(r)
+            return r
         body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
                            "onob": req.onob, "strm": req.strm}).encode()
         path_qs = request.rel_url.raw_path_qs
@@ -284,7 +295,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             return await buffered(req, owners, first, cap, buffered_elsewhere)
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
-        await resp.prepare(request)
+        await track(resp.prepare(request))
         # entry i comes from source[i]; None: no reachable target holds it (coer: a placeholder)
         source: list[Members | None] = [None] * req.n
 
@@ -355,7 +366,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             metrics.gb_soft_err_n.inc()
             await out.placeholder(placeholder_name(e), header)
 
-        reply = Coalesced(resp)
+        reply = Coalesced(resp, track)
         out = make_out(req.mime, reply.write)
         i, resume, recoveries, k = 0, None, 0, 1  # bounds[k]: the next window to open
         try:
@@ -395,7 +406,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 i += 1
             await out.finish()
             await reply.flush()
-            await resp.write_eof()
+            await track(resp.write_eof())
         except (StoreError, ConnectionError) as e:
             # after the 200 the only signal left is truncation: no end-of-archive (a later
             # window's sender error or bad entry, too: as a single node past its first entries)

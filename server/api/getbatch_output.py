@@ -53,8 +53,9 @@ class Coalesced:
     data (10 KiB objects: two small pieces) would otherwise each cost a send and a chunk header
     (py-spy: the socket writes were the DT's largest cost)."""
 
-    def __init__(self, resp: web.StreamResponse):
+    def __init__(self, resp: web.StreamResponse, track=None):
         self.resp, self.parts, self.size = resp, [], 0
+        self.track = track  # wraps each write (the watchdog's view of a client that stops reading)
 
     async def write(self, data: bytes) -> None:
         self.parts.append(data)
@@ -67,7 +68,8 @@ class Coalesced:
             data = b"".join(self.parts)
             self.parts.clear()
             self.size = 0
-            await self.resp.write(data)
+            write = self.resp.write(data)
+            await (write if self.track is None else self.track(write))
 
 
 class TarOut:

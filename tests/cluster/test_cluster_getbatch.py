@@ -238,22 +238,32 @@ def test_a_forged_sender_request_is_refused(cluster, data):
 
 
 def test_a_busy_sender_of_a_later_window_is_asked_again(tmp_path):
-    """Targets admitting 2 GetBatch requests at a time: the DT's own request and its current
-    window's sub-request to itself fill its admission, so the next window's sub-request to
-    itself gets a 429 — asked again until the previous window leaves (a 429 after the 200
-    could only truncate the reply)."""
-    c = Cluster(tmp_path, targets=2, target_args=("--getbatch-max-pending", "2"))
+    """Targets admitting one GetBatch request at a time: the other target's sub-request for
+    the current window fills its admission, so the next window's sub-request to it gets a
+    429 — asked again until the previous window leaves (a 429 after the 200 could only
+    truncate the reply). (The DT's own share is served in-process, under its request's
+    admission.)"""
+    c = Cluster(tmp_path, targets=2, target_args=("--getbatch-max-pending", "1"))
     try:
         c.start()
         client = sdk_client(c.url)
         b = client.bucket("busy")
         b.create()
-        # 1 MB members: the 32 entries left of a window when the next one opens outgrow the
-        # socket buffers, so the current window's sub-request still counts at its sender
         objs = {f"b/{i:03d}": blob(f"b{i}", (1 << 20) + i) for i in range(40)}
         for name, data in objs.items():
             b.object(name).get_writer().put_content(data)
-        many = [f"b/{i % 40:03d}" for i in range(300)]  # windows of 256 and 44
+        # Window 1 (256 entries): 150 owned by one target (the DT: it owns most), then 106 of
+        # 1 MB owned by the other, so when the next window opens (32 entries before its
+        # start) the other's current sub-request still has ~32 MB to send, more than socket
+        # buffers hold: it still counts there.
+        smap = c.smap()
+        first = {n: ranked(smap, "busy", n)[0] for n in objs}
+        dt_id = first["b/000"]
+        mine, theirs = [n for n in objs if first[n] == dt_id], [n for n in objs if first[n] != dt_id]
+        assert mine and theirs
+        many = ([mine[i % len(mine)] for i in range(150)] + [theirs[i % len(theirs)] for i in range(106)]
+                + [(mine + theirs)[i % 40] for i in range(44)])
+
         def rejected() -> float:  # 429s the targets gave
             return sum(v for t in c.targets for k, v in t.metrics().items() if "getbatch_rejected_n_total" in k)
 

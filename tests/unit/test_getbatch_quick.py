@@ -1,4 +1,5 @@
-"""The designated target's cheaper pieces: the quick parse of the member headers senders write
+"""The designated target's quicker paths: the pipe its own entries' job writes into
+(``getbatch_local.Pipe``), the quick parse of the member headers senders write
 (``getbatch_members._plain_header``), and planning on the event loop from cached metadata
 (``reads.plan_cached``), each against what they replace."""
 
@@ -13,6 +14,7 @@ import tarfile
 import pytest
 
 from batchfs.wire.tarheader import tar_header
+from server.api.getbatch_local import Pipe
 from server.api.getbatch_members import Bytes, Members, _plain_header
 from server.cluster.smap import TARGET, ClusterNode
 from server.errors import RangeNotSatisfiable
@@ -22,6 +24,45 @@ from server.getbatch.request import MossReq
 from server.store.store import Store
 
 NODE = ClusterNode("t1", "http://127.0.0.1:1", TARGET)
+
+
+# -- Pipe --------------------------------------------------------------------------------
+def test_the_pipe_gives_bytes_in_order_and_holds_its_writer_at_the_limit():
+    async def main():
+        pipe = Pipe(limit=1000)
+        await pipe.write(b"a" * 600)
+        await pipe.write(b"b" * 600)  # 600 unread < 1000: accepted (up to limit + one write)
+        blocked = asyncio.create_task(pipe.write(b"c" * 10))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()  # 1,200 unread: the writer waits
+        assert pipe.read_nowait(700) == b"a" * 600 + b"b" * 100
+        await asyncio.sleep(0.01)
+        assert blocked.done()  # 500 unread: room again
+        reader = asyncio.create_task(pipe.readexactly(520))
+        await asyncio.sleep(0.01)
+        assert not reader.done()  # 510 there: waits for the rest
+        await pipe.write(b"d" * 20)
+        assert await reader == b"b" * 500 + b"c" * 10 + b"d" * 10
+        pipe.finish()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await pipe.readexactly(20)  # 10 left, then the end
+    asyncio.run(main())
+
+
+def test_a_failed_pipe_gives_its_bytes_then_the_error_and_frees_a_waiting_writer():
+    async def main():
+        pipe = Pipe(limit=10)
+        await pipe.write(b"x" * 10)
+        writer = asyncio.create_task(pipe.write(b"y"))
+        await asyncio.sleep(0.01)
+        pipe.fail(ConnectionError("gone"))
+        with pytest.raises(ConnectionError):
+            await writer
+        assert pipe.read_nowait(4) == b"xxxx"
+        assert await pipe.readexactly(6) == b"x" * 6
+        with pytest.raises(ConnectionError):
+            pipe.read_nowait(1)
+    asyncio.run(main())
 
 
 # -- member headers ----------------------------------------------------------------------
