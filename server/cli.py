@@ -27,6 +27,7 @@ from server.api import clusterapi, rebalance
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import Gateway
+from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from batchfs.wire.units import parse_size
@@ -187,31 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=field, type=typ, metavar=metavar, help=f"{text} (default: {default})")
     p.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help=f"log verbosity, to stderr (default: {d.log_level})")
-    c = p.add_argument_group("cluster (docs/cluster.md)")
-    c.add_argument("--role", choices=["node", "gateway", "target"],
-                   help="node: gateway and target in one process; gateway: routes clients to targets and "
-                   "owns the cluster map (kept in its --data directory, no objects); target: stores "
-                   f"objects and joins a gateway (default: {d.role})")
-    c.add_argument("--join", dest="join_url", metavar="URL",
-                   help="the primary gateway, e.g. http://10.0.0.1:8080: a target joins it (required with --role "
-                   "target); a gateway given --join is a secondary gateway — it serves clients with the map the "
-                   "primary gives it, and sends joins and bucket-copy changes to the primary")
-    c.add_argument("--cluster-secret-file", dest="cluster_secret_file", type=Path, metavar="FILE",
-                   help="the secret every gateway and target of the cluster shares (at least 32 characters, "
-                   "mode 0600: openssl rand -hex 32 > FILE); requests between nodes are signed with it; required "
-                   "with --role gateway or target")
-    c.add_argument("--advertise-url", dest="advertise_url", metavar="URL",
-                   help="the URL clients and other nodes use to reach this node (default: "
-                   "http://HOST:PORT of --listen, with the port the kernel chose for port 0)")
-    c.add_argument("--rebuild-after", dest="rebuild_after_seconds", type=float, metavar="SECONDS",
-                   help="gateway: a target that fails its health checks this long is dropped from the "
-                   "cluster map and the copies it held are rebuilt on the other targets; it rejoins "
-                   f"when it comes back (default: {d.rebuild_after_seconds:g})")
-    c.add_argument("--rebalance-objects", dest="rebalance_objects", type=int, metavar="N",
-                   help="target: objects its rebalance and rebuild walk works on at once, 1-64; more moves "
-                   f"data faster and leaves clients less (default: {d.rebalance_objects})")
-    c.add_argument("--no-spread-chunks", dest="spread_chunks", action="store_const", const=False, help="target: "
-                   "keep every chunk of a large object on its holders, instead of spreading its chunks over all targets")
+    add_cluster_arguments(p, d)
     return p
 
 
@@ -232,8 +209,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             values[field] = v
     if args.log_level is not None:
         values["log_level"] = args.log_level
-    for field in ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds",
-                  "rebalance_objects", "spread_chunks"):
+    for field in CLUSTER_FIELDS:
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     if args.create_data_dirs:
@@ -380,7 +356,7 @@ def _build(config: ServerConfig):
     state.mkdir(parents=True, exist_ok=True)
     if config.role == "gateway":
         gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds,
-                          primary_url=config.join_url)
+                          primary_url=config.join_url, election_after=config.election_after_seconds)
         app = build_gateway_app(config, gateway, secret)
         return app, lambda url: gateway.bound(url)
     members: list[Membership] = []

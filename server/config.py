@@ -103,6 +103,8 @@ class ServerConfig:
     advertise_url: str | None = None  # how others reach this node; default http://HOST:PORT it listens on
     # gateway: a target down this long is dropped from the map, and its copies are rebuilt on others
     rebuild_after_seconds: float = 120 * SECONDS
+    # secondary gateway: the primary unreachable this long, a secondary may be elected in its place
+    election_after_seconds: float = 10 * SECONDS
     # target: objects its rebalance/rebuild walk works on at once (its speed vs clients' share)
     rebalance_objects: int = 4
     # target: an object larger than one chunk keeps its chunks on every target (HRW per chunk),
@@ -158,7 +160,7 @@ _ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
             "getbatch_max_time": "getbatch_max_time_seconds",
             "header_timeout": "header_timeout_seconds", "idle_timeout": "idle_timeout_seconds",
             "body_timeout": "body_timeout_seconds", "join": "join_url",
-            "rebuild_after": "rebuild_after_seconds"}
+            "rebuild_after": "rebuild_after_seconds", "election_after": "election_after_seconds"}
 
 
 def load_toml(path: Path) -> dict:

@@ -10,7 +10,8 @@ otherwise. The table classifies a request by its path:
                           status codes, never bucket or object names: tests/server/test_auth.py checks)
     /v1/cluster/autoreg   between cluster nodes: an HMAC of the request with the cluster secret
     /v1/cluster/map       (``Batchfs-Cluster``, server.cluster.secret), whatever else is configured;
-                          403 without a valid one, or on a node with no cluster secret
+    /v1/cluster/vote ...  403 without a valid one, or on a node with no cluster secret
+                          (``CLUSTER_PATHS``)
     /v1, /v1/...          the native API and GetBatch: ``Authorization: Bearer <token>``; in a
                           cluster also a request from another node (``Batchfs-Cluster``, checked
                           here) or a gateway's redirect grant (``bfs_grant``, server.cluster.secret)
@@ -54,7 +55,7 @@ from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
 CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map", "/v1/cluster/rebalance",
-                           "/v1/cluster/bucket-copies"})
+                           "/v1/cluster/bucket-copies", "/v1/cluster/vote"})
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")

@@ -1,4 +1,5 @@
-"""A target's side of the cluster protocol: the gateway pushes new maps here.
+"""A target's side of the cluster protocol: the gateway pushes new maps here, and a gateway
+that would replace an unreachable primary asks for this target's vote (``GET /v1/cluster/vote``).
 
 ``POST /v1/cluster/map`` takes a map (``server.cluster.smap.ClusterMap.to_json``), signed with
 the cluster secret (checked by ``server.api.auth`` before this handler runs). A map older than
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from server.api import spread, spread_deletes
 from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
+from server.cluster import election
 from server.errors import BadRequest
 
 
@@ -23,6 +25,13 @@ async def map_push(request: web.Request) -> web.Response:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise BadRequest(f"not a cluster map: {e}") from None
     return web.json_response({"taken": taken})
+
+
+async def vote(request: web.Request) -> web.Response:
+    """``GET /v1/cluster/vote`` (signed): this target's vote on replacing the primary gateway
+    (``server.cluster.election``)."""
+    request[OP_KEY] = "cluster"
+    return web.json_response(await election.vote(request.app[PEERS], request.app[MEMBERSHIP].smap, request.query))
 
 
 async def _open_peers(app: web.Application) -> None:
@@ -46,3 +55,4 @@ def add_routes(app: web.Application, membership) -> None:
     app.on_shutdown.append(spread_deletes.stop_cleanups)  # before the peer session closes (on_cleanup)
     app.on_cleanup.append(_close_peers)
     app.router.add_post("/v1/cluster/map", map_push)
+    app.router.add_get("/v1/cluster/vote", vote)

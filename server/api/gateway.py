@@ -217,6 +217,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_get("/v1/daemon", gateway_admin.daemon_get)
     r.add_post("/v1/cluster/autoreg", gateway_admin.autoreg)
     r.add_post("/v1/cluster/map", gateway_admin.map_push)
+    r.add_get("/v1/cluster/vote", gateway_admin.vote)
     r.add_post("/v1/cluster/bucket-copies", gateway_admin.bucket_copies)
     r.add_get("/v1/cluster/map", gateway_admin.cluster_map)
     r.add_get("/v1/cluster/status", gateway_admin.cluster_status)

@@ -17,8 +17,8 @@ from aiohttp import web
 from server.api.gateway_map import (PROBE_SECONDS, NotImplementedThroughGateway, Unavailable, gateway_of,
                                     passthrough)
 from server.api.state import OP_KEY, read_json
-from server.cluster import peers
-from server.cluster.smap import PROXY, TARGET, ClusterNode
+from server.cluster import election, peers
+from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
 from server.errors import BadRequest, NotFound
 from server.validate import check_bucket
 
@@ -58,15 +58,26 @@ async def autoreg(request: web.Request) -> web.Response:
 
 
 async def map_push(request: web.Request) -> web.Response:
-    """``POST /v1/cluster/map`` (signed): the primary's newer map, to a secondary gateway."""
+    """``POST /v1/cluster/map`` (signed): the primary's newer map, to a secondary gateway; to a
+    primary, a newer map naming another primary (it was replaced: it steps down)."""
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
-    if gw.member is not None:
-        try:
-            gw.member.learn(await read_json(request))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"cluster map: {e}") from None
+    try:
+        doc = await read_json(request)
+        if gw.member is not None:
+            gw.member.learn(doc)
+        else:
+            gw.step_down(ClusterMap.from_json(doc))
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadRequest(f"cluster map: {e}") from None
     return web.Response(text="")
+
+
+async def vote(request: web.Request) -> web.Response:
+    """``GET /v1/cluster/vote`` (signed): this gateway's vote on replacing the primary."""
+    request[OP_KEY] = "cluster"
+    gw = gateway_of(request)
+    return web.json_response(await election.vote(gw.session, gw.smap, request.query))
 
 
 async def bucket_copies(request: web.Request) -> web.Response:

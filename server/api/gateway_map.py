@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from server.cluster import peers
+from server.cluster import election, peers
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import PROXY, ClusterMap, ClusterNode
@@ -49,33 +49,55 @@ class Gateway:
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
     def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
-                 primary_url: str | None = None):
+                 primary_url: str | None = None, election_after: float = 10.0):
         """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none); a
         target down for ``rebuild_after`` seconds is dropped from it (its copies get rebuilt).
 
         With ``primary_url`` this is a secondary gateway: it joins the primary like a target
         (``Membership``, kind proxy; its id kept beside the map), serves clients with the map
         the primary gives it, and sends what changes the map (joins, bucket copies) to the
-        primary; only the primary drops dead targets."""
+        primary; only the primary drops dead targets. A secondary that finds the primary
+        unreachable for ``election_after`` seconds may replace it (``server.cluster.election``).
+        The map kept beside the id decides over the flags: a gateway elected primary stays
+        primary after a restart, and a primary that was replaced restarts as a secondary of the
+        primary its map names."""
         self.map_path, self.secret, self.rebuild_after = map_path, secret, rebuild_after
+        self.election_after = election_after
         self._down_since: dict[str, float] = {}
         self.member: Membership | None = None
-        if primary_url is None:
-            self.smap = ClusterMap.load(map_path) or ClusterMap.new(ClusterNode(f"gw{uuid.uuid4().hex[:8]}", "", PROXY))
-            self.id = self.smap.primary
-        else:
-            id_path = map_path.with_name("gateway-id")
-            if not id_path.exists():
-                id_path.write_text(f"gw{uuid.uuid4().hex[:8]}\n")
+        self._member_task: asyncio.Task | None = None
+        self._primary_lost: float | None = None  # since when a secondary cannot reach the primary
+        self.url = ""
+        self.join_url = primary_url
+        saved = ClusterMap.load(map_path)
+        # what this gateway knew when it started: a map naming another primary that is newer
+        # than this was made by an election while it was away (``_start_primary``)
+        self._loaded_version = saved.version if saved is not None else 0
+        id_path = map_path.with_name("gateway-id")
+        if id_path.exists():
             self.id = id_path.read_text().strip()
-            self.member = Membership(primary_url, secret, self.id, map_path, kind=PROXY)
-            self.member.on_change.append(self._take)
+        else:  # a primary of an earlier version kept its id only as the map's primary
+            self.id = saved.primary if saved is not None and primary_url is None else f"gw{uuid.uuid4().hex[:8]}"
+            id_path.write_text(self.id + "\n")
+        leader = saved.node(saved.primary) if saved is not None else None
+        if (saved is None and primary_url is None) or (leader is not None and leader.id == self.id):
+            self.smap = saved or ClusterMap.new(ClusterNode(self.id, "", PROXY))
+        else:
+            self._follow((leader.url if leader is not None else "") or primary_url or "")
             self.smap = self.member.smap or ClusterMap.new(ClusterNode(self.id, "", PROXY))
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self.down: set[str] = set()  # targets that failed DOWN_AFTER health probes in a row
         self._fails: dict[str, int] = {}
         self._watcher: asyncio.Task | None = None
+
+    def _follow(self, primary_url: str) -> None:
+        """Be a secondary of the primary at ``primary_url`` (joining it once this gateway listens)."""
+        self.member = Membership(primary_url, self.secret, self.id, self.map_path, kind=PROXY,
+                                 fallback_urls=[self.join_url] if self.join_url else [])
+        self.member.on_change.append(self._take)
+        if self.url:
+            self._member_task = asyncio.get_running_loop().create_task(self.member.run(self.url))
 
     @property
     def primary(self) -> bool:
@@ -87,8 +109,9 @@ class Gateway:
     def bound(self, url: str) -> None:
         """The gateway listens at ``url`` now: the map says so (persisted) before any client
         asks; a secondary starts joining the primary."""
+        self.url = url
         if self.member is not None:
-            asyncio.get_running_loop().create_task(self.member.run(url))
+            self._member_task = asyncio.get_running_loop().create_task(self.member.run(url))
             return
         self.smap = self.smap.with_primary_url(url)
         self.smap.save(self.map_path)
@@ -96,13 +119,83 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FANOUT_TIMEOUT_SECONDS),
                                              auto_decompress=False)
-        if self.primary:
-            asyncio.get_running_loop().create_task(self.push_map())  # targets learn a restart's URL
+        if self.primary:  # unless it was replaced meanwhile: then it follows the new primary
+            asyncio.get_running_loop().create_task(self._start_primary())
         self._watcher = asyncio.get_running_loop().create_task(self.watch())
 
+    async def _start_primary(self) -> None:
+        async with self._lock:  # no join or other change before the map is known to be current
+            others = [n for n in self.smap.nodes if n.id != self.id]
+            answers = await election.ask_all(self.session, self.secret, others, self.smap, self.id) if others else []
+            newer = election.newest_elsewhere(self.smap, answers, above=self._loaded_version)
+            if newer is not None:
+                self.step_down(newer, force=True)
+                return
+        await self.push_map()  # targets learn a restart's URL
+
+    def step_down(self, newer: ClusterMap, force: bool = False) -> None:
+        """Another gateway was elected primary (``newer`` says so): follow it as a secondary.
+        Only for a newer map than this one, unless ``force`` (the startup check, whose own map
+        may have moved on by its new URL since it started)."""
+        if not self.primary or newer.uuid != self.smap.uuid or newer.primary == self.id:
+            return
+        if newer.version <= self.smap.version and not force:
+            return
+        leader = newer.node(newer.primary)
+        newer.save(self.map_path)
+        self.smap = newer
+        log.warning("cluster map v%d: %s is the primary gateway now; this gateway (%s) follows it",
+                    newer.version, newer.primary, self.id)
+        self._follow(leader.url if leader is not None else "")
+
+    async def promote(self) -> None:
+        """This secondary won the election: the next map names it primary, saved and pushed."""
+        async with self._lock:
+            new = election.promoted(self.smap, self.id, self.url)
+            new.save(self.map_path)
+            old, self.smap = self.smap.primary, new
+            if self._member_task is not None:
+                self._member_task.cancel()
+            self.member, self._member_task, self._primary_lost = None, None, None
+        log.warning("cluster map v%d: this gateway (%s) replaces the unreachable primary %s", new.version, self.id, old)
+        await self.push_map()
+
+    async def _watch_primary(self) -> None:
+        """A secondary: after ``election_after`` seconds without the primary, the first
+        candidate that answers runs the election (``server.cluster.election``)."""
+        smap = self.smap
+        old = smap.node(smap.primary)
+        if old is None or old.id == self.id or await election.reachable(self.session, old.url):
+            self._primary_lost = None
+            return
+        now = time.monotonic()
+        self._primary_lost = self._primary_lost or now
+        if now - self._primary_lost < self.election_after:
+            return
+        for cand in election.candidates(smap, old.id):
+            if cand.id == self.id:
+                break
+            if await election.reachable(self.session, cand.url):
+                return  # that one runs it
+        else:
+            return
+        voters = [n for n in smap.nodes if n.id not in (old.id, self.id)]
+        answers = await election.ask_all(self.session, self.secret, voters, smap, old.id)
+        newer = election.newest_elsewhere(smap, answers)
+        if newer is not None:  # already replaced: follow the winner
+            self.member.learn(newer.to_json())
+            return
+        if not election.won(smap, old.id, answers):
+            log.warning("primary %s unreachable for %.0f s; election: %d of %d other nodes agree, not a majority",
+                        old.id, now - self._primary_lost, sum(1 for a in answers if a.get("agree")), len(voters))
+            return
+        if self.smap is smap and self.member is not None:
+            await self.promote()
+
     async def stop(self, app: web.Application) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in (self._watcher, self._member_task):
+            if task is not None:
+                task.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -113,6 +206,8 @@ class Gateway:
             await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
             if self.primary:  # the map is the primary's to change
                 await self._give_up_on_dead()
+            else:
+                await self._watch_primary()
             await asyncio.sleep(HEALTH_SECONDS)
 
     async def _give_up_on_dead(self) -> None:

@@ -7,6 +7,11 @@ with the cluster secret) until the gateway admits it, then again every ``KEEPALI
 answer; the gateway also pushes new maps (``learn``). The last map is kept in the target's data
 directory, so a restarted target knows its cluster before the gateway answers.
 
+Which gateway: the map's primary. A newer map naming another primary (an election,
+``server.cluster.election``) moves the keepalives there; while the one asked does not answer,
+each retry asks the next of: the map's primary, the ``--join`` URL, the map's other gateways
+(one of them may have been elected while this node was away).
+
 Invariants: a map is taken only if its version is newer than the one held (a late push never
 rolls the map back); the loop never ends on an error, it logs and retries with backoff (a
 gateway that restarts is rejoined without operator steps).
@@ -32,8 +37,10 @@ RETRY_MAX_SECONDS = 5.0
 
 
 class Membership:
-    def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path, kind: str = "target"):
+    def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path, kind: str = "target",
+                 fallback_urls: list[str] = ()):
         self.gateway_url, self.secret, self.node_id, self.map_path = gateway_url.rstrip("/"), secret, node_id, map_path
+        self.join_urls = [gateway_url.rstrip("/"), *(u.rstrip("/") for u in fallback_urls)]
         self.kind = kind  # "target", or "proxy" for a secondary gateway
         self.url = ""  # this target's URL, set once it listens
         try:
@@ -41,6 +48,8 @@ class Membership:
         except ValueError as e:
             log.warning("%s: starting without it", e)
             self.smap = None
+        if self.smap is not None:
+            self._to_primary(self.smap)
         self.joined = asyncio.Event()
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
 
@@ -50,6 +59,7 @@ class Membership:
         if self.smap is not None and new.version <= self.smap.version and new.uuid == self.smap.uuid:
             return False
         self.smap = new
+        self._to_primary(new)
         try:
             new.save(self.map_path)
         except OSError as e:
@@ -57,6 +67,22 @@ class Membership:
         for fn in self.on_change:
             fn(new)
         return True
+
+    def _to_primary(self, smap: ClusterMap) -> None:
+        leader = smap.node(smap.primary)
+        if leader is not None and leader.url and leader.id != self.node_id and leader.url != self.gateway_url:
+            log.info("cluster map v%d: the primary gateway is %s at %s", smap.version, leader.id, leader.url)
+            self.gateway_url = leader.url
+
+    def _next_gateway(self) -> None:
+        """After a failed keepalive: the next gateway that may be (or lead to) the primary."""
+        urls = list(dict.fromkeys(
+            u for u in ([self.smap.node(self.smap.primary).url] if self.smap and self.smap.node(self.smap.primary) else [])
+            + self.join_urls + [n.url for n in (self.smap.proxies.values() if self.smap else ())
+                                if n.id != self.node_id] if u))
+        if urls:
+            i = urls.index(self.gateway_url) if self.gateway_url in urls else -1
+            self.gateway_url = urls[(i + 1) % len(urls)]
 
     async def run(self, url: str) -> None:
         self.url = url
@@ -79,4 +105,5 @@ class Membership:
                 except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as e:
                     log.warning("joining %s: %s (retrying)", self.gateway_url, e)
                     delay = min(RETRY_MAX_SECONDS, delay * 2) if delay < KEEPALIVE_SECONDS else 0.5
+                    self._next_gateway()
                 await asyncio.sleep(delay)

@@ -1,0 +1,120 @@
+"""Electing a new primary gateway when the primary is gone, and stepping down when it returns.
+
+Only the primary changes the cluster map (joins, dead targets dropped, bucket copies). When it
+dies, a secondary gateway takes its place, as AIStore's proxies do:
+
+    every secondary probes the primary (``GET /v1/health``) every second
+    the primary unreachable for ``--election-after`` seconds: the candidates are the map's
+      other gateways in HRW order of (their id, the map's uuid), so every secondary names the
+      same one; a secondary runs the election only if it is the first candidate that answers
+    the candidate asks every other node of the map (targets and gateways, not the old primary)
+      for its vote (signed ``GET /v1/cluster/vote``): a voter agrees only if it holds the same
+      cluster and map version (not newer) with the same primary, and cannot reach that primary
+      itself
+    a majority of the map's nodes other than the old primary (the candidate counts itself)
+      agreeing: the candidate makes the next map version naming itself primary, persists it,
+      and pushes it to every node; targets and secondaries follow it (``Membership.learn``)
+
+A gateway that starts as primary (the old primary restarted, or a candidate's map) first asks
+the map's nodes for their maps: one of the same cluster with a newer version naming another
+primary means it was replaced, and it joins that primary as a secondary instead. A primary
+that is pushed such a map steps down the same way. So two primaries never both change the map
+for long: the replaced one steps down as soon as it hears from any node.
+
+Invariants: votes and map requests are signed with the cluster secret; a map is only ever
+replaced by a newer version of the same cluster; the old primary stays in the map as a gateway
+(it rejoins as a secondary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import aiohttp
+
+from batchfs.wire import hrw
+from server.cluster import peers
+from server.cluster.secret import ClusterSecret
+from server.cluster.smap import ClusterMap, ClusterNode
+
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
+VOTE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
+VOTE_PATH = "/v1/cluster/vote"
+
+
+def candidates(smap: ClusterMap, old_primary: str) -> list[ClusterNode]:
+    """The gateways that may replace ``old_primary``, in the order every node computes alike."""
+    others = {i: n.digest for i, n in smap.proxies.items() if i != old_primary}
+    return [smap.proxies[i] for i in hrw.ranked(hrw.digest(f"primary/{smap.uuid}"), others)]
+
+
+async def reachable(session: aiohttp.ClientSession, url: str) -> bool:
+    if not url:
+        return False
+    try:
+        async with session.get(url + "/v1/health", timeout=PROBE_TIMEOUT) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def vote(session: aiohttp.ClientSession, smap: ClusterMap | None, query) -> dict:
+    """A voter's answer to ``GET /v1/cluster/vote?uuid=U&version=V&primary=P``: agree only if
+    this node's map is the same cluster, not newer, with the same primary, and that primary
+    does not answer this node either. The answer carries this node's map."""
+    out: dict = {"agree": False, "map": smap.to_json() if smap is not None else None}
+    try:
+        version, uuid, primary = int(query.get("version", "")), query.get("uuid", ""), query.get("primary", "")
+    except ValueError:
+        return out
+    if smap is None or smap.uuid != uuid or smap.version > version or smap.primary != primary:
+        return out
+    node = smap.node(primary)
+    out["agree"] = node is None or not await reachable(session, node.url)
+    return out
+
+
+async def ask_all(session: aiohttp.ClientSession, secret: ClusterSecret, nodes: list[ClusterNode],
+                  smap: ClusterMap, primary: str) -> list[dict]:
+    """Every node's vote on replacing ``primary`` (an unreachable node: no vote)."""
+    qs = f"{VOTE_PATH}?uuid={smap.uuid}&version={smap.version}&primary={primary}"
+
+    async def one(n: ClusterNode) -> dict | None:
+        try:
+            async with peers.signed(session, secret, "GET", n.url, qs, timeout=VOTE_TIMEOUT) as r:
+                return json.loads(await r.read()) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    return [v for v in await asyncio.gather(*(one(n) for n in nodes)) if isinstance(v, dict)]
+
+
+def newest_elsewhere(smap: ClusterMap, answers: list[dict], above: int | None = None) -> ClusterMap | None:
+    """A map of the same cluster among ``answers`` that names another primary, newer than
+    version ``above`` (default: ``smap``'s), if any — the newest."""
+    floor = smap.version if above is None else above
+    best = None
+    for a in answers:
+        try:
+            m = ClusterMap.from_json(a["map"]) if a.get("map") else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if m is not None and m.uuid == smap.uuid and m.version > floor and m.primary != smap.primary:
+            if best is None or m.version > best.version:
+                best = m
+    return best
+
+
+def won(smap: ClusterMap, old_primary: str, answers: list[dict]) -> bool:
+    """A majority of the map's nodes other than the old primary agree (the candidate itself
+    counts as one)."""
+    electorate = sum(1 for n in smap.nodes if n.id != old_primary)
+    return 2 * (1 + sum(1 for a in answers if a.get("agree") is True)) > electorate
+
+
+def promoted(smap: ClusterMap, me: str, url: str) -> ClusterMap:
+    """The next map version, naming ``me`` (at ``url``) primary."""
+    nodes = tuple(dataclasses.replace(n, url=url) if n.id == me else n for n in smap.nodes)
+    return dataclasses.replace(smap, version=smap.version + 1, primary=me, nodes=nodes)

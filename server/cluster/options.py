@@ -1,0 +1,45 @@
+"""``batchfs-server``'s cluster options (docs/cluster.md): role, join, secret, and the
+gateway's and target's cluster behaviour. Each maps to the ``ServerConfig`` field of its
+``dest``; ``CLUSTER_FIELDS`` lists them for the CLI's config merge."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from server.config import ServerConfig
+
+CLUSTER_FIELDS = ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds",
+                  "election_after_seconds", "rebalance_objects", "spread_chunks")
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
+    c = p.add_argument_group("cluster (docs/cluster.md)")
+    c.add_argument("--role", choices=["node", "gateway", "target"],
+                   help="node: gateway and target in one process; gateway: routes clients to targets and "
+                   "owns the cluster map (kept in its --data directory, no objects); target: stores "
+                   f"objects and joins a gateway (default: {d.role})")
+    c.add_argument("--join", dest="join_url", metavar="URL",
+                   help="the primary gateway, e.g. http://10.0.0.1:8080: a target joins it (required with --role "
+                   "target); a gateway given --join is a secondary gateway — it serves clients with the map the "
+                   "primary gives it, and sends joins and bucket-copy changes to the primary")
+    c.add_argument("--cluster-secret-file", dest="cluster_secret_file", type=Path, metavar="FILE",
+                   help="the secret every gateway and target of the cluster shares (at least 32 characters, "
+                   "mode 0600: openssl rand -hex 32 > FILE); requests between nodes are signed with it; required "
+                   "with --role gateway or target")
+    c.add_argument("--advertise-url", dest="advertise_url", metavar="URL",
+                   help="the URL clients and other nodes use to reach this node (default: "
+                   "http://HOST:PORT of --listen, with the port the kernel chose for port 0)")
+    c.add_argument("--rebuild-after", dest="rebuild_after_seconds", type=float, metavar="SECONDS",
+                   help="gateway: a target that fails its health checks this long is dropped from the "
+                   "cluster map and the copies it held are rebuilt on the other targets; it rejoins "
+                   f"when it comes back (default: {d.rebuild_after_seconds:g})")
+    c.add_argument("--election-after", dest="election_after_seconds", type=float, metavar="SECONDS",
+                   help="secondary gateway: the primary unreachable this long, the first secondary in the "
+                   "map's order that answers asks every node for its vote and, with a majority, becomes the "
+                   f"primary (default: {d.election_after_seconds:g})")
+    c.add_argument("--rebalance-objects", dest="rebalance_objects", type=int, metavar="N",
+                   help="target: objects its rebalance and rebuild walk works on at once, 1-64; more moves "
+                   f"data faster and leaves clients less (default: {d.rebalance_objects})")
+    c.add_argument("--no-spread-chunks", dest="spread_chunks", action="store_const", const=False, help="target: "
+                   "keep every chunk of a large object on its holders, instead of spreading its chunks over all targets")

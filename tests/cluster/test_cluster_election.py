@@ -1,0 +1,129 @@
+"""The primary gateway dies: a secondary is elected in its place (votes of the targets), the
+cluster keeps changing its map (a bucket's copies, a join, a dead target dropped and its copies
+rebuilt), and the old primary, restarted on its data without --join, steps down and follows the
+new one — never two primaries changing the map. A secondary that can still reach the primary,
+or that lacks a majority, does not take over."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.cluster.conftest import Cluster, free_port
+from tests.support.getbatch import blob, sdk_client
+from tests.support.processes import ServerProcess
+
+ELECTION = ("--election-after", "2")
+
+
+def _until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def _smap(url: str) -> dict:
+    return httpx.get(f"{url}/v1/daemon?what=smap", timeout=10).json()
+
+
+def _primary(url: str) -> str:
+    return _smap(url)["proxy_si"]["daemon_id"]
+
+
+def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path):
+    cluster = Cluster(tmp_path, targets=3, gateway_args=ELECTION + ("--rebuild-after", "3"))
+    port = free_port()
+    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{port}",
+                           "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                           "--cluster-secret-file", str(cluster.secret), *ELECTION, "--rebuild-after", "3")
+    joiner = ServerProcess([tmp_path / "t9" / "d1"], "--role", "target", "--join", f"http://127.0.0.1:{port}",
+                           "--cluster-secret-file", str(cluster.secret))
+    try:
+        cluster.start()
+        second.start()
+        _until(lambda: len(_smap(second.url)["pmap"]) == 2 and len(_smap(second.url)["tmap"]) == 3, 20,
+               "the secondary's map")
+        old = _primary(cluster.url)
+        new = next(i for i in _smap(second.url)["pmap"] if i != old)
+        b = sdk_client(second.url).bucket("el")
+        b.create()
+        objs = {f"e/{i:02d}": blob(f"e{i}", 3_000 + i) for i in range(40)}
+        for n, d in objs.items():
+            b.object(n).get_writer().put_content(d)
+        version = _smap(second.url)["version"]
+
+        cluster.gateway.proc.kill()  # the primary dies
+        cluster.gateway.proc.wait()
+        _until(lambda: _primary(second.url) == new, 30, "the secondary elected")
+        smap = _smap(second.url)
+        assert int(smap["version"]) == int(version) + 1 and old in smap["pmap"]
+        for t in cluster.targets:  # every target follows the new primary
+            _until(lambda t=t: _primary(t.url) == new, 10, f"{t.url} learns the new map")
+        # the cluster keeps working and changing through the new primary
+        for n, d in objs.items():
+            assert b.object(n).get_reader().read_all() == d
+        r = httpx.patch(f"{second.url}/v1/buckets/el", json={"action": "set-bprops",
+                                                              "value": {"mirror": {"copies": 3}}}, timeout=10)
+        assert r.status_code == 200, r.text
+        joiner.start()
+        cluster.targets.append(joiner)
+        _until(lambda: len(_smap(second.url)["tmap"]) == 4, 30, "a target joins the new primary")
+        victim = cluster.targets.pop(0)
+        victim.proc.kill()
+        victim.proc.wait()
+        _until(lambda: len(_smap(second.url)["tmap"]) == 3, 30, "the new primary drops a dead target")
+        for n, d in objs.items():
+            assert b.object(n).get_reader().read_all() == d
+
+        # the old primary comes back on its data, without --join, on another port (its own map
+        # moves on by its new URL): it follows the new one
+        cluster.gw_port = free_port()
+        cluster.gateway = cluster._gateway().start()
+        _until(lambda: _primary(cluster.url) == new, 20, "the old primary steps down")
+        _until(lambda: _smap(cluster.url)["version"] == _smap(second.url)["version"], 20, "and has the new map")
+        assert _primary(second.url) == new
+        r = httpx.patch(f"{cluster.url}/v1/buckets/el", json={"action": "reset-bprops"}, timeout=10)
+        assert r.status_code == 200, r.text  # passed on to the new primary
+        _until(lambda: httpx.get(f"{second.url}/v1/cluster/status", timeout=10).json()["bucket_copies"] == {},
+               10, "the change made by the new primary")
+        assert sdk_client(cluster.url).bucket("el").object("e/00").get_reader().read_all() == objs["e/00"]
+    finally:
+        joiner.stop()
+        second.stop()
+        cluster.stop()
+
+
+def test_no_election_while_the_primary_answers_or_without_a_majority(tmp_path):
+    cluster = Cluster(tmp_path, targets=2, gateway_args=ELECTION)
+    port = free_port()
+    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{port}",
+                           "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                           "--cluster-secret-file", str(cluster.secret), *ELECTION)
+    try:
+        cluster.start()
+        second.start()
+        _until(lambda: len(_smap(second.url)["pmap"]) == 2, 20, "the secondary's map")
+        old = _primary(cluster.url)
+        # votes and map pushes are for cluster nodes only: a stray client cannot depose the primary
+        for url in (cluster.url, second.url, cluster.targets[0].url):
+            assert httpx.get(f"{url}/v1/cluster/vote?uuid=x&version=1&primary={old}", timeout=10).status_code == 403
+        forged = dict(httpx.get(f"{cluster.url}/v1/daemon?what=smap", timeout=10).json())
+        assert httpx.post(f"{cluster.url}/v1/cluster/map", json=forged, timeout=10).status_code == 403
+        time.sleep(4)  # twice the election delay: the primary answers, nothing changes
+        assert _primary(second.url) == old and _primary(cluster.url) == old
+        # the primary and every target gone: one gateway of three voters is no majority
+        version = _smap(second.url)["version"]
+        cluster.gateway.proc.kill()
+        for t in cluster.targets:
+            t.proc.kill()
+        time.sleep(5)
+        assert _primary(second.url) == old and _smap(second.url)["version"] == version
+    finally:
+        second.stop()
+        cluster.stop()

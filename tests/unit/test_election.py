@@ -1,0 +1,49 @@
+"""server.cluster.election's rules: every node names the same candidate, a majority of the
+nodes other than the old primary elects, and only a newer map of the same cluster naming
+another primary makes a gateway step down."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from server.cluster import election
+from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
+
+
+def _map(proxies: int = 3, targets: int = 3) -> ClusterMap:
+    nodes = tuple(ClusterNode(f"gw{i}", f"http://127.0.0.1:{9000 + i}", PROXY) for i in range(proxies)) + \
+        tuple(ClusterNode(f"t{i}", f"http://127.0.0.1:{9100 + i}", TARGET) for i in range(targets))
+    return ClusterMap(7, "u1", "gw0", nodes, "now")
+
+
+def test_candidates_are_the_other_gateways_in_one_order_for_all():
+    m = _map(proxies=5)
+    order = [n.id for n in election.candidates(m, "gw0")]
+    assert sorted(order) == ["gw1", "gw2", "gw3", "gw4"]
+    shuffled = dataclasses.replace(m, nodes=tuple(reversed(m.nodes)))
+    assert [n.id for n in election.candidates(shuffled, "gw0")] == order
+    # another cluster (uuid) ranks them otherwise, so one gateway is not always the heir
+    assert any([n.id for n in election.candidates(dataclasses.replace(m, uuid=f"u{k}"), "gw0")] != order
+               for k in range(2, 10))
+
+
+def test_a_majority_of_the_nodes_other_than_the_old_primary_elects():
+    m = _map(proxies=2, targets=3)  # electorate: gw1 + 3 targets = 4
+    assert not election.won(m, "gw0", [{"agree": True}])  # 2 of 4
+    assert election.won(m, "gw0", [{"agree": True}, {"agree": True}])  # 3 of 4
+    assert not election.won(m, "gw0", [{"agree": True}, {"agree": False}, {"agree": "yes"}])
+
+
+def test_only_a_newer_map_of_the_same_cluster_naming_another_primary_counts():
+    m = _map()
+    newer = election.promoted(m, "gw1", "http://127.0.0.1:9999")
+    assert newer.version == 8 and newer.primary == "gw1" and newer.node("gw1").url == "http://127.0.0.1:9999"
+    assert newer.node("gw0") is not None  # the old primary stays, to rejoin as a secondary
+    answers = [{"map": newer.to_json()}, {"map": m.to_json()}, {"map": None}, {}]
+    assert election.newest_elsewhere(m, answers) == newer
+    assert election.newest_elsewhere(newer, answers) is None  # its own map: nothing newer elsewhere
+    other_cluster = dataclasses.replace(newer, uuid="u2")
+    assert election.newest_elsewhere(m, [{"map": other_cluster.to_json()}]) is None
+    moved_on = dataclasses.replace(m, version=9)  # the old primary's map bumped by its new URL
+    assert election.newest_elsewhere(moved_on, answers) is None
+    assert election.newest_elsewhere(moved_on, answers, above=7) == newer
