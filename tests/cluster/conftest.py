@@ -63,6 +63,18 @@ def chunk_names(targets, bucket: str, name: str) -> list[str]:
     return [chunk_name(name, tag, i) for i in range(len(chunks))] if chunks[0][0] == "" else []
 
 
+def until(cond, timeout: float, what: str):
+    """``cond()``'s first truthy value, polled every 0.2 s; TimeoutError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,22 +10,12 @@ import time
 
 import httpx
 
-from tests.cluster.conftest import Cluster, free_port
+from tests.cluster.conftest import Cluster, free_port, until
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
 ELECTION = ("--election-after", "2")
 
-
-def _until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
 
 
 def _smap(url: str) -> dict:
@@ -47,7 +37,7 @@ def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path
     try:
         cluster.start()
         second.start()
-        _until(lambda: len(_smap(second.url)["pmap"]) == 2 and len(_smap(second.url)["tmap"]) == 3, 20,
+        until(lambda: len(_smap(second.url)["pmap"]) == 2 and len(_smap(second.url)["tmap"]) == 3, 20,
                "the secondary's map")
         old = _primary(cluster.url)
         new = next(i for i in _smap(second.url)["pmap"] if i != old)
@@ -60,11 +50,11 @@ def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path
 
         cluster.gateway.proc.kill()  # the primary dies
         cluster.gateway.proc.wait()
-        _until(lambda: _primary(second.url) == new, 30, "the secondary elected")
+        until(lambda: _primary(second.url) == new, 30, "the secondary elected")
         smap = _smap(second.url)
         assert int(smap["version"]) == int(version) + 1 and old in smap["pmap"]
         for t in cluster.targets:  # every target follows the new primary
-            _until(lambda t=t: _primary(t.url) == new, 10, f"{t.url} learns the new map")
+            until(lambda t=t: _primary(t.url) == new, 10, f"{t.url} learns the new map")
         # the cluster keeps working and changing through the new primary
         for n, d in objs.items():
             assert b.object(n).get_reader().read_all() == d
@@ -73,11 +63,11 @@ def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path
         assert r.status_code == 200, r.text
         joiner.start()
         cluster.targets.append(joiner)
-        _until(lambda: len(_smap(second.url)["tmap"]) == 4, 30, "a target joins the new primary")
+        until(lambda: len(_smap(second.url)["tmap"]) == 4, 30, "a target joins the new primary")
         victim = cluster.targets.pop(0)
         victim.proc.kill()
         victim.proc.wait()
-        _until(lambda: len(_smap(second.url)["tmap"]) == 3, 30, "the new primary drops a dead target")
+        until(lambda: len(_smap(second.url)["tmap"]) == 3, 30, "the new primary drops a dead target")
         for n, d in objs.items():
             assert b.object(n).get_reader().read_all() == d
 
@@ -85,12 +75,12 @@ def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path
         # moves on by its new URL): it follows the new one
         cluster.gw_port = free_port()
         cluster.gateway = cluster._gateway().start()
-        _until(lambda: _primary(cluster.url) == new, 20, "the old primary steps down")
-        _until(lambda: _smap(cluster.url)["version"] == _smap(second.url)["version"], 20, "and has the new map")
+        until(lambda: _primary(cluster.url) == new, 20, "the old primary steps down")
+        until(lambda: _smap(cluster.url)["version"] == _smap(second.url)["version"], 20, "and has the new map")
         assert _primary(second.url) == new
         r = httpx.patch(f"{cluster.url}/v1/buckets/el", json={"action": "reset-bprops"}, timeout=10)
         assert r.status_code == 200, r.text  # passed on to the new primary
-        _until(lambda: httpx.get(f"{second.url}/v1/cluster/status", timeout=10).json()["bucket_copies"] == {},
+        until(lambda: httpx.get(f"{second.url}/v1/cluster/status", timeout=10).json()["bucket_copies"] == {},
                10, "the change made by the new primary")
         assert sdk_client(cluster.url).bucket("el").object("e/00").get_reader().read_all() == objs["e/00"]
     finally:
@@ -108,7 +98,7 @@ def test_no_election_while_the_primary_answers_or_without_a_majority(tmp_path):
     try:
         cluster.start()
         second.start()
-        _until(lambda: len(_smap(second.url)["pmap"]) == 2, 20, "the secondary's map")
+        until(lambda: len(_smap(second.url)["pmap"]) == 2, 20, "the secondary's map")
         old = _primary(cluster.url)
         # votes and map pushes are for cluster nodes only: a stray client cannot depose the primary
         for url in (cluster.url, second.url, cluster.targets[0].url):

@@ -6,24 +6,13 @@ map."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 
-from tests.cluster.conftest import Cluster, free_port, ranked
+from tests.cluster.conftest import Cluster, free_port, ranked, until
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
-
-def _until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
 
 
 def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
@@ -37,7 +26,7 @@ def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
         cluster.start()
         second.start()
         smap2 = lambda: httpx.get(f"{second.url}/v1/daemon?what=smap", timeout=10).json()  # noqa: E731
-        _until(lambda: len(smap2()["pmap"]) == 2 and len(smap2()["tmap"]) == 2, 20, "the secondary's map")
+        until(lambda: len(smap2()["pmap"]) == 2 and len(smap2()["tmap"]) == 2, 20, "the secondary's map")
         assert smap2()["version"] == cluster.smap()["version"] and len(cluster.smap()["pmap"]) == 2
         # the SDK through the secondary: writes, reads, listing, direct reads, GetBatch
         c2 = sdk_client(second.url)
@@ -59,12 +48,12 @@ def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
                                                                "value": {"mirror": {"copies": 1}}}, timeout=10)
         assert r.status_code == 200, r.text
         assert cluster.status()["bucket_copies"] == {"two": 1}
-        _until(lambda: httpx.get(f"{second.url}/v1/cluster/status", timeout=10).json()["bucket_copies"] == {"two": 1},
+        until(lambda: httpx.get(f"{second.url}/v1/cluster/status", timeout=10).json()["bucket_copies"] == {"two": 1},
                10, "the secondary learns the new map")
         # a target that joins through the secondary is admitted by the primary
         joiner.start()
         cluster.targets.append(joiner)
-        _until(lambda: len(cluster.smap()["tmap"]) == 3 and len(smap2()["tmap"]) == 3, 30, "the join")
+        until(lambda: len(cluster.smap()["tmap"]) == 3 and len(smap2()["tmap"]) == 3, 30, "the join")
         cluster.wait_rebalanced()
         smap = cluster.smap()
         for n, d in objs.items():

@@ -6,22 +6,13 @@ on the other targets."""
 from __future__ import annotations
 
 import os
-import time
 
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import Cluster, until
 from tests.support.attacks import raw_moss
 from tests.support.getbatch import moss, sdk_client, tar_members
 
 STALL_SECONDS = 2
 
-
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_freed(tmp_path):
@@ -46,10 +37,10 @@ def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_free
         def metric(t, name: str) -> float:
             return sum(v for k, v in t.metrics().items() if k.split("{")[0] == name)
 
-        _wait_for(lambda: metric(dt, "getbatch_aborted_stalled_n_total") >= 4, 6 * STALL_SECONDS + 10,
+        until(lambda: metric(dt, "getbatch_aborted_stalled_n_total") >= 4, 6 * STALL_SECONDS + 10,
                   "the DT gave up on every stalled reply")
         for t in c.targets:
-            _wait_for(lambda: metric(t, "getbatch_pending") == 0 and metric(t, "getbatch_buffered_bytes") == 0,
+            until(lambda: metric(t, "getbatch_pending") == 0 and metric(t, "getbatch_buffered_bytes") == 0,
                       2 * STALL_SECONDS + 10, f"{t.url}: nothing pending, no byte held")
         # and the DT serves the next client as before
         r = moss(dt.url, "stall", {"in": entries[:20], "strm": True}, timeout=30)
