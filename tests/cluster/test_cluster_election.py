@@ -17,7 +17,6 @@ from tests.support.processes import ServerProcess
 ELECTION = ("--election-after", "2")
 
 
-
 def _smap(url: str) -> dict:
     return httpx.get(f"{url}/v1/daemon?what=smap", timeout=10).json()
 

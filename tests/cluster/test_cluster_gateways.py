@@ -14,7 +14,6 @@ from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
 
-
 def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
     cluster = Cluster(tmp_path, targets=2)
     port = free_port()

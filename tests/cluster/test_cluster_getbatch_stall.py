@@ -14,7 +14,6 @@ from tests.support.getbatch import moss, sdk_client, tar_members
 STALL_SECONDS = 2
 
 
-
 def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_freed(tmp_path):
     c = Cluster(tmp_path, targets=2, target_args=("--getbatch-stall-timeout", str(STALL_SECONDS),
                                                   "--getbatch-max-pending", "4"))
