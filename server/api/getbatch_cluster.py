@@ -222,10 +222,13 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             placed, groups = partition(req, smap, down, none_ok=req.coer and req.strm, lo=lo, hi=hi)
             nodes.update((n.id, n) for n in placed if n is not None)
             order = list(dict.fromkeys(n.id for n in placed if n is not None))  # senders by their first entry
-            results = await asyncio.gather(*(open_sub(n, groups[n], coer=lo > 0) for n in order),
+            # the other targets' requests leave first: this target's own share is planned
+            # in-process, on this loop, and would hold them back
+            launch = sorted(order, key=lambda n: n == me.id)
+            results = await asyncio.gather(*(open_sub(n, groups[n], coer=lo > 0) for n in launch),
                                            return_exceptions=True)
             if not any(isinstance(r, BaseException) for r in results):
-                subs = dict(zip(order, results))
+                subs = dict(zip(launch, results))
                 lacking = next((n for n in order if subs[n].status == 404), None)
                 if lacking is None:
                     if lo > 0:
@@ -248,7 +251,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 log.info("moss: sender %s lacks an entry another copy holds: senders asked again with coer", lacking)
                 continue
             for r in results:
-                if isinstance(r, aiohttp.ClientResponse):
+                if not isinstance(r, BaseException):
                     r.close()
             failed = next(r for r in results if isinstance(r, BaseException))
             if not isinstance(failed, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):

@@ -21,6 +21,7 @@ Invariants:
   streamed piece); the job's own window and the app's byte budget bound what it reads ahead.
 - No admission slot of its own: the DT's request already holds one (a second could deadlock a
   full DT against itself).
+- The job reads nothing before the DT's first read of the pipe (``Pipe.wanted``).
 - ``close()`` (sync, like aiohttp's) cancels the job's task, whose ``finally`` shuts the job
   down (threads stopped, reserved bytes given back); a reader then sees ``ConnectionError``.
 """
@@ -50,6 +51,7 @@ class Pipe:
         self.unread = 0
         self.eof = False
         self.error: BaseException | None = None
+        self.wanted = asyncio.Event()  # a first read was made: the writer may start
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
 
@@ -80,6 +82,7 @@ class Pipe:
         self._writable.set()
 
     def read_nowait(self, n: int) -> bytes:
+        self.wanted.set()
         if not self.parts and self.error is not None:
             raise self.error
         out, want = [], n
@@ -131,6 +134,10 @@ class LocalReply:
         job = self.job
         assert job is not None
         try:
+            # Nothing is read before the DT reaches this share's first entry: the other
+            # targets' first bytes (and their 200s) are then handled first, and their work
+            # runs on other cores while this loop reads its own entries.
+            await self.content.wanted.wait()
             job.task = asyncio.create_task(job.schedule())
             await job.assemble(self.content)
             self.content.finish()
