@@ -35,6 +35,7 @@ PROBE_SECONDS = 1.0
 DOWN_AFTER = 2  # failed probes in a row before a target is routed around
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
+REPLACED_CHECK_SECONDS = 10.0  # how often a primary asks the nodes whether another was elected
 
 
 class NotImplementedThroughGateway(StoreError):
@@ -202,13 +203,31 @@ class Gateway:
     async def watch(self) -> None:
         """Probe every target's health every HEALTH_SECONDS: DOWN_AFTER failures in a row mark
         it down (routing then skips it), one success marks it up again."""
+        last_check = time.monotonic()
         while True:
             await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
+            if self.primary and time.monotonic() - last_check >= REPLACED_CHECK_SECONDS:
+                last_check = time.monotonic()
+                await self._check_replaced()
             if self.primary:  # the map is the primary's to change
                 await self._give_up_on_dead()
             else:
                 await self._watch_primary()
             await asyncio.sleep(HEALTH_SECONDS)
+
+    async def _check_replaced(self) -> None:
+        """A primary that was unreachable for a while (stopped, cut off) may have been replaced
+        without hearing of it: if most nodes that answer hold a map naming another primary, at
+        least as new as this one, it follows that primary."""
+        smap = self.smap
+        others = [n for n in smap.nodes if n.id != self.id]
+        if not others:
+            return
+        answers = await election.ask_all(self.session, self.secret, others, smap, self.id)
+        newer = election.newest_elsewhere(smap, answers, above=smap.version - 1)
+        naming = sum(1 for a in answers if election.names_other(smap, a))
+        if newer is not None and 2 * naming > len(answers) and self.smap is smap:
+            self.step_down(newer, force=True)
 
     async def _give_up_on_dead(self) -> None:
         """Drop from the map every target down for ``rebuild_after`` seconds: the new map makes

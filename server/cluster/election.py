@@ -18,8 +18,11 @@ dies, a secondary gateway takes its place, as AIStore's proxies do:
 A gateway that starts as primary (the old primary restarted, or a candidate's map) first asks
 the map's nodes for their maps: one of the same cluster with a newer version naming another
 primary means it was replaced, and it joins that primary as a secondary instead. A primary
-that is pushed such a map steps down the same way. So two primaries never both change the map
-for long: the replaced one steps down as soon as it hears from any node.
+that is pushed such a map steps down the same way, and so does a primary that finds, asking
+every node every ``REPLACED_CHECK_SECONDS``, that most of them hold a map at least as new as
+its own naming another primary (it was stopped or cut off while the others elected one: its
+own map may even have reached the same version meanwhile). So two primaries never both change
+the map for long.
 
 Invariants: votes and map requests are signed with the cluster secret; a map is only ever
 replaced by a newer version of the same cluster; the old primary stays in the map as a gateway
@@ -105,6 +108,16 @@ def newest_elsewhere(smap: ClusterMap, answers: list[dict], above: int | None = 
             if best is None or m.version > best.version:
                 best = m
     return best
+
+
+def names_other(smap: ClusterMap, answer: dict) -> bool:
+    """Whether a node's answer holds a map of this cluster, at least as new as ``smap``,
+    naming another primary."""
+    try:
+        m = ClusterMap.from_json(answer["map"]) if answer.get("map") else None
+    except (KeyError, TypeError, ValueError):
+        return False
+    return m is not None and m.uuid == smap.uuid and m.version >= smap.version and m.primary != smap.primary
 
 
 def won(smap: ClusterMap, old_primary: str, answers: list[dict]) -> bool:

@@ -6,6 +6,7 @@ or that lacks a majority, does not take over."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -113,6 +114,35 @@ def test_no_election_while_the_primary_answers_or_without_a_majority(tmp_path):
             t.proc.kill()
         time.sleep(5)
         assert _primary(second.url) == old and _smap(second.url)["version"] == version
+    finally:
+        second.stop()
+        cluster.stop()
+
+
+def test_a_primary_that_was_stopped_while_another_was_elected_steps_down_when_it_resumes(tmp_path):
+    """SIGSTOP: the primary neither answers nor knows; once resumed it holds the old map (no
+    restart to check it) and steps down — here on the new primary's push, queued in its socket
+    while it was stopped; where a push is lost (a network cut), its own check every
+    REPLACED_CHECK_SECONDS finds the nodes following another primary (tests/unit/test_election.py)."""
+    cluster = Cluster(tmp_path, targets=2, gateway_args=ELECTION)
+    port = free_port()
+    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{port}",
+                           "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                           "--cluster-secret-file", str(cluster.secret), *ELECTION)
+    try:
+        cluster.start()
+        second.start()
+        until(lambda: len(_smap(second.url)["pmap"]) == 2, 20, "the secondary's map")
+        old = _primary(cluster.url)
+        new = next(i for i in _smap(second.url)["pmap"] if i != old)
+        cluster.gateway.proc.send_signal(signal.SIGSTOP)
+        try:
+            until(lambda: _primary(second.url) == new, 30, "the secondary elected")
+        finally:
+            cluster.gateway.proc.send_signal(signal.SIGCONT)
+        until(lambda: _primary(cluster.url) == new, 30, "the resumed primary steps down")
+        assert _primary(second.url) == new
+        assert all(_primary(t.url) == new for t in cluster.targets)
     finally:
         second.stop()
         cluster.stop()

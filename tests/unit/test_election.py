@@ -47,3 +47,15 @@ def test_only_a_newer_map_of_the_same_cluster_naming_another_primary_counts():
     moved_on = dataclasses.replace(m, version=9)  # the old primary's map bumped by its new URL
     assert election.newest_elsewhere(moved_on, answers) is None
     assert election.newest_elsewhere(moved_on, answers, above=7) == newer
+
+
+def test_a_primary_counts_the_nodes_that_follow_another():
+    m = _map()
+    elected = election.promoted(m, "gw1", "http://127.0.0.1:9999")  # version 8
+    assert election.names_other(m, {"map": elected.to_json()})
+    assert not election.names_other(m, {"map": m.to_json()})  # the same primary
+    assert not election.names_other(elected, {"map": m.to_json()})  # older
+    same_version = dataclasses.replace(m, version=8)  # the stopped primary's own map moved on too
+    assert election.names_other(same_version, {"map": elected.to_json()})
+    assert not election.names_other(m, {"map": dataclasses.replace(elected, uuid="u9").to_json()})
+    assert not election.names_other(m, {}) and not election.names_other(m, {"map": {"nodes": 1}})
