@@ -31,7 +31,8 @@ async def vote(request: web.Request) -> web.Response:
     """``GET /v1/cluster/vote`` (signed): this target's vote on replacing the primary gateway
     (``server.cluster.election``)."""
     request[OP_KEY] = "cluster"
-    return web.json_response(await election.vote(request.app[PEERS], request.app[MEMBERSHIP].smap, request.query))
+    member = request.app[MEMBERSHIP]
+    return web.json_response(await election.vote(request.app[PEERS], member.smap, request.query, member.ballots))
 
 
 async def _open_peers(app: web.Application) -> None:

@@ -48,6 +48,7 @@ async def autoreg(request: web.Request) -> web.Response:
     if kind not in (TARGET, PROXY):
         raise BadRequest(f"autoreg: kind {kind!r} (target or proxy)")
     gw = gateway_of(request)
+    gw.refuse_second_hop(request)
     if not gw.primary:  # the map is the primary's: pass the join on
         return passthrough(*await gw.to_primary("POST", "/v1/cluster/autoreg", json.dumps(doc).encode()))
     known = gw.smap.node(doc["id"])
@@ -77,7 +78,7 @@ async def vote(request: web.Request) -> web.Response:
     """``GET /v1/cluster/vote`` (signed): this gateway's vote on replacing the primary."""
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
-    return web.json_response(await election.vote(gw.session, gw.smap, request.query))
+    return web.json_response(await election.vote(gw.session, gw.smap, request.query, gw.ballots))
 
 
 async def bucket_copies(request: web.Request) -> web.Response:
@@ -86,6 +87,7 @@ async def bucket_copies(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     doc = await read_json(request)
     gw = gateway_of(request)
+    gw.refuse_second_hop(request)
     bucket, copies = check_bucket(str(doc.get("bucket"))), doc.get("copies")
     if copies is not None and (not isinstance(copies, int) or isinstance(copies, bool) or copies < 1):
         raise BadRequest(f"copies must be a positive integer or null, got {copies!r}")

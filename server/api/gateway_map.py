@@ -35,6 +35,7 @@ PROBE_SECONDS = 1.0
 DOWN_AFTER = 2  # failed probes in a row before a target is routed around
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
+PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary
 REPLACED_CHECK_SECONDS = 10.0  # how often a primary asks the nodes whether another was elected
 
 
@@ -70,6 +71,7 @@ class Gateway:
         self._primary_lost: float | None = None  # since when a secondary cannot reach the primary
         self.url = ""
         self.join_url = primary_url
+        self.ballots = election.Ballots()  # this gateway's votes in elections
         saved = ClusterMap.load(map_path)
         # what this gateway knew when it started: a map naming another primary that is newer
         # than this was made by an election while it was away (``_start_primary``)
@@ -180,8 +182,10 @@ class Gateway:
                 return  # that one runs it
         else:
             return
+        if not self.ballots.grant(smap.uuid, smap.version, self.id):
+            return  # it voted for another candidate of this map: that one's election runs
         voters = [n for n in smap.nodes if n.id not in (old.id, self.id)]
-        answers = await election.ask_all(self.session, self.secret, voters, smap, old.id)
+        answers = await election.ask_all(self.session, self.secret, voters, smap, old.id, candidate=self.id)
         newer = election.newest_elsewhere(smap, answers)
         if newer is not None:  # already replaced: follow the winner
             self.member.learn(newer.to_json())
@@ -287,14 +291,23 @@ class Gateway:
         return self.smap
 
     async def to_primary(self, method: str, path: str, body: bytes) -> tuple[int, dict, bytes]:
-        """A signed request to the primary gateway (from a secondary)."""
+        """A signed request to the primary gateway (from a secondary), marked as passed on: a
+        gateway that gets it and is not the primary either refuses it (``refuse_second_hop``)
+        rather than passing it on again — two secondaries that each take the other for the
+        primary (an election under way) would otherwise bounce it between them forever."""
         try:
             async with peers.signed(self.session, self.secret, method, self.member.gateway_url, path, body=body,
-                                    headers={"Content-Type": "application/json"}) as r:
+                                    headers={"Content-Type": "application/json", PASSED_ON: "1"}) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unavailable(f"the primary gateway ({self.member.gateway_url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
+
+    def refuse_second_hop(self, request: web.Request) -> None:
+        """Unavailable for a change another gateway passed on here when this one is no primary."""
+        if not self.primary and request.headers.get(PASSED_ON):
+            raise Unavailable(f"gateway {self.id} is not the primary either (an election may be under way); "
+                              "the cluster map cannot change now")
 
     async def set_copies(self, bucket: str, copies: int | None) -> None:
         """A bucket's copies (None: the default) in the map: here on the primary, else sent to it."""

@@ -9,8 +9,9 @@ dies, a secondary gateway takes its place, as AIStore's proxies do:
       same one; a secondary runs the election only if it is the first candidate that answers
     the candidate asks every other node of the map (targets and gateways, not the old primary)
       for its vote (signed ``GET /v1/cluster/vote``): a voter agrees only if it holds the same
-      cluster and map version (not newer) with the same primary, and cannot reach that primary
-      itself
+      cluster and map version (not newer) with the same primary, cannot reach that primary
+      itself, and has not voted for another candidate for this map in the last
+      ``BALLOT_SECONDS`` (a candidate votes for itself first)
     a majority of the map's nodes other than the old primary (the candidate counts itself)
       agreeing: the candidate makes the next map version naming itself primary, persists it,
       and pushes it to every node; targets and secondaries follow it (``Membership.learn``)
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import aiohttp
 
@@ -45,6 +47,7 @@ from server.cluster.smap import ClusterMap, ClusterNode
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
 VOTE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 VOTE_PATH = "/v1/cluster/vote"
+BALLOT_SECONDS = 5.0  # a vote given to one candidate holds this long
 
 
 def candidates(smap: ClusterMap, old_primary: str) -> list[ClusterNode]:
@@ -63,26 +66,50 @@ async def reachable(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
-async def vote(session: aiohttp.ClientSession, smap: ClusterMap | None, query) -> dict:
-    """A voter's answer to ``GET /v1/cluster/vote?uuid=U&version=V&primary=P``: agree only if
-    this node's map is the same cluster, not newer, with the same primary, and that primary
-    does not answer this node either. The answer carries this node's map."""
+class Ballots:
+    """A node's votes: one candidate per (cluster, map version) for ``BALLOT_SECONDS``. Two
+    gateways that both run an election for the same map (each found the other unreachable, or
+    they raced) cannot both get a majority; a vote left unused expires, so a split vote is tried
+    again rather than never."""
+
+    def __init__(self) -> None:
+        self._given: dict[tuple[str, int], tuple[str, float]] = {}
+
+    def grant(self, uuid: str, version: int, candidate: str) -> bool:
+        now = time.monotonic()
+        self._given = {k: v for k, v in self._given.items() if now - v[1] < BALLOT_SECONDS}
+        held = self._given.get((uuid, version))
+        if held is not None and held[0] != candidate:
+            return False
+        self._given[uuid, version] = (candidate, now)
+        return True
+
+
+async def vote(session: aiohttp.ClientSession, smap: ClusterMap | None, query, ballots: Ballots) -> dict:
+    """A voter's answer to ``GET /v1/cluster/vote?uuid=U&version=V&primary=P&candidate=C``:
+    agree only if this node's map is the same cluster, not newer, with the same primary, that
+    primary does not answer this node either, and this node has not voted for another
+    candidate for this map (``Ballots``). Without ``candidate`` (a primary asking for maps) it
+    never agrees. The answer carries this node's map."""
     out: dict = {"agree": False, "map": smap.to_json() if smap is not None else None}
     try:
         version, uuid, primary = int(query.get("version", "")), query.get("uuid", ""), query.get("primary", "")
     except ValueError:
         return out
-    if smap is None or smap.uuid != uuid or smap.version > version or smap.primary != primary:
+    candidate = query.get("candidate", "")
+    if not candidate or smap is None or smap.uuid != uuid or smap.version > version or smap.primary != primary:
         return out
     node = smap.node(primary)
-    out["agree"] = node is None or not await reachable(session, node.url)
+    if node is None or not await reachable(session, node.url):
+        out["agree"] = ballots.grant(uuid, version, candidate)
     return out
 
 
 async def ask_all(session: aiohttp.ClientSession, secret: ClusterSecret, nodes: list[ClusterNode],
-                  smap: ClusterMap, primary: str) -> list[dict]:
-    """Every node's vote on replacing ``primary`` (an unreachable node: no vote)."""
-    qs = f"{VOTE_PATH}?uuid={smap.uuid}&version={smap.version}&primary={primary}"
+                  smap: ClusterMap, primary: str, candidate: str = "") -> list[dict]:
+    """Every node's vote on replacing ``primary`` by ``candidate`` (an unreachable node: no
+    vote); without a candidate, only their maps."""
+    qs = f"{VOTE_PATH}?uuid={smap.uuid}&version={smap.version}&primary={primary}&candidate={candidate}"
 
     async def one(n: ClusterNode) -> dict | None:
         try:

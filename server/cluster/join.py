@@ -27,6 +27,7 @@ from pathlib import Path
 import aiohttp
 
 from server.cluster import peers
+from server.cluster.election import Ballots
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap
 
@@ -51,6 +52,7 @@ class Membership:
         if self.smap is not None:
             self._to_primary(self.smap)
         self.joined = asyncio.Event()
+        self.ballots = Ballots()  # this node's votes when a gateway would replace the primary
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
 
     def learn(self, doc: dict) -> bool:

@@ -6,6 +6,7 @@ or that lacks a majority, does not take over."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -145,4 +146,41 @@ def test_a_primary_that_was_stopped_while_another_was_elected_steps_down_when_it
         assert all(_primary(t.url) == new for t in cluster.targets)
     finally:
         second.stop()
+        cluster.stop()
+
+
+def _sockets(pid: int) -> int:
+    return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+               if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+
+
+def test_two_secondaries_without_a_primary_do_not_pass_changes_back_and_forth(tmp_path):
+    """The primary dead, each secondary's keepalive may go to the other (it tries the map's
+    gateways in turn), which passes it on to the gateway it takes for the primary — the first
+    one: before, they bounced it between them, a new connection per hop, without end. A change
+    passed on once is refused by a gateway that is not the primary; the election still comes."""
+    cluster = Cluster(tmp_path, targets=2, gateway_args=("--election-after", "12"))
+    seconds = []
+    try:
+        cluster.start()
+        for i in range(2):
+            port = free_port()
+            seconds.append(ServerProcess([tmp_path / f"gw{i + 2}"], "--role", "gateway", "--listen",
+                                         f"127.0.0.1:{port}", "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                                         "--cluster-secret-file", str(cluster.secret), "--election-after", "12").start())
+        until(lambda: all(len(_smap(g.url)["pmap"]) == 3 for g in seconds), 30, "both secondaries in the map")
+        old = _primary(cluster.url)
+        cluster.gateway.proc.kill()
+        cluster.gateway.proc.wait()
+        most = 0
+        deadline = time.monotonic() + 10  # before the election: both secondaries follow the dead primary
+        while time.monotonic() < deadline:
+            most = max(most, *(_sockets(g.proc.pid) for g in seconds))
+            time.sleep(0.5)
+        assert most < 40, most  # a bounded handful, not one more per hop
+        until(lambda: all(_primary(g.url) != old for g in seconds), 40, "an election")
+        assert len({_primary(g.url) for g in seconds}) == 1
+    finally:
+        for g in seconds:
+            g.stop()
         cluster.stop()

@@ -59,3 +59,30 @@ def test_a_primary_counts_the_nodes_that_follow_another():
     assert election.names_other(same_version, {"map": elected.to_json()})
     assert not election.names_other(m, {"map": dataclasses.replace(elected, uuid="u9").to_json()})
     assert not election.names_other(m, {}) and not election.names_other(m, {"map": {"nodes": 1}})
+
+
+def test_a_node_votes_for_one_candidate_per_map_until_its_vote_expires(monkeypatch):
+    b = election.Ballots()
+    assert b.grant("u1", 7, "gw1") and b.grant("u1", 7, "gw1")  # asked again: the same answer
+    assert not b.grant("u1", 7, "gw2")  # a second candidate for the same map
+    assert b.grant("u1", 8, "gw2") and b.grant("u2", 7, "gw2")  # another map, another cluster
+    monkeypatch.setattr(election, "BALLOT_SECONDS", 0.0)
+    assert b.grant("u1", 7, "gw2")  # expired: a split vote is tried again
+
+
+def test_a_vote_needs_a_candidate_the_same_map_and_no_earlier_vote():
+    import asyncio
+
+    m = dataclasses.replace(_map(), primary="gone")  # a primary not in the map: not probed
+    ballots = election.Ballots()
+
+    def ask(**q):
+        query = {"uuid": "u1", "version": "7", "primary": "gone", **q}
+        return asyncio.run(election.vote(None, m, query, ballots))["agree"]
+
+    assert not ask()  # no candidate: a primary asking for maps
+    assert not ask(candidate="gw1", version="6")  # this node's map is newer
+    assert not ask(candidate="gw1", uuid="u9")
+    assert not ask(candidate="gw1", primary="gw0")  # it names another primary
+    assert ask(candidate="gw1") and ask(candidate="gw1")
+    assert not ask(candidate="gw2")
