@@ -295,12 +295,14 @@ class Gateway:
         gateway that gets it and is not the primary either refuses it (``refuse_second_hop``)
         rather than passing it on again — two secondaries that each take the other for the
         primary (an election under way) would otherwise bounce it between them forever."""
+        leader = self.smap.node(self.smap.primary)
+        url = leader.url if leader is not None and leader.url else self.member.gateway_url
         try:
-            async with peers.signed(self.session, self.secret, method, self.member.gateway_url, path, body=body,
+            async with peers.signed(self.session, self.secret, method, url, path, body=body,
                                     headers={"Content-Type": "application/json", PASSED_ON: "1"}) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise Unavailable(f"the primary gateway ({self.member.gateway_url}) did not answer: {e}; "
+            raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 
     def refuse_second_hop(self, request: web.Request) -> None:

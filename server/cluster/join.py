@@ -104,6 +104,7 @@ class Membership:
                                      self.gateway_url)
                         self.joined.set()
                         delay = KEEPALIVE_SECONDS
+                        self._to_primary(self.smap)  # answered through another gateway: back to the primary
                 except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as e:
                     log.warning("joining %s: %s (retrying)", self.gateway_url, e)
                     delay = min(RETRY_MAX_SECONDS, delay * 2) if delay < KEEPALIVE_SECONDS else 0.5

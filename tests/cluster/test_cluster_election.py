@@ -184,3 +184,34 @@ def test_two_secondaries_without_a_primary_do_not_pass_changes_back_and_forth(tm
         for g in seconds:
             g.stop()
         cluster.stop()
+
+
+def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path):
+    """The primary away for a while (shorter than --election-after): the secondaries' keepalives
+    tried the other gateways meanwhile. Once it is back, a change through either secondary goes
+    to the primary (found by a review: one kept sending to the other secondary, which refused
+    it as passed on already)."""
+    el = ("--election-after", "120")
+    cluster = Cluster(tmp_path, targets=2, gateway_args=el)
+    seconds = []
+    try:
+        cluster.start()
+        for i in range(2):
+            seconds.append(ServerProcess([tmp_path / f"gw{i + 2}"], "--role", "gateway", "--join", cluster.url,
+                                         "--cluster-secret-file", str(cluster.secret), *el).start())
+        until(lambda: all(len(_smap(g.url)["pmap"]) == 3 for g in seconds), 30, "both secondaries in the map")
+        sdk_client(cluster.url).bucket("bk").create()
+        cluster.gateway.stop()
+        time.sleep(12)  # more than a keepalive period: both try the other gateways
+        cluster.gateway = cluster._gateway().start()
+        for rnd in range(2):
+            for i, g in enumerate(seconds):
+                copies = 1 + (rnd + i) % 2
+                r = httpx.patch(f"{g.url}/v1/buckets/bk", timeout=30,
+                                json={"action": "set-bprops", "value": {"mirror": {"copies": copies}}})
+                assert r.status_code == 200, (rnd, i, r.text)
+                assert cluster.status()["bucket_copies"] == {"bk": copies}
+    finally:
+        for g in seconds:
+            g.stop()
+        cluster.stop()
