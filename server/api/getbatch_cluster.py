@@ -295,7 +295,12 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if not req.strm:
-            return await buffered(req, owners, first, cap, buffered_elsewhere)
+            resp = await buffered(req, owners, first, cap, buffered_elsewhere)
+            # sent here, under the caller's watchdog, not by aiohttp after the handler (and the
+            # admission it holds) returned: a client that never reads is then let go
+            await track(resp.prepare(request))
+            await track(resp.write_eof())
+            return resp
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
                                                        "Ais-Designated-Target": me.id})
         await track(resp.prepare(request))

@@ -5,7 +5,11 @@ on the other targets."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+
+import pytest
 
 from tests.cluster.conftest import Cluster, until
 from tests.support.attacks import raw_moss
@@ -14,7 +18,20 @@ from tests.support.getbatch import moss, sdk_client, tar_members
 STALL_SECONDS = 2
 
 
-def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_freed(tmp_path):
+def _raw(url: str, bucket: str, entries: list[dict], strm: bool):
+    if strm:
+        return raw_moss(url, bucket, entries)
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"in": entries, "strm": False}).encode()
+    s = socket.create_connection((host, int(port)))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(f"GET /v1/ml/moss/{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+@pytest.mark.parametrize("strm", [True, False], ids=["streamed", "buffered"])
+def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_freed(tmp_path, strm):
     c = Cluster(tmp_path, targets=2, target_args=("--getbatch-stall-timeout", str(STALL_SECONDS),
                                                   "--getbatch-max-pending", "4"))
     socks = []
@@ -28,7 +45,8 @@ def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_free
             b.object(n).get_writer().put_content(blob)
         dt = c.targets[0]
         entries = [{"objname": n} for n in names * 2]  # 32 MB, entries on both targets
-        socks = [raw_moss(dt.url, "stall", entries) for _ in range(4)]
+        clients = 4 if strm else 2  # a buffered reply holds its 32 MB in the byte budget
+        socks = [_raw(dt.url, "stall", entries, strm) for _ in range(clients)]
         for s in socks:
             s.settimeout(10)
             assert s.recv(12)[9:12] == b"200"
@@ -36,7 +54,7 @@ def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_free
         def metric(t, name: str) -> float:
             return sum(v for k, v in t.metrics().items() if k.split("{")[0] == name)
 
-        until(lambda: metric(dt, "getbatch_aborted_stalled_n_total") >= 4, 6 * STALL_SECONDS + 10,
+        until(lambda: metric(dt, "getbatch_aborted_stalled_n_total") >= clients, 6 * STALL_SECONDS + 10,
                   "the DT gave up on every stalled reply")
         for t in c.targets:
             until(lambda: metric(t, "getbatch_pending") == 0 and metric(t, "getbatch_buffered_bytes") == 0,
