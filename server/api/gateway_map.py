@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,7 @@ DOWN_AFTER = 2  # failed probes in a row before a target is routed around
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary
+PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
 REPLACED_CHECK_SECONDS = 10.0  # how often a primary asks the nodes whether another was elected
 
 
@@ -79,8 +81,12 @@ class Gateway:
         id_path = map_path.with_name("gateway-id")
         if id_path.exists():
             self.id = id_path.read_text().strip()
-        else:  # a primary of an earlier version kept its id only as the map's primary
-            self.id = saved.primary if saved is not None and primary_url is None else f"gw{uuid.uuid4().hex[:8]}"
+        else:  # a primary of an earlier version kept its id only as the map's primary (secondaries
+            # always kept the file): with a map and no file, this is that primary — unless it is
+            # told to join the very URL the map gives that primary (then it is not it)
+            leader = saved.node(saved.primary) if saved is not None else None
+            was_primary = leader is not None and (primary_url is None or leader.url.rstrip("/") != primary_url.rstrip("/"))
+            self.id = saved.primary if was_primary else f"gw{uuid.uuid4().hex[:8]}"
             id_path.write_text(self.id + "\n")
         leader = saved.node(saved.primary) if saved is not None else None
         if (saved is None and primary_url is None) or (leader is not None and leader.id == self.id):
@@ -161,7 +167,7 @@ class Gateway:
                 self._member_task.cancel()
             self.member, self._member_task, self._primary_lost = None, None, None
         log.warning("cluster map v%d: this gateway (%s) replaces the unreachable primary %s", new.version, self.id, old)
-        await self.push_map()
+        asyncio.get_running_loop().create_task(self.push_map())  # the watch loop goes on meanwhile
 
     async def _watch_primary(self) -> None:
         """A secondary: after ``election_after`` seconds without the primary, the first
@@ -191,6 +197,7 @@ class Gateway:
             self.member.learn(newer.to_json())
             return
         if not election.won(smap, old.id, answers):
+            self._primary_lost = now - self.election_after + random.uniform(1.0, 4.0)  # a split vote: retry at random
             log.warning("primary %s unreachable for %.0f s; election: %d of %d other nodes agree, not a majority",
                         old.id, now - self._primary_lost, sum(1 for a in answers if a.get("agree")), len(voters))
             return
@@ -230,7 +237,7 @@ class Gateway:
         answers = await election.ask_all(self.session, self.secret, others, smap, self.id)
         newer = election.newest_elsewhere(smap, answers, above=smap.version - 1)
         naming = sum(1 for a in answers if election.names_other(smap, a))
-        if newer is not None and 2 * naming > len(answers) and self.smap is smap:
+        if newer is not None and 2 * naming > len(answers) and self.smap is smap and election.yields_to(smap, newer):
             self.step_down(newer, force=True)
 
     async def _give_up_on_dead(self) -> None:
@@ -240,6 +247,8 @@ class Gateway:
         now = time.monotonic()
         for tid in [t for t in self.down if now - self._down_since.get(t, now) >= self.rebuild_after]:
             async with self._lock:
+                if not self.primary:  # stepped down meanwhile: the map is another's to change
+                    return
                 new = self.smap.without(tid)
                 new.save(self.map_path)
                 self.smap = new
@@ -282,13 +291,26 @@ class Gateway:
 
     async def admit(self, node: ClusterNode) -> ClusterMap:
         async with self._lock:
-            new = self.smap.with_node(node)
+            self._still_primary()
+            new = self.smap
+            if node.kind == PROXY:  # a gateway that lost its id joins again: its old entry goes
+                for ghost in [n for n in new.proxies.values() if n.url == node.url and n.id not in (node.id, new.primary)]:
+                    new = new.without(ghost.id)
+            new = new.with_node(node)
             if new is not self.smap:
                 new.save(self.map_path)  # persisted before anyone hears of it
                 self.smap = new
                 log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
                 asyncio.get_running_loop().create_task(self.push_map())
         return self.smap
+
+    def _still_primary(self) -> None:
+        """Under the lock, before a change: a gateway that stepped down while the change waited
+        for the lock must not apply it to the new primary's map (a 503: the client asks again,
+        and it goes to the primary)."""
+        if not self.primary:
+            raise Unavailable(f"gateway {self.id} is no longer the primary ({self.smap.primary} is): "
+                              "nothing was changed; send the change again")
 
     async def to_primary(self, method: str, path: str, body: bytes) -> tuple[int, dict, bytes]:
         """A signed request to the primary gateway (from a secondary), marked as passed on: a
@@ -325,6 +347,7 @@ class Gateway:
         """Apply ``update(map) -> map`` (a new version, or the same map): saved before anyone
         hears of it, then pushed to the targets (each walks its objects: rebalance)."""
         async with self._lock:
+            self._still_primary()
             new = update(self.smap)
             if new is not self.smap:
                 new.save(self.map_path)
@@ -334,17 +357,21 @@ class Gateway:
         return self.smap
 
     async def push_map(self) -> None:
-        """Every target and every other gateway gets the new map (they also pull it on keepalive)."""
+        """Every target and every other gateway gets the new map (they also pull it on
+        keepalive), all at once, each within PUSH_TIMEOUT: a node that hangs (a stopped old
+        primary) delays nobody else's."""
         body = json.dumps(self.smap.to_json()).encode()
-        for t in [n for n in self.smap.nodes if n.id != self.smap.primary]:
-            path = "/v1/cluster/map"
+
+        async def one(t: ClusterNode) -> None:
             try:
-                async with peers.signed(self.session, self.secret, "POST", t.url, path, body=body,
-                                        headers={"Content-Type": "application/json"}) as r:
+                async with peers.signed(self.session, self.secret, "POST", t.url, "/v1/cluster/map", body=body,
+                                        headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
                     if r.status != 200:
                         log.warning("map push to %s: HTTP %d", t.id, r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("map push to %s (%s): %s", t.id, t.url, e)
+                log.warning("map push to %s (%s): %s", t.id, t.url, e or type(e).__name__)
+
+        await asyncio.gather(*(one(t) for t in self.smap.nodes if t.id != self.smap.primary))
 
     def targets(self, alive: bool = False) -> list[ClusterNode]:
         ts = sorted(self.smap.targets.values(), key=lambda n: n.id)

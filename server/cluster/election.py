@@ -22,8 +22,10 @@ primary means it was replaced, and it joins that primary as a secondary instead.
 that is pushed such a map steps down the same way, and so does a primary that finds, asking
 every node every ``REPLACED_CHECK_SECONDS``, that most of them hold a map at least as new as
 its own naming another primary (it was stopped or cut off while the others elected one: its
-own map may even have reached the same version meanwhile). So two primaries never both change
-the map for long.
+own map may even have reached the same version meanwhile; of two primaries of one version, the
+one later in the candidates' order yields). Not a consensus protocol: a primary cut off from
+the others (a network partition) goes on changing its map until it hears from them
+(docs/cluster.md, "Not yet").
 
 Invariants: votes and map requests are signed with the cluster secret; a map is only ever
 replaced by a newer version of the same cluster; the old primary stays in the map as a gateway
@@ -79,8 +81,8 @@ class Ballots:
         now = time.monotonic()
         self._given = {k: v for k, v in self._given.items() if now - v[1] < BALLOT_SECONDS}
         held = self._given.get((uuid, version))
-        if held is not None and held[0] != candidate:
-            return False
+        if held is not None:  # asked again by the same candidate: the vote keeps its first time
+            return held[0] == candidate
         self._given[uuid, version] = (candidate, now)
         return True
 
@@ -135,6 +137,16 @@ def newest_elsewhere(smap: ClusterMap, answers: list[dict], above: int | None = 
             if best is None or m.version > best.version:
                 best = m
     return best
+
+
+def yields_to(smap: ClusterMap, other: ClusterMap) -> bool:
+    """Whether the primary of ``smap`` should follow ``other``'s primary: its map is newer, or
+    as new and its primary comes first in the candidates' order — two primaries of the same
+    version (elected at once) settle on one, never both step down."""
+    if other.version != smap.version:
+        return other.version > smap.version
+    order = [n.id for n in candidates(other, "")]
+    return other.primary in order and (smap.primary not in order or order.index(other.primary) < order.index(smap.primary))
 
 
 def names_other(smap: ClusterMap, answer: dict) -> bool:

@@ -86,3 +86,10 @@ def test_a_vote_needs_a_candidate_the_same_map_and_no_earlier_vote():
     assert not ask(candidate="gw1", primary="gw0")  # it names another primary
     assert ask(candidate="gw1") and ask(candidate="gw1")
     assert not ask(candidate="gw2")
+
+
+def test_of_two_primaries_of_one_version_exactly_one_yields():
+    m = _map(proxies=3)
+    a, b = election.promoted(m, "gw1", "http://x:1"), election.promoted(m, "gw2", "http://x:2")  # both v8
+    assert election.yields_to(a, b) != election.yields_to(b, a)
+    assert election.yields_to(a, dataclasses.replace(b, version=9)) and not election.yields_to(b, m)
