@@ -192,14 +192,14 @@ class Gateway:
             return  # it voted for another candidate of this map: that one's election runs
         voters = [n for n in smap.nodes if n.id not in (old.id, self.id)]
         answers = await election.ask_all(self.session, self.secret, voters, smap, old.id, candidate=self.id)
-        newer = election.newest_elsewhere(smap, answers)
-        if newer is not None:  # already replaced: follow the winner
-            self.member.learn(newer.to_json())
+        newer = election.newest_elsewhere(smap, answers) or election.newest(smap, answers)
+        if newer is not None:  # already replaced (follow the winner), or this map is behind: take
+            self.member.learn(newer.to_json())  # the newest and run again with it
             return
         if not election.won(smap, old.id, answers):
-            self._primary_lost = now - self.election_after + random.uniform(1.0, 4.0)  # a split vote: retry at random
             log.warning("primary %s unreachable for %.0f s; election: %d of %d other nodes agree, not a majority",
                         old.id, now - self._primary_lost, sum(1 for a in answers if a.get("agree")), len(voters))
+            self._primary_lost = now - self.election_after + random.uniform(1.0, 4.0)  # a split vote: retry at random
             return
         if self.smap is smap and self.member is not None:
             await self.promote()

@@ -149,6 +149,20 @@ def yields_to(smap: ClusterMap, other: ClusterMap) -> bool:
     return other.primary in order and (smap.primary not in order or order.index(other.primary) < order.index(smap.primary))
 
 
+def newest(smap: ClusterMap, answers: list[dict]) -> ClusterMap | None:
+    """The newest map of the same cluster among ``answers``, if newer than ``smap`` (a
+    candidate that was away learns it before it asks again)."""
+    best = None
+    for a in answers:
+        try:
+            m = ClusterMap.from_json(a["map"]) if a.get("map") else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if m is not None and m.uuid == smap.uuid and m.version > (best or smap).version:
+            best = m
+    return best
+
+
 def names_other(smap: ClusterMap, answer: dict) -> bool:
     """Whether a node's answer holds a map of this cluster, at least as new as ``smap``,
     naming another primary."""

@@ -93,3 +93,12 @@ def test_of_two_primaries_of_one_version_exactly_one_yields():
     a, b = election.promoted(m, "gw1", "http://x:1"), election.promoted(m, "gw2", "http://x:2")  # both v8
     assert election.yields_to(a, b) != election.yields_to(b, a)
     assert election.yields_to(a, dataclasses.replace(b, version=9)) and not election.yields_to(b, m)
+
+
+def test_a_candidate_behind_learns_the_newest_map_of_its_cluster():
+    m = _map()
+    ahead = dataclasses.replace(m, version=9, bucket_copies=(("b", 1),))  # same primary, newer
+    assert election.newest_elsewhere(m, [{"map": ahead.to_json()}]) is None  # not another primary
+    assert election.newest(m, [{"map": ahead.to_json()}, {"map": m.to_json()}]) == ahead
+    assert election.newest(ahead, [{"map": m.to_json()}]) is None
+    assert election.newest(m, [{"map": dataclasses.replace(ahead, uuid="u9").to_json()}]) is None
