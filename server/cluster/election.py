@@ -123,20 +123,25 @@ async def ask_all(session: aiohttp.ClientSession, secret: ClusterSecret, nodes: 
     return [v for v in await asyncio.gather(*(one(n) for n in nodes)) if isinstance(v, dict)]
 
 
-def newest_elsewhere(smap: ClusterMap, answers: list[dict], above: int | None = None) -> ClusterMap | None:
-    """A map of the same cluster among ``answers`` that names another primary, newer than
-    version ``above`` (default: ``smap``'s), if any — the newest."""
-    floor = smap.version if above is None else above
-    best = None
+def _maps(smap: ClusterMap, answers: list[dict]) -> list[ClusterMap]:
+    """The readable maps of ``smap``'s cluster that ``answers`` carry."""
+    out = []
     for a in answers:
         try:
             m = ClusterMap.from_json(a["map"]) if a.get("map") else None
         except (KeyError, TypeError, ValueError):
             continue
-        if m is not None and m.uuid == smap.uuid and m.version > floor and m.primary != smap.primary:
-            if best is None or m.version > best.version:
-                best = m
-    return best
+        if m is not None and m.uuid == smap.uuid:
+            out.append(m)
+    return out
+
+
+def newest_elsewhere(smap: ClusterMap, answers: list[dict], above: int | None = None) -> ClusterMap | None:
+    """A map of the same cluster among ``answers`` that names another primary, newer than
+    version ``above`` (default: ``smap``'s), if any — the newest."""
+    floor = smap.version if above is None else above
+    found = [m for m in _maps(smap, answers) if m.version > floor and m.primary != smap.primary]
+    return max(found, key=lambda m: m.version, default=None)
 
 
 def yields_to(smap: ClusterMap, other: ClusterMap) -> bool:
@@ -152,25 +157,13 @@ def yields_to(smap: ClusterMap, other: ClusterMap) -> bool:
 def newest(smap: ClusterMap, answers: list[dict]) -> ClusterMap | None:
     """The newest map of the same cluster among ``answers``, if newer than ``smap`` (a
     candidate that was away learns it before it asks again)."""
-    best = None
-    for a in answers:
-        try:
-            m = ClusterMap.from_json(a["map"]) if a.get("map") else None
-        except (KeyError, TypeError, ValueError):
-            continue
-        if m is not None and m.uuid == smap.uuid and m.version > (best or smap).version:
-            best = m
-    return best
+    return max((m for m in _maps(smap, answers) if m.version > smap.version), key=lambda m: m.version, default=None)
 
 
 def names_other(smap: ClusterMap, answer: dict) -> bool:
     """Whether a node's answer holds a map of this cluster, at least as new as ``smap``,
     naming another primary."""
-    try:
-        m = ClusterMap.from_json(answer["map"]) if answer.get("map") else None
-    except (KeyError, TypeError, ValueError):
-        return False
-    return m is not None and m.uuid == smap.uuid and m.version >= smap.version and m.primary != smap.primary
+    return any(m.version >= smap.version and m.primary != smap.primary for m in _maps(smap, [answer]))
 
 
 def won(smap: ClusterMap, old_primary: str, answers: list[dict]) -> bool:

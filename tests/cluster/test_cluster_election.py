@@ -27,6 +27,13 @@ def _primary(url: str) -> str:
     return _smap(url)["proxy_si"]["daemon_id"]
 
 
+def _secondary(tmp_path, cluster: Cluster) -> ServerProcess:
+    """A secondary gateway of ``cluster`` (not started), electing after ELECTION."""
+    return ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{free_port()}",
+                         "--join", f"http://127.0.0.1:{cluster.gw_port}",
+                         "--cluster-secret-file", str(cluster.secret), *ELECTION)
+
+
 def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path):
     cluster = Cluster(tmp_path, targets=3, gateway_args=ELECTION + ("--rebuild-after", "3"))
     port = free_port()
@@ -92,10 +99,7 @@ def test_a_secondary_replaces_a_dead_primary_and_the_old_one_steps_down(tmp_path
 
 def test_no_election_while_the_primary_answers_or_without_a_majority(tmp_path):
     cluster = Cluster(tmp_path, targets=2, gateway_args=ELECTION)
-    port = free_port()
-    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{port}",
-                           "--join", f"http://127.0.0.1:{cluster.gw_port}",
-                           "--cluster-secret-file", str(cluster.secret), *ELECTION)
+    second = _secondary(tmp_path, cluster)
     try:
         cluster.start()
         second.start()
@@ -126,10 +130,7 @@ def test_a_primary_that_was_stopped_while_another_was_elected_steps_down_when_it
     while it was stopped; where a push is lost (a network cut), its own check every
     REPLACED_CHECK_SECONDS finds the nodes following another primary (tests/unit/test_election.py)."""
     cluster = Cluster(tmp_path, targets=2, gateway_args=ELECTION)
-    port = free_port()
-    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--listen", f"127.0.0.1:{port}",
-                           "--join", f"http://127.0.0.1:{cluster.gw_port}",
-                           "--cluster-secret-file", str(cluster.secret), *ELECTION)
+    second = _secondary(tmp_path, cluster)
     try:
         cluster.start()
         second.start()

@@ -5,9 +5,7 @@ on the other targets."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 
 import pytest
 
@@ -16,18 +14,6 @@ from tests.support.attacks import raw_moss
 from tests.support.getbatch import moss, sdk_client, tar_members
 
 STALL_SECONDS = 2
-
-
-def _raw(url: str, bucket: str, entries: list[dict], strm: bool):
-    if strm:
-        return raw_moss(url, bucket, entries)
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"in": entries, "strm": False}).encode()
-    s = socket.create_connection((host, int(port)))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.sendall(f"GET /v1/ml/moss/{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    return s
 
 
 @pytest.mark.parametrize("strm", [True, False], ids=["streamed", "buffered"])
@@ -46,7 +32,7 @@ def test_a_stalled_client_of_a_designated_target_is_given_up_and_everything_free
         dt = c.targets[0]
         entries = [{"objname": n} for n in names * 2]  # 32 MB, entries on both targets
         clients = 4 if strm else 2  # a buffered reply holds its 32 MB in the byte budget
-        socks = [_raw(dt.url, "stall", entries, strm) for _ in range(clients)]
+        socks = [raw_moss(dt.url, "stall", entries, strm) for _ in range(clients)]
         for s in socks:
             s.settimeout(10)
             assert s.recv(12)[9:12] == b"200"

@@ -30,10 +30,10 @@ def write_bomb(path: Path, mib: int) -> None:
         f.write(z.flush())
 
 
-def raw_moss(url: str, bucket: str, entries: list[dict]) -> socket.socket:
-    """A streamed GetBatch on a raw socket whose reply is never read."""
+def raw_moss(url: str, bucket: str, entries: list[dict], strm: bool = True) -> socket.socket:
+    """A GetBatch (streamed, or buffered with ``strm=False``) on a raw socket whose reply is never read."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"in": entries, "strm": True}).encode()
+    body = json.dumps({"in": entries, "strm": strm}).encode()
     s = socket.create_connection((host, int(port)))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.sendall(f"GET /v1/ml/moss/{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
