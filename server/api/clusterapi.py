@@ -14,7 +14,8 @@ from aiohttp import web
 from server.api import spread, spread_deletes
 from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
 from server.cluster import election
-from server.errors import BadRequest
+from server.cluster.join import ForeignCluster
+from server.errors import BadRequest, Conflict
 
 
 async def map_push(request: web.Request) -> web.Response:
@@ -22,6 +23,8 @@ async def map_push(request: web.Request) -> web.Response:
     doc = await read_json(request)
     try:
         taken = request.app[MEMBERSHIP].learn(doc)
+    except ForeignCluster as e:
+        raise Conflict(str(e)) from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise BadRequest(f"not a cluster map: {e}") from None
     return web.json_response({"taken": taken})

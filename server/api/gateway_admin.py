@@ -18,8 +18,9 @@ from server.api.gateway_map import (PROBE_SECONDS, NotImplementedThroughGateway,
                                     passthrough)
 from server.api.state import OP_KEY, read_json
 from server.cluster import election, peers
+from server.cluster.join import ForeignCluster
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
-from server.errors import BadRequest, NotFound
+from server.errors import BadRequest, Conflict, NotFound
 from server.validate import check_bucket
 
 # -- cluster ----------------------------------------------------------------------------------
@@ -51,6 +52,10 @@ async def autoreg(request: web.Request) -> web.Response:
     gw.refuse_second_hop(request)
     if not gw.primary:  # the map is the primary's: pass the join on
         return passthrough(*await gw.to_primary("POST", "/v1/cluster/autoreg", json.dumps(doc).encode()))
+    if doc.get("cluster", gw.smap.uuid) != gw.smap.uuid:
+        raise Conflict(f"{doc['id']} belongs to cluster {doc['cluster']!r}; this is cluster {gw.smap.uuid} "
+                       f"(a gateway started on an empty data directory makes a new cluster: start it on its "
+                       f"data directory, or as a secondary with --join)")
     known = gw.smap.node(doc["id"])
     if doc["id"] == gw.smap.primary or (known is not None and known.kind != kind):
         raise BadRequest(f"{doc['id']} is already in the map as a {known.kind if known else PROXY}")
@@ -67,8 +72,13 @@ async def map_push(request: web.Request) -> web.Response:
         doc = await read_json(request)
         if gw.member is not None:
             gw.member.learn(doc)
+        elif (pushed := ClusterMap.from_json(doc)).uuid != gw.smap.uuid:
+            raise ForeignCluster(f"a map of cluster {pushed.uuid}; this gateway ({gw.id}) is the primary "
+                                 f"of cluster {gw.smap.uuid}: not taken")
         else:
-            gw.step_down(ClusterMap.from_json(doc))
+            gw.step_down(pushed)
+    except ForeignCluster as e:
+        raise Conflict(str(e)) from None
     except (KeyError, TypeError, ValueError) as e:
         raise BadRequest(f"cluster map: {e}") from None
     return web.Response(text="")

@@ -24,7 +24,7 @@ from aiohttp import web
 from server.cluster import election, peers
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
-from server.cluster.smap import PROXY, ClusterMap, ClusterNode
+from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
 from server.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -213,10 +213,14 @@ class Gateway:
 
     async def watch(self) -> None:
         """Probe every target's health every HEALTH_SECONDS: DOWN_AFTER failures in a row mark
-        it down (routing then skips it), one success marks it up again."""
+        it down (routing then skips it), one success marks it up again. The primary probes the
+        other gateways too (a dead one is dropped like a target: it would count in every later
+        election's electorate)."""
         last_check = time.monotonic()
         while True:
-            await asyncio.gather(*(self._probe(t) for t in list(self.smap.targets.values())))
+            probed = [n for n in self.smap.nodes
+                      if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
+            await asyncio.gather(*(self._probe(n) for n in probed))
             if self.primary and time.monotonic() - last_check >= REPLACED_CHECK_SECONDS:
                 last_check = time.monotonic()
                 await self._check_replaced()
@@ -241,22 +245,25 @@ class Gateway:
             self.step_down(newer, force=True)
 
     async def _give_up_on_dead(self) -> None:
-        """Drop from the map every target down for ``rebuild_after`` seconds: the new map makes
-        the other targets copy what it held to the targets that now rank for it (rebuild). When
-        it comes back it joins again like a new target (rebalance moves data to it)."""
+        """Drop from the map every node down for ``rebuild_after`` seconds. A target: the new map
+        makes the other targets copy what it held to the targets that now rank for it (rebuild);
+        when it comes back it joins again like a new target (rebalance moves data to it). A
+        secondary gateway: it no longer counts in elections; back, it joins again (its keepalive)."""
         now = time.monotonic()
         for tid in [t for t in self.down if now - self._down_since.get(t, now) >= self.rebuild_after]:
             async with self._lock:
                 if not self.primary:  # stepped down meanwhile: the map is another's to change
                     return
+                gateway = tid in self.smap.proxies
                 new = self.smap.without(tid)
                 new.save(self.map_path)
                 self.smap = new
             self.down.discard(tid)
             self._fails.pop(tid, None)
             self._down_since.pop(tid, None)
-            log.warning("cluster map v%d: target %s dropped after %.0f s down; its copies are rebuilt on the others",
-                        new.version, tid, self.rebuild_after)
+            log.warning("cluster map v%d: %s %s dropped after %.0f s down%s", new.version,
+                        "gateway" if gateway else "target", tid, self.rebuild_after,
+                        "" if gateway else "; its copies are rebuilt on the others")
             await self.push_map()
 
     async def _probe(self, t: ClusterNode) -> None:
@@ -270,13 +277,13 @@ class Gateway:
             if t.id in self.down:
                 self.down.discard(t.id)
                 self._down_since.pop(t.id, None)
-                log.info("target %s is up again", t.id)
+                log.info("%s %s is up again", t.kind, t.id)
             return
         self._fails[t.id] = self._fails.get(t.id, 0) + 1
         if self._fails[t.id] >= DOWN_AFTER and t.id not in self.down:
             self.down.add(t.id)
             self._down_since[t.id] = time.monotonic()
-            log.warning("target %s (%s) is down: routing around it", t.id, t.url)
+            log.warning("%s %s (%s) is down%s", t.kind, t.id, t.url, ": routing around it" if t.kind == TARGET else "")
 
     def holder(self, bucket: str, name: str) -> ClusterNode:
         """The first target holding a copy of the object that is not down."""

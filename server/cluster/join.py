@@ -13,7 +13,10 @@ each retry asks the next of: the map's primary, the ``--join`` URL, the map's ot
 (one of them may have been elected while this node was away).
 
 Invariants: a map is taken only if its version is newer than the one held (a late push never
-rolls the map back); the loop never ends on an error, it logs and retries with backoff (a
+rolls the map back); a map of another cluster (another uuid) is never taken once this node holds
+one — its data is placed by its own cluster's map, and a gateway restarted on an empty data
+directory (a new cluster) must not capture it (``ForeignCluster``; the join says which cluster
+it belongs to, so such a gateway refuses it too); the loop never ends on an error, it logs and retries with backoff (a
 gateway that restarts is rejoined without operator steps).
 """
 
@@ -37,6 +40,10 @@ KEEPALIVE_SECONDS = 10.0
 RETRY_MAX_SECONDS = 5.0
 
 
+class ForeignCluster(ValueError):
+    """A map of another cluster than the one this node belongs to."""
+
+
 class Membership:
     def __init__(self, gateway_url: str, secret: ClusterSecret, node_id: str, map_path: Path, kind: str = "target",
                  fallback_urls: list[str] = ()):
@@ -58,6 +65,12 @@ class Membership:
     def learn(self, doc: dict) -> bool:
         """Take the map in ``doc`` if it is newer than ours; True if taken."""
         new = ClusterMap.from_json(doc)
+        if self.smap is not None and new.uuid != self.smap.uuid:
+            raise ForeignCluster(
+                f"a map of cluster {new.uuid} (primary {new.primary}), but this node ({self.node_id}) belongs "
+                f"to cluster {self.smap.uuid}: not taken. A gateway started on an empty data directory makes "
+                f"a new cluster — start it on its data directory or as a secondary with --join; to move this "
+                f"node to another cluster, start it on an empty data directory")
         if self.smap is not None and new.version <= self.smap.version and new.uuid == self.smap.uuid:
             return False
         self.smap = new
@@ -88,11 +101,14 @@ class Membership:
 
     async def run(self, url: str) -> None:
         self.url = url
-        body = json.dumps({"id": self.node_id, "url": url, "kind": self.kind}).encode()
         path = "/v1/cluster/autoreg"
         delay = 0.1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             while True:
+                doc = {"id": self.node_id, "url": url, "kind": self.kind}
+                if self.smap is not None:
+                    doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
+                body = json.dumps(doc).encode()
                 try:
                     async with peers.signed(session, self.secret, "POST", self.gateway_url, path, body=body,
                                             headers={"Content-Type": "application/json"}) as r:

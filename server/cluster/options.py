@@ -31,9 +31,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
                    help="the URL clients and other nodes use to reach this node (default: "
                    "http://HOST:PORT of --listen, with the port the kernel chose for port 0)")
     c.add_argument("--rebuild-after", dest="rebuild_after_seconds", type=float, metavar="SECONDS",
-                   help="gateway: a target that fails its health checks this long is dropped from the "
-                   "cluster map and the copies it held are rebuilt on the other targets; it rejoins "
-                   f"when it comes back (default: {d.rebuild_after_seconds:g})")
+                   help="primary gateway: a target that fails its health checks this long is dropped from "
+                   "the cluster map and the copies it held are rebuilt on the other targets; a secondary "
+                   "gateway is dropped too (it would count in elections); either rejoins when it comes "
+                   f"back (default: {d.rebuild_after_seconds:g})")
     c.add_argument("--election-after", dest="election_after_seconds", type=float, metavar="SECONDS",
                    help="secondary gateway: the primary unreachable this long, the first secondary in the "
                    "map's order that answers asks every node for its vote and, with a majority, becomes the "

@@ -150,6 +150,15 @@ def test_a_primary_that_was_stopped_while_another_was_elected_steps_down_when_it
         cluster.stop()
 
 
+def _start_secondaries(tmp_path, cluster: Cluster, into: list, n: int, args: tuple[str, ...]) -> None:
+    """Start ``n`` secondary gateways of ``cluster`` (appended to ``into`` as each starts, so
+    the caller's ``finally`` stops them) and wait until every one holds a map listing them all."""
+    for i in range(n):
+        into.append(ServerProcess([tmp_path / f"gw{i + 2}"], "--role", "gateway", "--join", cluster.url,
+                                  "--cluster-secret-file", str(cluster.secret), *args).start())
+    until(lambda: all(len(_smap(g.url)["pmap"]) == n + 1 for g in into), 30, "every secondary in the map")
+
+
 def _sockets(pid: int) -> int:
     n = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -169,12 +178,7 @@ def test_two_secondaries_without_a_primary_do_not_pass_changes_back_and_forth(tm
     seconds = []
     try:
         cluster.start()
-        for i in range(2):
-            port = free_port()
-            seconds.append(ServerProcess([tmp_path / f"gw{i + 2}"], "--role", "gateway", "--listen",
-                                         f"127.0.0.1:{port}", "--join", f"http://127.0.0.1:{cluster.gw_port}",
-                                         "--cluster-secret-file", str(cluster.secret), "--election-after", "12").start())
-        until(lambda: all(len(_smap(g.url)["pmap"]) == 3 for g in seconds), 30, "both secondaries in the map")
+        _start_secondaries(tmp_path, cluster, seconds, 2, ("--election-after", "12"))
         old = _primary(cluster.url)
         cluster.gateway.proc.kill()
         cluster.gateway.proc.wait()
@@ -202,10 +206,7 @@ def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path)
     seconds = []
     try:
         cluster.start()
-        for i in range(2):
-            seconds.append(ServerProcess([tmp_path / f"gw{i + 2}"], "--role", "gateway", "--join", cluster.url,
-                                         "--cluster-secret-file", str(cluster.secret), *el).start())
-        until(lambda: all(len(_smap(g.url)["pmap"]) == 3 for g in seconds), 30, "both secondaries in the map")
+        _start_secondaries(tmp_path, cluster, seconds, 2, el)
         sdk_client(cluster.url).bucket("bk").create()
         cluster.gateway.stop()
         time.sleep(12)  # more than a keepalive period: both try the other gateways
@@ -221,3 +222,46 @@ def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path)
         for g in seconds:
             g.stop()
         cluster.stop()
+
+
+def test_dead_gateways_leave_the_map_and_elections_need_only_the_living(tmp_path):
+    """Two of three secondaries die: the primary drops them after --rebuild-after (before, they
+    stayed and counted in the electorate: the survivor and the target, 2 of 4, could never elect
+    a primary). Then the primary dies: the survivor is elected; a dropped gateway restarted
+    joins the new primary again."""
+    fast = ELECTION + ("--rebuild-after", "3")
+    cluster = Cluster(tmp_path, targets=1, gateway_args=fast)
+    seconds = []
+    try:
+        cluster.start()
+        _start_secondaries(tmp_path, cluster, seconds, 3, fast)
+        old = _primary(cluster.url)
+        survivor, *dead = seconds
+        dead_ids = {_ids(g) for g in dead}
+        for g in dead:
+            g.proc.kill()
+            g.proc.wait()
+        until(lambda: len(_smap(cluster.url)["pmap"]) == 2 and len(_smap(survivor.url)["pmap"]) == 2, 30,
+              "the dead gateways dropped")
+        assert set(_smap(cluster.url)["pmap"]) == {old, _ids(survivor)} and not dead_ids & set(_smap(survivor.url)["pmap"])
+        cluster.gateway.proc.kill()
+        cluster.gateway.proc.wait()
+        until(lambda: _primary(survivor.url) == _ids(survivor), 40, "the survivor elected")
+        until(lambda: _primary(cluster.targets[0].url) == _ids(survivor), 20, "the target follows it")
+        back = type(dead[0])(dead[0].data_dirs, *dead[0].args).start()
+        seconds.append(back)
+        until(lambda: len(_smap(survivor.url)["pmap"]) == 2 and _ids(back) in dead_ids, 40,
+              "the restarted gateway joins the new primary (and the dead old primary is dropped)")
+        assert _primary(back.url) == _ids(survivor)
+        sdk_client(back.url).bucket("after").create()  # a change through it, made by the new primary
+        assert "after" in [b.name for b in sdk_client(survivor.url).cluster().list_buckets()]
+    finally:
+        for g in seconds:
+            g.stop()
+        cluster.stop()
+
+
+def _ids(gateway: ServerProcess) -> str | None:
+    """A gateway's own id (the one of its map's proxies at its own URL); None before its map has it."""
+    return next((i for i, n in _smap(gateway.url)["pmap"].items() if n["public_net"]["direct_url"] == gateway.url),
+                None)
