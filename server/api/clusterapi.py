@@ -56,6 +56,8 @@ def add_routes(app: web.Application, membership) -> None:
     app[MEMBERSHIP] = membership
     app.on_startup.append(_open_peers)
     app.on_startup.append(_install_spread)
+    app.on_startup.append(spread_deletes.start_retries)  # deletes owed to targets that were down
+    app.on_shutdown.append(spread_deletes.stop_retries)
     app.on_shutdown.append(spread_deletes.stop_cleanups)  # before the peer session closes (on_cleanup)
     app.on_cleanup.append(_close_peers)
     app.router.add_post("/v1/cluster/map", map_push)

@@ -353,10 +353,13 @@ async def check_names(request: web.Request) -> web.Response:
 
 async def rebalance_status(request: web.Request) -> web.Response:
     """``GET /v1/cluster/rebalance`` (signed): this target's walk (counts since it started), its
-    buckets (a joining target creates the ones it lacks) and its capacity."""
+    buckets (a joining target creates the ones it lacks), its capacity and the chunk deletes it
+    owes targets that were down (``server.api.spread_deletes``)."""
     node = request.app[NODE]
     capacity = await asyncio.to_thread(_capacity, [mp.root for mp in node.target_store.mountpaths])
-    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(node.buckets), "capacity": capacity})
+    owed = await asyncio.to_thread(node.target_store.deferred.count)
+    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(node.buckets), "capacity": capacity,
+                                                              "owed_deletes": owed})
 
 
 def _capacity(roots: list) -> dict:

@@ -28,6 +28,7 @@ def _rebalance(r: dict | None) -> str:
         f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
         f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
     text += f", resumed after {r['resumed_from']}" if r.get("resumed_from") else ""
+    text += f", {r['owed_deletes']} chunk deletes owed to targets that were down" if r.get("owed_deletes") else ""
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
 
 

@@ -40,6 +40,9 @@ CREATE TABLE IF NOT EXISTS blocksums(
 CREATE TABLE IF NOT EXISTS tombstones(
     bucket TEXT NOT NULL, name TEXT NOT NULL, deleted_ns INTEGER NOT NULL,
     PRIMARY KEY (bucket, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS pending_deletes(
+    bucket TEXT NOT NULL, name TEXT NOT NULL, since_ns INTEGER NOT NULL,
+    PRIMARY KEY (bucket, name)) WITHOUT ROWID;
 """
 
 

@@ -52,6 +52,7 @@ from server.store.metacache import MetaCache
 from server.store.mountpath import Mountpath
 from server.store.orphans import OrphanReport, collect_orphans
 from server.store.placement import hrw
+from server.store.deferred import DeferredDeletes
 from server.store.blocksums import SUMS_CACHE_BYTES, VERIFY_BLOCK, BlockSums, SumsCache
 from server.store.reader import OpenObject
 from server.store.writer import PRECONDITIONS, PutWriter
@@ -87,6 +88,7 @@ class Store:
             raise ValueError("two data directories are the same mountpath (same .batchfs/id)")
         self._ids = list(self.by_id)
         self.sums_cache = SumsCache(SUMS_CACHE_BYTES)
+        self.deferred = DeferredDeletes(self.mountpaths, self.home)  # deletes owed to other targets
         self.corrupt_reads = 0  # reads refused because stored bytes failed their checksum
         self.on_corrupt: Callable[[], None] | None = None  # the server's metric hook
         self.chunks_elsewhere: ChunkFetcher | None = None  # a cluster target's (server.api.spread)
@@ -129,6 +131,7 @@ class Store:
                 db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
                 db.execute("DELETE FROM blocksums WHERE bucket = ?", (bucket,))
                 db.execute("DELETE FROM tombstones WHERE bucket = ?", (bucket,))
+                db.execute("DELETE FROM pending_deletes WHERE bucket = ?", (bucket,))
             shutil.rmtree(mp.objs / bucket, ignore_errors=True)
         self.meta_cache.invalidate()
         self.sums_cache.clear()

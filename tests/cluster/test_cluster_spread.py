@@ -17,7 +17,7 @@ import pytest
 from botocore.config import Config
 
 from server.cluster.spreadnames import chunk_name, chunks_bucket
-from tests.cluster.conftest import Cluster, holds, ranked, stored_version
+from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, stored_version, until
 from tests.support.getbatch import make_shard, sdk_client
 
 MiB = 1 << 20
@@ -243,3 +243,40 @@ def test_a_failed_spread_deletes_the_chunks_it_stored(spread_cluster):
             time.sleep(0.2)
     finally:
         c.bring_back(2)
+
+
+def test_chunks_a_delete_could_not_reach_are_deleted_once_their_target_is_back(spread_cluster):
+    """copies=1, so each chunk has one holder. With a target dead, a DELETE of a spread object
+    cannot reach that target's chunks: the object's holder owes those deletes (kept in its
+    catalog, counted in the cluster status) and makes them once the target is back — before,
+    they stayed until the bucket was destroyed."""
+    c = spread_cluster
+    sdk = sdk_client(c.url)
+    b = sdk.bucket("big6").create(exist_ok=True)
+    r = httpx.patch(f"{c.url}/v1/buckets/big6", json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}},
+                    timeout=10)
+    assert r.status_code == 200, r.text
+    smap = c.smap()
+    dead, dead_url = c.target_id(2), c.targets[2].url
+    cb = chunks_bucket("big6")
+    for attempt in range(5):  # a name with the object on a live target and a chunk on the dead one
+        name = next(f"o{attempt}-{i}" for i in range(1000) if ranked(smap, "big6", f"o{attempt}-{i}")[0] != dead)
+        b.object(name).get_writer().put_content(os.urandom(6 * MiB))
+        names = chunk_names(c.targets, "big6", name)
+        on_dead = [n for n in names if holds(dead_url, cb, n)]
+        if on_dead:
+            break
+    assert on_dead and len(names) == 6
+    c.targets[2].proc.kill()
+    c.targets[2].proc.wait()
+    try:
+        b.object(name).delete()
+        owed = {n["id"]: (n.get("rebalance") or {}).get("owed_deletes", 0) for n in c.status()["nodes"]}
+        assert owed[ranked(smap, "big6", name)[0]] == len(on_dead), owed
+        live = [t.url for t in c.targets[:2]]
+        assert not any(holds(u, cb, n) for u in live for n in names)
+    finally:
+        c.bring_back(2)
+    until(lambda: not any(holds(c.targets[2].url, cb, n) for n in on_dead), 40, "the owed deletes made")
+    until(lambda: all((n.get("rebalance") or {}).get("owed_deletes", 0) == 0 for n in c.status()["nodes"]), 20,
+          "nothing owed")

@@ -176,6 +176,27 @@ def test_range_get_opens_only_its_chunks(tmp_path):
             assert whole.status_code == 500 and "wrong size" in whole.json()["message"]
 
 
+def test_deletes_owed_to_other_targets_are_kept_across_a_restart_and_bounded(tmp_path, monkeypatch):
+    """``Store.deferred`` (server.store.deferred): the chunk deletes a target could not make;
+    kept in the catalog, each once (its first time), oldest first, until done; bounded."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    store = Store(dirs, 1 * MiB)
+    for i in range(6):
+        assert store.deferred.add(".chunks.b", f"h/t/{i}", 1_000 + i)
+    assert store.deferred.add(".chunks.b", "h/t/0", 5)  # again: one row, its first time kept
+    assert store.deferred.count() == 6
+    store = Store(dirs, 1 * MiB)  # a restart
+    due = store.deferred.due(4)
+    assert len(due) == 4 and store.deferred.count() == 6
+    for bucket, name in store.deferred.due(100):
+        store.deferred.done(bucket, name)
+    assert store.deferred.count() == 0 and store.deferred.due(10) == []
+    monkeypatch.setattr("server.store.deferred.MAX_ROWS", 2)
+    assert store.deferred.add("c", "1", 1) and store.deferred.add("c", "2", 1)
+    full = [store.deferred.add("c", str(i), 1) for i in range(3, 20)]
+    assert not all(full) and store.deferred.count() <= 4  # at most MAX_ROWS per mountpath
+
+
 def test_tombstones_record_deletes_until_a_commit_or_their_age(tmp_path):
     """A cluster target's deletes leave tombstones (server.api.rebalance reads them); a commit of
     the name clears it; pruning forgets old ones; a single node's deletes leave none."""
