@@ -6,7 +6,8 @@
    objects (``BENCH_SIZES=10240,262144`` picks other sizes, in bytes). Same client for both
    sides: one ``httpx.Client`` (a pool of as many connections as threads) shared by N threads,
    for each N in ``--threads``; each GetBatch reply is split into its members with
-   ``tarfile``, so both sides end with one buffer per object. Modes are interleaved within a
+   ``tarfile`` (``--parse batchfs``: batchfs's own parser), so both sides end with one buffer
+   per object. Modes are interleaved within a
    run, so a noisy neighbour hits them alike; medians of ``--runs`` runs; ratios are GetBatch
    objects/s over individual-GET objects/s at the same thread count.
 2. Time to first byte of a streamed GetBatch of 100 vs 10,000 entries (10 KiB objects), with
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from batchfs.objclient.tarstream import quick_header
 from bench.delayline import LineProcess
 from tests.support.processes import ServerProcess
 
@@ -81,6 +83,28 @@ def split_tar(data: bytes) -> list[memoryview]:
         return [view[m.offset_data:m.offset_data + m.size] for m in tf]
 
 
+def split_tar_batchfs(data: bytes) -> list[memoryview]:
+    """``split_tar`` as batchfs's own client parses GetBatch replies (the mount's ``.batch``
+    files and plans): plain USTAR headers by ``quick_header`` (checksum verified), and the
+    whole reply through ``split_tar`` as soon as any header is not one (PAX, long names)."""
+    view, out, off = memoryview(data), [], 0
+    while off + tarfile.BLOCKSIZE <= len(data):
+        block = data[off:off + tarfile.BLOCKSIZE]
+        if block == ZERO_BLOCK:
+            return out
+        head = quick_header(block)
+        if head is None:
+            return split_tar(data)
+        off += tarfile.BLOCKSIZE
+        out.append(view[off:off + head.size])
+        off += -(-head.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    raise ValueError("a TAR reply without its end blocks")
+
+
+SPLITS = {"tarfile": split_tar, "batchfs": split_tar_batchfs}
+ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
+
+
 def run_for(seconds: float, threads: int, op) -> tuple[int, int, float]:
     """Call ``op(rng)`` (returns (objects, bytes)) from ``threads`` threads for ``seconds``."""
     stop = time.monotonic() + seconds
@@ -124,7 +148,7 @@ def table1(client, url, bucket, names_by_size, args, threads: int) -> list[str]:
             body = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "mime": ".tar", "strm": True}
             r = client.request("GET", f"{url}/v1/ml/moss/{bucket}", json=body)
             r.raise_for_status()
-            members = split_tar(r.content)
+            members = SPLITS[args.parse](r.content)
             assert len(members) == n, (len(members), n)
             return n, sum(len(m) for m in members)
 
@@ -241,6 +265,10 @@ def main() -> int:
                    "two copies of every object) instead of one node; every request goes to the gateway "
                    "and follows its redirects (individual GETs: 301 to the owner; GetBatch: 307 to the "
                    "designated target, which gathers from the others)")
+    p.add_argument("--parse", choices=sorted(SPLITS), default="tarfile",
+                   help="how the client splits each GetBatch reply into its members: tarfile (the standard "
+                   "library, as the SDK's users would) or batchfs (the mount's own parser: plain USTAR "
+                   "headers without tarfile) (default: tarfile)")
     p.add_argument("--rtt-ms", type=float, default=None,
                    help="send both sides through an emulated network (bench/delayline.py) of this round-trip "
                    "time, milliseconds (default: no line, direct loopback)")
@@ -249,7 +277,8 @@ def main() -> int:
         tmp = Path(tmpdir)
         thread_counts = [int(t) for t in args.threads.split(",")]
         out = [f"BENCH_SIZES={','.join(str(s) for s, _, _ in SIZES)} python -m bench.bench_getbatch --runs {args.runs} "
-               f"--seconds {args.seconds} --threads {args.threads}", ""]
+               f"--seconds {args.seconds} --threads {args.threads}"
+               + (f" --parse {args.parse}" if args.parse != "tarfile" else ""), ""]
         if args.only in (None, "table", "ttfb"):
             if args.cluster:
                 from tests.cluster.conftest import Cluster
