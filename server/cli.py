@@ -30,6 +30,7 @@ from server.api.gateway_map import Gateway
 from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
+from server.cluster.smap import UnreadableMap
 from batchfs.wire.units import parse_size
 from server.config import ServerConfig, load_toml
 from server.api.state import CLUSTER_SECRET, INFLIGHT, METRICS, NODE
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     try:
         asyncio.run(serve(config))
-    except OSError as e:  # e.g. address in use
+    except (OSError, UnreadableMap) as e:  # e.g. address in use; a node's kept map damaged
         print(f"batchfs-server: {e}", file=sys.stderr)
         return 1
     return 0

@@ -115,7 +115,7 @@ async def cluster_status(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
     nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
-              "alive": n.kind != TARGET or n.id not in gw.down} for n in gw.smap.nodes]
+              "alive": n.id not in (gw.down if n.kind == TARGET else gw.gateways_down)} for n in gw.smap.nodes]
 
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"

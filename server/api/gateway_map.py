@@ -25,7 +25,7 @@ from server.cluster import election, peers
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
-from server.errors import StoreError
+from server.errors import Conflict, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ PROBE_SECONDS = 1.0
 DOWN_AFTER = 2  # failed probes in a row before a target is routed around
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
-PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary
+PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
 PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
 REPLACED_CHECK_SECONDS = 10.0  # how often a primary asks the nodes whether another was elected
 
@@ -97,6 +97,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self.down: set[str] = set()  # targets that failed DOWN_AFTER health probes in a row
+        self.gateways_down: set[str] = set()  # the same for the other gateways (probed by a primary)
         self._fails: dict[str, int] = {}
         self._watcher: asyncio.Task | None = None
 
@@ -218,6 +219,9 @@ class Gateway:
         election's electorate)."""
         last_check = time.monotonic()
         while True:
+            known = {n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets)
+            for gone in (self.down | self.gateways_down | set(self._fails)) - known:
+                self._forget_probes(gone)  # left the map, or a gateway's since this one stepped down
             probed = [n for n in self.smap.nodes
                       if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
             await asyncio.gather(*(self._probe(n) for n in probed))
@@ -250,21 +254,28 @@ class Gateway:
         when it comes back it joins again like a new target (rebalance moves data to it). A
         secondary gateway: it no longer counts in elections; back, it joins again (its keepalive)."""
         now = time.monotonic()
-        for tid in [t for t in self.down if now - self._down_since.get(t, now) >= self.rebuild_after]:
+        for tid in [t for t in self.down | self.gateways_down if now - self._down_since.get(t, now) >= self.rebuild_after]:
             async with self._lock:
                 if not self.primary:  # stepped down meanwhile: the map is another's to change
                     return
-                gateway = tid in self.smap.proxies
-                new = self.smap.without(tid)
-                new.save(self.map_path)
-                self.smap = new
-            self.down.discard(tid)
-            self._fails.pop(tid, None)
-            self._down_since.pop(tid, None)
+                old, new = self.smap, self.smap.without(tid)
+                if new is not old:
+                    new.save(self.map_path)
+                    self.smap = new
+            self._forget_probes(tid)
+            if new is old:  # it left the map meanwhile (a rejoin under another id): nothing to push
+                continue
+            gateway = tid in old.proxies
             log.warning("cluster map v%d: %s %s dropped after %.0f s down%s", new.version,
                         "gateway" if gateway else "target", tid, self.rebuild_after,
                         "" if gateway else "; its copies are rebuilt on the others")
             await self.push_map()
+
+    def _forget_probes(self, node_id: str) -> None:
+        self.down.discard(node_id)
+        self.gateways_down.discard(node_id)
+        self._fails.pop(node_id, None)
+        self._down_since.pop(node_id, None)
 
     async def _probe(self, t: ClusterNode) -> None:
         try:
@@ -272,16 +283,17 @@ class Gateway:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
+        down = self.down if t.kind == TARGET else self.gateways_down  # ``down`` routes: targets only
         if ok:
             self._fails[t.id] = 0
-            if t.id in self.down:
-                self.down.discard(t.id)
+            if t.id in down:
+                down.discard(t.id)
                 self._down_since.pop(t.id, None)
                 log.info("%s %s is up again", t.kind, t.id)
             return
         self._fails[t.id] = self._fails.get(t.id, 0) + 1
-        if self._fails[t.id] >= DOWN_AFTER and t.id not in self.down:
-            self.down.add(t.id)
+        if self._fails[t.id] >= DOWN_AFTER and t.id not in down:
+            down.add(t.id)
             self._down_since[t.id] = time.monotonic()
             log.warning("%s %s (%s) is down%s", t.kind, t.id, t.url, ": routing around it" if t.kind == TARGET else "")
 
@@ -328,15 +340,21 @@ class Gateway:
         url = leader.url if leader is not None and leader.url else self.member.gateway_url
         try:
             async with peers.signed(self.session, self.secret, method, url, path, body=body,
-                                    headers={"Content-Type": "application/json", PASSED_ON: "1"}) as r:
+                                    headers={"Content-Type": "application/json", PASSED_ON: self.smap.uuid}) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 
     def refuse_second_hop(self, request: web.Request) -> None:
-        """Unavailable for a change another gateway passed on here when this one is no primary."""
-        if not self.primary and request.headers.get(PASSED_ON):
+        """Unavailable for a change another gateway passed on here when this one is no primary;
+        Conflict for one passed on by a gateway of another cluster (its primary's address now
+        serving a new cluster's gateway)."""
+        passed_on = request.headers.get(PASSED_ON)
+        if passed_on and passed_on != self.smap.uuid:
+            raise Conflict(f"a change passed on by a gateway of cluster {passed_on!r}; this is cluster "
+                           f"{self.smap.uuid}: not made")
+        if not self.primary and passed_on:
             raise Unavailable(f"gateway {self.id} is not the primary either (an election may be under way); "
                               "the cluster map cannot change now")
 

@@ -1,10 +1,8 @@
 """The native AIStore-compatible API: health, cluster map and jobs, objects, and the route table
-(bucket routes: ``native_buckets``; see docs/wire.md, and docs/server.md for what is honoured
-and what is refused).
+(bucket routes: ``native_buckets``; docs/wire.md; docs/server.md: what is honoured or refused).
 
-Every route declares, with ``@accepts`` (``server.api.guard``), the query parameters and the
-action messages it takes; anything else is refused with a 400 before the handler runs.
-Parameters are then checked for their values by the handlers, before any change.
+Every route declares, with ``@accepts`` (``server.api.guard``), the query parameters and action
+messages it takes (anything else: 400 before the handler runs); handlers check their values.
 
 Every read is verified against the stored checksums before its bytes are sent
 (``server.store.store``). Small reads are served inline from one verified ``pread``; larger ones
@@ -134,6 +132,7 @@ async def put_object(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if copy_of is not None and replicas.SPREAD_PARAM in q:  # another holder's spread version
         meta = await spread.receive_manifest(request, bucket, name, copy_of)
+        await spread_deletes.forget_chunks(request.app, node.target_store.replaced_spread(meta))
         return web.Response(text="", headers=object_headers(meta))
     if copy_of is not None:
         spread.ensure_chunks_bucket(node, bucket)
@@ -167,6 +166,8 @@ async def put_object(request: web.Request) -> web.Response:
     request.app[METRICS].bytes_in.inc(meta.size)
     if copy_of is None:
         meta = await spread.after_put(request, bucket, name, meta)
+    else:  # a copy replaced an older spread version here, which a client's PUT could not reach
+        await spread_deletes.forget_chunks(request.app, node.target_store.replaced_spread(meta))
     return web.Response(text="", headers=object_headers(meta))
 
 

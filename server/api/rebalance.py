@@ -56,7 +56,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from server.api import replicas
+from server.api import replicas, spread_deletes
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, PEERS
@@ -293,7 +293,8 @@ class Rebalancer:
     async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None) -> None:
         """Remove the local copy if it is still ``meta``'s version: it has moved to its holders
         (``deleted_ns`` None), or it was deleted while this target was away (kept as a
-        tombstone here, so the delete outlives this copy too)."""
+        tombstone here, so the delete outlives this copy too; a spread version's chunks are
+        deleted then — the client's delete did not, its copy here being unreachable)."""
         def same_version(current) -> None:
             if current.cksum != meta.cksum or current.version != meta.version:
                 raise replicas.CopyRefused("rewritten here meanwhile")
@@ -304,6 +305,8 @@ class Rebalancer:
         what = "deleted" if deleted_ns is None else "stale"
         self.state[what] += 1
         self._count(what)
+        if deleted_ns is not None:  # the version is dead everywhere: its chunks too (a delete that
+            await spread_deletes.forget_chunks(self.app, meta)  # did not reach this copy left them)
 
     def _failed(self, bucket: str, name: str, h: ClusterNode, e: Exception) -> None:
         self.state["failed"] += 1

@@ -1,12 +1,13 @@
 """Deleting the chunk objects of spread versions (``server.api.spread``) nobody will read: those
 of a version a client's PUT or DELETE replaced or removed, and those of a spread that failed.
 
-Invariants: a chunk whose every holder failed the delete (down, a timeout) is owed: kept in
-the catalog (``server.store.deferred``) and tried again every ``RETRY_SECONDS`` until one
-answers (one that answers leaves a tombstone, which brings the delete to the others: the
-rebalance walk) — until then it costs space, never a wrong byte (a version names its chunks by
-its own tag); the chunks of a version that
-is still current and spread here are never deleted; the deletes of failed spreads run in tasks
+Invariants: a chunk's delete that a holder did not answer (down, a timeout) is owed to that
+holder: kept in the catalog (``server.store.deferred``) and tried again until it answers, even
+if it was dropped from the map meanwhile (it rejoins by its id, with its disks) — until then
+the chunk costs space, never a wrong byte (a version names its chunks by its own tag); the
+rebalance walk forgets the chunks of a copy it drops as deleted or stale (``rebalance._drop``),
+for the deletes that never reached the holder that owns the chunks' version; the chunks of a
+version that is still current and spread here are never deleted; the deletes of failed spreads run in tasks
 the app keeps (``CLEANUPS``) and ends at shutdown, before the peer session closes.
 """
 
@@ -35,7 +36,9 @@ DELETE_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=2)  # one chunk de
 CLEANUP_GRACE_SECONDS = 5.0  # shutdown waits this long for the deletes of failed spreads
 CLEANUPS = web.AppKey("spread_cleanups", set)  # those deletes, running
 RETRIES = web.AppKey("spread_delete_retries", asyncio.Task)  # ``retry_deferred``
-RETRY_SECONDS = 10.0  # how often the deletes owed to targets that were down are tried again
+RETRY_SECONDS = 10.0  # how often the deletes owed to targets that were down are looked at
+RETRY_MAX_SECONDS = 300.0  # the longest wait between two tries of one owed delete
+OWED_KEEP_SECONDS = 14 * 24 * 3600  # as long as tombstones (rebalance.TOMBSTONE_KEEP_SECONDS)
 RETRY_BATCH = 256  # deletes tried per round
 
 
@@ -81,28 +84,36 @@ async def _delete_chunks(app: web.Application, meta: ObjectMeta, what: str, unle
                             meta.bucket, meta.name)
                 return
     cbucket = chunks_bucket(meta.bucket)
+    down: set[str] = set()  # a holder that fails is not asked again for this version's other chunks
     for i in range(len(meta.chunks)):
         cname = chunk_name(meta.name, meta.tag, i)
-        failed = await _delete_on_holders(app, cbucket, cname, set())
-        if failed:  # nobody left a tombstone on: owed, retried until they answer (retry_deferred)
-            log.warning("ais://%s/%s: its chunk %d (%s) was not deleted on %s: retried later",
+        holders = [h.id for h in app[MEMBERSHIP].smap.holders(cbucket, cname)]
+        failed = await _delete_on(app, cbucket, cname, holders, down)
+        down.update(failed)
+        if failed:
+            log.warning("ais://%s/%s: its chunk %d (%s) was not deleted on %s: owed, tried again later",
                         meta.bucket, meta.name, i, what, ", ".join(failed))
-            await asyncio.to_thread(app[NODE].target_store.deferred.add, cbucket, cname, time.time_ns())
+            try:
+                await asyncio.to_thread(app[NODE].target_store.deferred.add, cbucket, cname, failed, time.time_ns())
+            except Exception as e:  # the client's request is done here: never fail it for this
+                log.error("ais://%s/%s: the owed delete of chunk %d could not be kept: %s",
+                          meta.bucket, meta.name, i, e)
 
 
-async def _delete_on_holders(app: web.Application, cbucket: str, cname: str, skip: set[str]) -> list[str]:
-    """Delete ``cbucket/cname`` on every target the map has holding it, leaving tombstones
-    (a 404 counts as deleted); the ids of those that did not answer (or are in ``skip``).
-    A holder that answers leaves a tombstone that brings the delete to the others when they
-    are back (``rebalance``): the delete is owed only if none answered."""
+async def _delete_on(app: web.Application, cbucket: str, cname: str, targets: list[str],
+                     skip: set[str]) -> list[str]:
+    """Delete ``cbucket/cname`` on each of ``targets`` (ids; a tombstone is left, a 404 is
+    done too); the ids that did not answer, or are in ``skip``, or are not in the map now (a
+    target dropped after ``--rebuild-after`` still holds what it held, and rejoins by its id)."""
     smap, me = app[MEMBERSHIP].smap, app[NODE_INFO]["id"]
-    failed, answered = [], False
-    for holder in smap.holders(cbucket, cname):
-        if holder.id in skip:
-            failed.append(holder.id)
+    failed = []
+    for tid in targets:
+        holder = smap.node(tid)
+        if tid in skip or holder is None:
+            failed.append(tid)
             continue
         try:
-            if holder.id == me:
+            if tid == me:
                 await asyncio.to_thread(app[NODE].delete, cbucket, cname, None, replicas.tombstone_time(app))
             else:
                 path_qs = f"{object_path(cbucket, cname)}?{replicas.REPLICA_PARAM}=1"
@@ -110,32 +121,41 @@ async def _delete_on_holders(app: web.Application, cbucket: str, cname: str, ski
                                         timeout=DELETE_TIMEOUT) as r:
                     if r.status not in (200, 404):
                         raise StoreError(f"HTTP {r.status}")
-            answered = True
         except NotFound:
-            answered = True
-        except Exception as e:  # every holder is tried
-            log.info("ais://%s/%s: not deleted on %s: %s", cbucket, cname, holder.id, getattr(e, "message", e))
-            failed.append(holder.id)
-    return [] if answered else failed
+            pass
+        except Exception as e:  # every target is tried
+            log.info("ais://%s/%s: not deleted on %s: %s", cbucket, cname, tid, getattr(e, "message", e))
+            failed.append(tid)
+    return failed
 
 
 async def retry_deferred(app: web.Application) -> None:
-    """Every RETRY_SECONDS, the deletes this target owes (``Store.deferred``), up to
-    RETRY_BATCH at a time: each done once a holder of the name answers it. A holder that fails
-    is not asked again in the same round (a down target costs one timeout per round)."""
+    """Every RETRY_SECONDS, the deletes this target owes (``Store.deferred``) whose next try has
+    come, RETRY_BATCH at a time: each target that answers is struck off; a row that keeps some is
+    tried again after a tenth of the time it has been owed (at least RETRY_SECONDS, at most
+    RETRY_MAX_SECONDS). A target that fails is not
+    asked again in the same round (a down target costs one timeout per round). Rows older than
+    the tombstones' lifetime are forgotten: a target away that long may bring deleted objects
+    back anyway (docs/cluster.md)."""
     store = app[NODE].target_store
     while True:
         await asyncio.sleep(RETRY_SECONDS)
         if app[MEMBERSHIP].smap is None:
             continue
         try:
+            now = time.time_ns()
+            await asyncio.to_thread(store.deferred.expire, now - int(OWED_KEEP_SECONDS * 1e9))
             down: set[str] = set()
-            for cbucket, cname in await asyncio.to_thread(store.deferred.due, RETRY_BATCH):
-                failed = await _delete_on_holders(app, cbucket, cname, down)
-                down.update(failed)
-                if not failed:
-                    await asyncio.to_thread(store.deferred.done, cbucket, cname)
-                    log.info("ais://%s/%s: the delete owed since a target was down is done", cbucket, cname)
+            for owed in await asyncio.to_thread(store.deferred.due, RETRY_BATCH, now):
+                left = await _delete_on(app, owed.bucket, owed.name, list(owed.targets), down)
+                down.update(t for t in left if app[MEMBERSHIP].smap.node(t) is not None)
+                if not left:
+                    await asyncio.to_thread(store.deferred.done, owed.bucket, owed.name)
+                    log.info("ais://%s/%s: the delete owed since a target was down is done", owed.bucket, owed.name)
+                    continue
+                # the longer it has been owed, the longer between tries: a tenth of its age
+                wait = min(RETRY_MAX_SECONDS, max(RETRY_SECONDS, (now - owed.since_ns) / 1e9 / 10))
+                await asyncio.to_thread(store.deferred.later, owed, left, now + int(wait * 1e9))
         except Exception:  # the loop outlives any one failure (a catalog error, a map change)
             log.exception("retrying the deletes owed to other targets")
 
@@ -145,6 +165,8 @@ async def start_retries(app: web.Application) -> None:
 
 
 async def stop_retries(app: web.Application) -> None:
-    task = app[RETRIES]
+    task = app.get(RETRIES)
+    if task is None:  # startup failed before the retries started
+        return
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -51,11 +51,9 @@ class Membership:
         self.join_urls = [gateway_url.rstrip("/"), *(u.rstrip("/") for u in fallback_urls)]
         self.kind = kind  # "target", or "proxy" for a secondary gateway
         self.url = ""  # this target's URL, set once it listens
-        try:
-            self.smap: ClusterMap | None = ClusterMap.load(map_path)
-        except ValueError as e:
-            log.warning("%s: starting without it", e)
-            self.smap = None
+        # an unreadable map stops the start (UnreadableMap): without it this node would join
+        # any cluster, its data placed by another's map
+        self.smap: ClusterMap | None = ClusterMap.load(map_path)
         if self.smap is not None:
             self._to_primary(self.smap)
         self.joined = asyncio.Event()

@@ -32,6 +32,10 @@ PROXY, TARGET = "proxy", "target"
 COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
 
 
+class UnreadableMap(ValueError):
+    """A node's kept map cannot be read: it does not start (its cluster would be unknown)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterNode:
     id: str
@@ -196,4 +200,9 @@ class ClusterMap:
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cluster map {path} is unreadable ({e}): move it away to start a new cluster") from None
+            raise UnreadableMap(
+                f"cluster map {path} is unreadable ({e}): this node's cluster is unknown, so it does not "
+                f"start. Copy the map of another node of its cluster over it (a target's "
+                f"DATA/.batchfs/cluster-map.json; on a gateway as gateway-map.json) — the nodes then know it "
+                f"again; without a map a gateway makes a new cluster, whose map the old one's nodes refuse "
+                f"(docs/cluster.md, \"One cluster per node\")") from None

@@ -40,9 +40,11 @@ CREATE TABLE IF NOT EXISTS blocksums(
 CREATE TABLE IF NOT EXISTS tombstones(
     bucket TEXT NOT NULL, name TEXT NOT NULL, deleted_ns INTEGER NOT NULL,
     PRIMARY KEY (bucket, name)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS pending_deletes(
-    bucket TEXT NOT NULL, name TEXT NOT NULL, since_ns INTEGER NOT NULL,
+CREATE TABLE IF NOT EXISTS owed_deletes(
+    bucket TEXT NOT NULL, name TEXT NOT NULL, since_ns INTEGER NOT NULL, next_ns INTEGER NOT NULL,
+    targets TEXT NOT NULL,
     PRIMARY KEY (bucket, name)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS owed_deletes_next ON owed_deletes(next_ns);
 """
 
 

@@ -131,7 +131,7 @@ class Store:
                 db.execute("DELETE FROM objects WHERE bucket = ?", (bucket,))
                 db.execute("DELETE FROM blocksums WHERE bucket = ?", (bucket,))
                 db.execute("DELETE FROM tombstones WHERE bucket = ?", (bucket,))
-                db.execute("DELETE FROM pending_deletes WHERE bucket = ?", (bucket,))
+                db.execute("DELETE FROM owed_deletes WHERE bucket = ?", (bucket,))
             shutil.rmtree(mp.objs / bucket, ignore_errors=True)
         self.meta_cache.invalidate()
         self.sums_cache.clear()

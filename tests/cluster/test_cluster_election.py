@@ -6,6 +6,7 @@ or that lacks a majority, does not take over."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -150,6 +151,21 @@ def test_a_primary_that_was_stopped_while_another_was_elected_steps_down_when_it
         cluster.stop()
 
 
+@contextlib.contextmanager
+def _with_secondaries(tmp_path, n: int, args: tuple[str, ...], targets: int):
+    """A cluster (``targets`` targets, its gateway with ``args``) and ``n`` secondary gateways
+    with ``args``, all started; all stopped at the end."""
+    cluster, seconds = Cluster(tmp_path, targets=targets, gateway_args=args), []
+    try:
+        cluster.start()
+        _start_secondaries(tmp_path, cluster, seconds, n, args)
+        yield cluster, seconds
+    finally:
+        for g in seconds:
+            g.stop()
+        cluster.stop()
+
+
 def _start_secondaries(tmp_path, cluster: Cluster, into: list, n: int, args: tuple[str, ...]) -> None:
     """Start ``n`` secondary gateways of ``cluster`` (appended to ``into`` as each starts, so
     the caller's ``finally`` stops them) and wait until every one holds a map listing them all."""
@@ -174,11 +190,7 @@ def test_two_secondaries_without_a_primary_do_not_pass_changes_back_and_forth(tm
     gateways in turn), which passes it on to the gateway it takes for the primary — the first
     one: before, they bounced it between them, a new connection per hop, without end. A change
     passed on once is refused by a gateway that is not the primary; the election still comes."""
-    cluster = Cluster(tmp_path, targets=2, gateway_args=("--election-after", "12"))
-    seconds = []
-    try:
-        cluster.start()
-        _start_secondaries(tmp_path, cluster, seconds, 2, ("--election-after", "12"))
+    with _with_secondaries(tmp_path, 2, ("--election-after", "12"), targets=2) as (cluster, seconds):
         old = _primary(cluster.url)
         cluster.gateway.proc.kill()
         cluster.gateway.proc.wait()
@@ -190,10 +202,6 @@ def test_two_secondaries_without_a_primary_do_not_pass_changes_back_and_forth(tm
         assert most < 40, most  # a bounded handful, not one more per hop
         until(lambda: all(_primary(g.url) != old for g in seconds), 40, "an election")
         assert len({_primary(g.url) for g in seconds}) == 1
-    finally:
-        for g in seconds:
-            g.stop()
-        cluster.stop()
 
 
 def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path):
@@ -202,11 +210,7 @@ def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path)
     to the primary (found by a review: one kept sending to the other secondary, which refused
     it as passed on already)."""
     el = ("--election-after", "120")
-    cluster = Cluster(tmp_path, targets=2, gateway_args=el)
-    seconds = []
-    try:
-        cluster.start()
-        _start_secondaries(tmp_path, cluster, seconds, 2, el)
+    with _with_secondaries(tmp_path, 2, el, targets=2) as (cluster, seconds):
         sdk_client(cluster.url).bucket("bk").create()
         cluster.gateway.stop()
         time.sleep(12)  # more than a keepalive period: both try the other gateways
@@ -218,10 +222,6 @@ def test_secondaries_send_changes_to_the_primary_again_once_it_is_back(tmp_path)
                                 json={"action": "set-bprops", "value": {"mirror": {"copies": copies}}})
                 assert r.status_code == 200, (rnd, i, r.text)
                 assert cluster.status()["bucket_copies"] == {"bk": copies}
-    finally:
-        for g in seconds:
-            g.stop()
-        cluster.stop()
 
 
 def test_dead_gateways_leave_the_map_and_elections_need_only_the_living(tmp_path):
@@ -230,11 +230,7 @@ def test_dead_gateways_leave_the_map_and_elections_need_only_the_living(tmp_path
     a primary). Then the primary dies: the survivor is elected; a dropped gateway restarted
     joins the new primary again."""
     fast = ELECTION + ("--rebuild-after", "3")
-    cluster = Cluster(tmp_path, targets=1, gateway_args=fast)
-    seconds = []
-    try:
-        cluster.start()
-        _start_secondaries(tmp_path, cluster, seconds, 3, fast)
+    with _with_secondaries(tmp_path, 3, fast, targets=1) as (cluster, seconds):
         old = _primary(cluster.url)
         survivor, *dead = seconds
         dead_ids = {_ids(g) for g in dead}
@@ -255,13 +251,31 @@ def test_dead_gateways_leave_the_map_and_elections_need_only_the_living(tmp_path
         assert _primary(back.url) == _ids(survivor)
         sdk_client(back.url).bucket("after").create()  # a change through it, made by the new primary
         assert "after" in [b.name for b in sdk_client(survivor.url).cluster().list_buckets()]
-    finally:
-        for g in seconds:
-            g.stop()
-        cluster.stop()
 
 
 def _ids(gateway: ServerProcess) -> str | None:
     """A gateway's own id (the one of its map's proxies at its own URL); None before its map has it."""
     return next((i for i, n in _smap(gateway.url)["pmap"].items() if n["public_net"]["direct_url"] == gateway.url),
                 None)
+
+
+def test_a_dead_secondary_gateway_is_not_a_dead_target(tmp_path):
+    """The primary probes secondaries to drop dead ones, but a gateway down is no target down:
+    a change every target must make (S3 DeleteBucket) goes on — it was a 503 until the gateway
+    was dropped (found by a review) — and the status shows the gateway, not a target, down."""
+    import boto3
+    from botocore.config import Config
+
+    args = ("--rebuild-after", "60")
+    with _with_secondaries(tmp_path, 1, args, targets=1) as (cluster, seconds):
+        gone = _ids(seconds[0])
+        sdk_client(cluster.url).bucket("e1").create()
+        seconds[0].proc.kill()
+        seconds[0].proc.wait()
+        until(lambda: not next(n for n in cluster.status()["nodes"] if n["id"] == gone)["alive"], 20,
+              "the gateway seen down")
+        assert all(n["alive"] for n in cluster.status()["nodes"] if n["kind"] == "target")
+        s3 = boto3.client("s3", endpoint_url=f"{cluster.url}/s3", aws_access_key_id="x", aws_secret_access_key="y",
+                          region_name="us-east-1", config=Config(s3={"addressing_style": "path"},
+                                                                 retries={"max_attempts": 1}))
+        s3.delete_bucket(Bucket="e1")  # 204; a ClientError (503) before

@@ -1,7 +1,7 @@
 """A node belongs to one cluster: a gateway restarted on an empty data directory makes a new
 cluster (a new uuid), and the targets of the old one must neither join it nor take its map —
-their data is placed by their own cluster's map. Started on its data again, the gateway has
-them all back."""
+their data is placed by their own cluster's map. Given a target's map in place of its lost
+one, the gateway has them all back."""
 
 from __future__ import annotations
 
@@ -46,13 +46,47 @@ def test_targets_refuse_a_gateway_of_another_cluster(tmp_path):
                                 "Content-Type": "application/json"})
         assert r.status_code == 409 and "belongs to cluster" in r.text, r.text
         assert _uuid(cluster.targets[0].url) == first
+        # a change a secondary of the old cluster passes on to the new gateway (at the old
+        # primary's address): 409, not made
+        body = json.dumps({"bucket": "mine", "copies": 1}).encode()
+        r = httpx.post(f"{cluster.url}/v1/cluster/bucket-copies", content=body, timeout=10,
+                       headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign(
+                           "POST", "/v1/cluster/bucket-copies", body), "Batchfs-Passed-On": first,
+                           "Content-Type": "application/json"})
+        assert r.status_code == 409 and first in r.text, r.text
+        assert cluster.status()["bucket_copies"] == {}
 
-        cluster.gateway.stop()  # the gateway on its own data: both back, the object readable
+        # the gateway's map lost for good: a target's map copied in its place (docs/cluster.md)
+        cluster.gateway.stop()
         shutil.rmtree(tmp_path / "gw")
-        shutil.move(tmp_path / "gw-kept", tmp_path / "gw")
+        (tmp_path / "gw" / ".batchfs").mkdir(parents=True)
+        shutil.copy(tmp_path / "t0" / "d1" / ".batchfs" / "cluster-map.json",
+                    tmp_path / "gw" / ".batchfs" / "gateway-map.json")
         cluster.gateway = cluster._gateway().start()
         assert _uuid(cluster.url) == first
         cluster.wait_joined(2)
         assert sdk_client(cluster.url).bucket("mine").object("kept").get_reader().read_all() == b"placed by cluster one"
     finally:
         cluster.stop()
+
+
+def test_a_node_whose_kept_map_is_damaged_does_not_start(tmp_path):
+    """Without its map a target would join any cluster (and a gateway make a new one): a
+    damaged map file stops the start with what to do, never a traceback or a silent join."""
+    import subprocess
+
+    from tests.cluster.conftest import secret_file
+    from tests.support.processes import BIN
+
+    secret = secret_file(tmp_path / "secret")
+    for role, file in (("target", "cluster-map.json"), ("gateway", "gateway-map.json")):
+        data = tmp_path / role
+        (data / ".batchfs").mkdir(parents=True)
+        (data / ".batchfs" / file).write_text('{"version": "1", "uu')
+        args = ["--role", role, "--cluster-secret-file", str(secret), "--listen", "127.0.0.1:0", "--data", str(data)]
+        if role == "target":
+            args += ["--join", "http://127.0.0.1:9"]
+        r = subprocess.run([str(BIN / "batchfs-server"), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, (role, r.returncode, r.stderr[-2000:])
+        assert "is unreadable" in r.stderr and "Copy the map of another node" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr

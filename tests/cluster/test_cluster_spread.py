@@ -245,38 +245,53 @@ def test_a_failed_spread_deletes_the_chunks_it_stored(spread_cluster):
         c.bring_back(2)
 
 
-def test_chunks_a_delete_could_not_reach_are_deleted_once_their_target_is_back(spread_cluster):
-    """copies=1, so each chunk has one holder. With a target dead, a DELETE of a spread object
-    cannot reach that target's chunks: the object's holder owes those deletes (kept in its
-    catalog, counted in the cluster status) and makes them once the target is back — before,
-    they stayed until the bucket was destroyed."""
-    c = spread_cluster
-    sdk = sdk_client(c.url)
-    b = sdk.bucket("big6").create(exist_ok=True)
-    r = httpx.patch(f"{c.url}/v1/buckets/big6", json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}},
-                    timeout=10)
-    assert r.status_code == 200, r.text
-    smap = c.smap()
-    dead, dead_url = c.target_id(2), c.targets[2].url
-    cb = chunks_bucket("big6")
-    for attempt in range(5):  # a name with the object on a live target and a chunk on the dead one
-        name = next(f"o{attempt}-{i}" for i in range(1000) if ranked(smap, "big6", f"o{attempt}-{i}")[0] != dead)
-        b.object(name).get_writer().put_content(os.urandom(6 * MiB))
-        names = chunk_names(c.targets, "big6", name)
-        on_dead = [n for n in names if holds(dead_url, cb, n)]
-        if on_dead:
-            break
-    assert on_dead and len(names) == 6
-    c.targets[2].proc.kill()
-    c.targets[2].proc.wait()
+def test_chunks_a_delete_could_not_reach_are_deleted_once_their_target_is_back(tmp_path):
+    """A target dies and is dropped from the map (--rebuild-after 3) while two spread objects
+    are deleted: (a) copies=1, some of the object's chunks on the dead target — the object's
+    holder owes those deletes to that target (kept in its catalog, in the cluster status, kept
+    while the target is out of the map); (b) copies=2, the dead target holds the object's second
+    copy — the DELETE is a 503 and deletes no chunk. The target back: (a) the owed deletes are
+    made, (b) its walk drops its copy by the tombstone and deletes the version's chunks. Before,
+    both left their chunks until the bucket was destroyed (found by a review: (a) was struck
+    off against the chunk's new holder once the target was dropped)."""
+    c = Cluster(tmp_path, target_args=("--chunk-size", "1MiB"), gateway_args=("--rebuild-after", "3"))
     try:
-        b.object(name).delete()
+        c.start()
+        sdk = sdk_client(c.url)
+        one, two = sdk.bucket("big6").create(), sdk.bucket("big7").create()
+        r = httpx.patch(f"{c.url}/v1/buckets/big6", timeout=10,
+                        json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}})
+        assert r.status_code == 200, r.text
+        smap = c.smap()
+        dead, dead_url = c.target_id(2), c.targets[2].url
+        for attempt in range(5):  # (a) the object on a live target, a chunk on the dead one
+            a = next(f"o{attempt}-{i}" for i in range(1000) if ranked(smap, "big6", f"o{attempt}-{i}")[0] != dead)
+            one.object(a).get_writer().put_content(os.urandom(6 * MiB))
+            names_a = chunk_names(c.targets, "big6", a)
+            on_dead = [n for n in names_a if holds(dead_url, chunks_bucket("big6"), n)]
+            if on_dead:
+                break
+        assert on_dead and len(names_a) == 6
+        b = next(f"p{i}" for i in range(1000) if ranked(smap, "big7", f"p{i}")[1] == dead)  # (b)
+        two.object(b).get_writer().put_content(os.urandom(4 * MiB))
+        names_b = chunk_names(c.targets, "big7", b)
+        c.targets[2].proc.kill()
+        c.targets[2].proc.wait()
+        one.object(a).delete()
+        with pytest.raises(Exception, match="503"):
+            two.object(b).delete()
         owed = {n["id"]: (n.get("rebalance") or {}).get("owed_deletes", 0) for n in c.status()["nodes"]}
-        assert owed[ranked(smap, "big6", name)[0]] == len(on_dead), owed
-        live = [t.url for t in c.targets[:2]]
-        assert not any(holds(u, cb, n) for u in live for n in names)
-    finally:
+        assert owed[ranked(smap, "big6", a)[0]] == len(on_dead), owed
+        until(lambda: len(c.smap()["tmap"]) == 2, 30, "the dead target dropped")
+        time.sleep(11)  # a retry round with the target out of the map: the rows stay
+        owed = {n["id"]: (n.get("rebalance") or {}).get("owed_deletes", 0) for n in c.status()["nodes"]}
+        assert owed[ranked(smap, "big6", a)[0]] == len(on_dead), owed
         c.bring_back(2)
-    until(lambda: not any(holds(c.targets[2].url, cb, n) for n in on_dead), 40, "the owed deletes made")
-    until(lambda: all((n.get("rebalance") or {}).get("owed_deletes", 0) == 0 for n in c.status()["nodes"]), 20,
-          "nothing owed")
+        left = lambda: [(t.url, bk, n) for t in c.targets for bk, names in (("big6", names_a), ("big7", names_b))  # noqa: E731
+                        for n in names if holds(t.url, chunks_bucket(bk), n)]
+        until(lambda: not left(), 60, "every chunk of both deleted objects gone")
+        until(lambda: all((n.get("rebalance") or {}).get("owed_deletes", 0) == 0 for n in c.status()["nodes"]), 30,
+              "nothing owed")
+        assert not any(holds(t.url, "big7", b) for t in c.targets)
+    finally:
+        c.stop()

@@ -177,23 +177,31 @@ def test_range_get_opens_only_its_chunks(tmp_path):
 
 
 def test_deletes_owed_to_other_targets_are_kept_across_a_restart_and_bounded(tmp_path, monkeypatch):
-    """``Store.deferred`` (server.store.deferred): the chunk deletes a target could not make;
-    kept in the catalog, each once (its first time), oldest first, until done; bounded."""
+    """``Store.deferred`` (server.store.deferred): the chunk deletes other targets did not
+    answer; kept in the catalog with those targets, each name once (its first time, the targets
+    added up), due by their next try over all mountpaths, struck off until done; bounded."""
     dirs = [tmp_path / "a", tmp_path / "b"]
     store = Store(dirs, 1 * MiB)
     for i in range(6):
-        assert store.deferred.add(".chunks.b", f"h/t/{i}", 1_000 + i)
-    assert store.deferred.add(".chunks.b", "h/t/0", 5)  # again: one row, its first time kept
+        assert store.deferred.add(".chunks.b", f"h/t/{i}", ["t1"], 1_000 + i)
+    assert store.deferred.add(".chunks.b", "h/t/0", ["t2"], 5)  # again: one row, targets added, time kept
     assert store.deferred.count() == 6
     store = Store(dirs, 1 * MiB)  # a restart
-    due = store.deferred.due(4)
-    assert len(due) == 4 and store.deferred.count() == 6
-    for bucket, name in store.deferred.due(100):
-        store.deferred.done(bucket, name)
-    assert store.deferred.count() == 0 and store.deferred.due(10) == []
+    due = store.deferred.due(100, now_ns=2_000)
+    assert [o.name for o in due] == [f"h/t/{i}" for i in range(6)]  # the earliest first, both mountpaths
+    assert due[0].targets == ("t1", "t2") and due[0].since_ns == 1_000
+    assert store.deferred.due(100, now_ns=999) == []  # nothing due before its time
+    store.deferred.later(due[0], ["t2"], 10_000)  # t1 answered; t2 again at 10,000
+    assert [o.name for o in store.deferred.due(100, now_ns=2_000)] == [f"h/t/{i}" for i in range(1, 6)]
+    assert store.deferred.due(1, now_ns=10_000)[0] == due[1]  # the others are earlier: not starved
+    assert store.deferred.due(100, now_ns=10_000)[-1].targets == ("t2",)
+    for o in store.deferred.due(100, now_ns=10_000)[:5]:
+        store.deferred.done(o.bucket, o.name)
+    assert store.deferred.count() == 1
+    assert store.deferred.expire(older_than_ns=1_001) == 1 and store.deferred.count() == 0
     monkeypatch.setattr("server.store.deferred.MAX_ROWS", 2)
-    assert store.deferred.add("c", "1", 1) and store.deferred.add("c", "2", 1)
-    full = [store.deferred.add("c", str(i), 1) for i in range(3, 20)]
+    assert store.deferred.add("c", "1", ["t"], 1) and store.deferred.add("c", "2", ["t"], 1)
+    full = [store.deferred.add("c", str(i), ["t"], 1) for i in range(3, 20)]
     assert not all(full) and store.deferred.count() <= 4  # at most MAX_ROWS per mountpath
 
 
