@@ -85,6 +85,7 @@ def plan_chunk(store: Store, cache: ShardIndexCache, req: MossReq, lo: int, hi: 
     """Check and look up entries [lo, hi); the number of placeholders among them.
     NeedIndex if an entry's shard has no index yet (entries before it are planned)."""
     req.check_upto(hi, store)
+    store.prefetch_meta((e.bucket, e.objname) for e in req.entries[lo:hi])  # one query, not one each
     missing = 0
     for i in range(lo, hi):
         work.check()

@@ -42,7 +42,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -64,6 +64,7 @@ ChunkFetcher = Callable[[ObjectMeta, list[int]], tuple[dict[int, Path], list[Pat
 
 
 REPLACED_KEPT = 4096  # replaced spread versions remembered for their chunks' deletion
+PREFETCH_QUERY_NAMES = 500  # names per catalog query (SQLite allows 999 parameters before 3.32)
 
 
 class ChunksElsewhere(StoreError):
@@ -145,6 +146,27 @@ class Store:
             if row is not None:
                 return mp, row_to_meta(row)
         return None
+
+    def prefetch_meta(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Bring many names' metadata into the cache with one catalog query per home mountpath
+        and bucket (a GetBatch window: ~6 vs ~12 us a name, and one query instead of one per
+        name); ``lookup`` then finds them. Names not at their home (a disk added) are left to
+        ``lookup``, which looks in every catalog; a write meanwhile is seen (the cache's
+        generation)."""
+        if self.meta_cache.max_entries <= 0:
+            return
+        gen, groups = self.meta_cache.generation(), {}
+        for bucket, name in keys:
+            if bucket in self.buckets and self.meta_cache.get((bucket, name)) is None:
+                groups.setdefault((self.home(bucket, name), bucket), []).append(name)
+        for (mp, bucket), names in groups.items():
+            for i in range(0, len(names), PREFETCH_QUERY_NAMES):
+                part = names[i:i + PREFETCH_QUERY_NAMES]
+                rows = mp.reader().execute(f"SELECT * FROM objects WHERE bucket = ? AND name IN "
+                                           f"({','.join('?' * len(part))})", (bucket, *part)).fetchall()
+                for row in rows:
+                    meta = row_to_meta(row)
+                    self.meta_cache.fill((bucket, meta.name), meta, gen)
 
     def cached_meta(self, bucket: str, name: str) -> ObjectMeta | None:
         """``lookup`` if the metadata is cached, else None (never a catalog query)."""

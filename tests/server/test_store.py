@@ -205,6 +205,27 @@ def test_deletes_owed_to_other_targets_are_kept_across_a_restart_and_bounded(tmp
     assert not all(full) and store.deferred.count() <= 4  # at most MAX_ROWS per mountpath
 
 
+def test_prefetched_metadata_is_what_lookup_would_find(tmp_path, monkeypatch):
+    """``Store.prefetch_meta`` (a GetBatch window's names in one query per mountpath) fills the
+    cache with exactly what ``lookup`` would read; absent names and unknown buckets are left
+    alone, and a write after it is seen."""
+    store = Store([tmp_path / "a", tmp_path / "b"], 1 * MiB)
+    store.create_bucket("b")
+    names = [f"n/{i:04d}" for i in range(700)]  # more than one query's worth per mountpath
+    for n in names:
+        store.put_bytes("b", n, n.encode())
+    expected = {n: store.lookup("b", n) for n in names}
+    store.meta_cache.invalidate()
+    store.prefetch_meta([("b", n) for n in names] + [("b", "absent"), ("nobucket", "x")])
+    monkeypatch.setattr(store, "find_stored", lambda *a: pytest.fail(f"a catalog query for {a}"))
+    assert {n: store.lookup("b", n) for n in names} == expected  # all from the cache
+    monkeypatch.undo()
+    with pytest.raises(NotFound):
+        store.lookup("b", "absent")
+    store.put_bytes("b", names[0], b"rewritten")
+    assert store.lookup("b", names[0]).size == len(b"rewritten")
+
+
 def test_tombstones_record_deletes_until_a_commit_or_their_age(tmp_path):
     """A cluster target's deletes leave tombstones (server.api.rebalance reads them); a commit of
     the name clears it; pruning forgets old ones; a single node's deletes leave none."""
