@@ -340,18 +340,23 @@ class Gateway:
         url = leader.url if leader is not None and leader.url else self.member.gateway_url
         try:
             async with peers.signed(self.session, self.secret, method, url, path, body=body,
-                                    headers={"Content-Type": "application/json", PASSED_ON: self.smap.uuid}) as r:
+                                    headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
+
+    def _cluster_said(self) -> str:
+        """The cluster a passed-on change says it comes from: "1" (any) before this secondary
+        has a map of the primary's (its own placeholder's uuid is random, not its cluster's)."""
+        return self.member.smap.uuid if self.member is not None and self.member.smap is not None else "1"
 
     def refuse_second_hop(self, request: web.Request) -> None:
         """Unavailable for a change another gateway passed on here when this one is no primary;
         Conflict for one passed on by a gateway of another cluster (its primary's address now
         serving a new cluster's gateway)."""
         passed_on = request.headers.get(PASSED_ON)
-        if passed_on and passed_on != self.smap.uuid:
+        if passed_on and passed_on not in ("1", self.smap.uuid):
             raise Conflict(f"a change passed on by a gateway of cluster {passed_on!r}; this is cluster "
                            f"{self.smap.uuid}: not made")
         if not self.primary and passed_on:

@@ -132,7 +132,6 @@ async def put_object(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if copy_of is not None and replicas.SPREAD_PARAM in q:  # another holder's spread version
         meta = await spread.receive_manifest(request, bucket, name, copy_of)
-        await spread_deletes.forget_chunks(request.app, node.target_store.replaced_spread(meta))
         return web.Response(text="", headers=object_headers(meta))
     if copy_of is not None:
         spread.ensure_chunks_bucket(node, bucket)
@@ -164,10 +163,8 @@ async def put_object(request: web.Request) -> web.Response:
                                       f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
-    if copy_of is None:
-        meta = await spread.after_put(request, bucket, name, meta)
-    else:  # a copy replaced an older spread version here, which a client's PUT could not reach
-        await spread_deletes.forget_chunks(request.app, node.target_store.replaced_spread(meta))
+    if copy_of is None:  # (a copy never deletes the chunks of what it replaced: it cannot tell
+        meta = await spread.after_put(request, bucket, name, meta)  # an older version from a newer one)
     return web.Response(text="", headers=object_headers(meta))
 
 

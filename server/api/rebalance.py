@@ -264,8 +264,12 @@ class Rebalancer:
                 self._failed(bucket, name, h, answer or replicas.CopyFailed("not asked"))
         # a holder deleted the name after our version was written: ours is not to be copied
         deleted = max((t for status, _, t in seen.values() if status == 404), default=None)
+        # its chunks go with it only if every other holder answered and none holds this very
+        # version: clocks decide "deleted after written", and a skewed one must cost a copy at
+        # most (it heals), never the chunks a holder still serves (found by a review)
+        last = len(seen) == len(others) and not any(st == 200 and ck == meta.cksum for st, ck, _ in seen.values())
         if replicas.deleted_after(deleted, meta.atime_ns):
-            await self._drop(bucket, name, meta, deleted)
+            await self._drop(bucket, name, meta, deleted, chunks=last)
             return
         confirmed = 0
         for h in others:
@@ -281,7 +285,7 @@ class Rebalancer:
                     raise replicas.CopyFailed(f"HEAD at {h.id}: HTTP {status}")
                 confirmed += 1
             except replicas.CopyDeleted as e:  # deleted there between our HEAD and the copy
-                await self._drop(bucket, name, meta, e.deleted_ns)
+                await self._drop(bucket, name, meta, e.deleted_ns, chunks=last)
                 return
             except replicas.CopyRefused:
                 confirmed += 1  # it was written there meanwhile: it has a copy, and a newer one
@@ -290,11 +294,12 @@ class Rebalancer:
         if me not in {h.id for h in holders} and confirmed == len(holders):
             await self._drop(bucket, name, meta, None)
 
-    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None) -> None:
+    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None, chunks: bool = False) -> None:
         """Remove the local copy if it is still ``meta``'s version: it has moved to its holders
         (``deleted_ns`` None), or it was deleted while this target was away (kept as a
-        tombstone here, so the delete outlives this copy too; a spread version's chunks are
-        deleted then — the client's delete did not, its copy here being unreachable)."""
+        tombstone here, so the delete outlives this copy too; with ``chunks`` — no other holder
+        has this version — a spread version's chunks are deleted then: the client's delete did
+        not, its copy here being unreachable)."""
         def same_version(current) -> None:
             if current.cksum != meta.cksum or current.version != meta.version:
                 raise replicas.CopyRefused("rewritten here meanwhile")
@@ -305,8 +310,8 @@ class Rebalancer:
         what = "deleted" if deleted_ns is None else "stale"
         self.state[what] += 1
         self._count(what)
-        if deleted_ns is not None:  # the version is dead everywhere: its chunks too (a delete that
-            await spread_deletes.forget_chunks(self.app, meta)  # did not reach this copy left them)
+        if deleted_ns is not None and chunks:
+            await spread_deletes.forget_chunks(self.app, meta)
 
     def _failed(self, bucket: str, name: str, h: ClusterNode, e: Exception) -> None:
         self.state["failed"] += 1

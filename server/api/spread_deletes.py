@@ -149,13 +149,11 @@ async def retry_deferred(app: web.Application) -> None:
             for owed in await asyncio.to_thread(store.deferred.due, RETRY_BATCH, now):
                 left = await _delete_on(app, owed.bucket, owed.name, list(owed.targets), down)
                 down.update(t for t in left if app[MEMBERSHIP].smap.node(t) is not None)
-                if not left:
-                    await asyncio.to_thread(store.deferred.done, owed.bucket, owed.name)
-                    log.info("ais://%s/%s: the delete owed since a target was down is done", owed.bucket, owed.name)
-                    continue
                 # the longer it has been owed, the longer between tries: a tenth of its age
                 wait = min(RETRY_MAX_SECONDS, max(RETRY_SECONDS, (now - owed.since_ns) / 1e9 / 10))
-                await asyncio.to_thread(store.deferred.later, owed, left, now + int(wait * 1e9))
+                answered = [t for t in owed.targets if t not in left]
+                if await asyncio.to_thread(store.deferred.strike, owed, answered, now + int(wait * 1e9)):
+                    log.info("ais://%s/%s: the delete owed since a target was down is done", owed.bucket, owed.name)
         except Exception:  # the loop outlives any one failure (a catalog error, a map change)
             log.exception("retrying the deletes owed to other targets")
 

@@ -44,7 +44,8 @@ def render(doc: dict) -> tuple[str, int]:
     rows = []
     for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):
         kind = "gateway" + (" (primary)" if n.get("primary") else "") if n["kind"] == "proxy" else "target"
-        rows.append((n["id"], kind, "up" if n["alive"] else "DOWN", n["url"], _rebalance(n.get("rebalance"))))
+        state = "?" if n["alive"] is None else "up" if n["alive"] else "DOWN"  # ?: a secondary does not probe gateways
+        rows.append((n["id"], kind, state, n["url"], _rebalance(n.get("rebalance"))))
     widths = [max(len(r[i]) for r in rows + [("NODE", "ROLE", "STATE", "URL", "")]) for i in range(4)]
     for r in [("NODE", "ROLE", "STATE", "URL", "")] + rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
@@ -58,7 +59,8 @@ def render(doc: dict) -> tuple[str, int]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
                                 "progress, as the gateway at URL sees them.",
-                                epilog="exit status: 0 all up, 3 rebalance running (or due again), 4 a target down, 1 no answer")
+                                epilog="exit status: 0 every target up and no rebalance due, 3 rebalance running (or due again), 4 a target "
+                                "down (a gateway down shows as DOWN, or ? through a secondary, which does not probe gateways), 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
     p.add_argument("--token-file", type=Path, metavar="FILE", help="bearer token for a token-protected cluster "
                    "(default: $AIS_AUTHN_TOKEN)")

@@ -11,7 +11,7 @@ its disks, and it rejoins under the same id.
 
 Invariants: rows survive a restart (the catalog is durable); adding a row that is there keeps its
 first time and adds its targets; ``due`` hands out rows whose next try has come, the earliest
-first over all mountpaths, so rows that keep failing (``later``) do not hide the others; at most
+first over all mountpaths, so rows that keep failing (``strike``) do not hide the others; at most
 ``MAX_ROWS`` are kept per mountpath — past that a delete is logged and not kept (space, never a
 wrong byte: a version names its chunks by its own tag, so a chunk left behind is never read as
 another's); rows older than the tombstones' lifetime are dropped by ``expire``.
@@ -64,17 +64,25 @@ class DeferredDeletes:
                 yield Owed(nxt, bucket, name, tuple(targets.split(",")), since)
         return list(heapq.merge(*(rows(mp) for mp in self._mountpaths)))[:limit]
 
-    def later(self, owed: Owed, targets: list[str], next_ns: int) -> None:
-        """Some of ``owed``'s targets are left (``targets``): try them again at ``next_ns``."""
+    def strike(self, owed: Owed, answered: list[str], next_ns: int) -> bool:
+        """Strike off the targets that ``answered`` (under the row's lock: targets an ``add``
+        put there since ``due`` stay); the row goes with its last target, else it is tried
+        again at ``next_ns``. True if the row is gone."""
+        gone = True
         for mp in self._mountpaths:  # the home may have changed (a mountpath added)
             with mp.writer() as db:
-                db.execute("UPDATE owed_deletes SET targets = ?, next_ns = ? WHERE bucket = ? AND name = ?",
-                           (",".join(sorted(targets)), next_ns, owed.bucket, owed.name))
-
-    def done(self, bucket: str, name: str) -> None:
-        for mp in self._mountpaths:
-            with mp.writer() as db:
-                db.execute("DELETE FROM owed_deletes WHERE bucket = ? AND name = ?", (bucket, name))
+                row = db.execute("SELECT targets FROM owed_deletes WHERE bucket = ? AND name = ?",
+                                 (owed.bucket, owed.name)).fetchone()
+                if row is None:
+                    continue
+                left = sorted(set(row[0].split(",")) - set(answered))
+                if left:
+                    gone = False
+                    db.execute("UPDATE owed_deletes SET targets = ?, next_ns = ? WHERE bucket = ? AND name = ?",
+                               (",".join(left), next_ns, owed.bucket, owed.name))
+                else:
+                    db.execute("DELETE FROM owed_deletes WHERE bucket = ? AND name = ?", (owed.bucket, owed.name))
+        return gone
 
     def expire(self, older_than_ns: int) -> int:
         """Forget deletes owed since before ``older_than_ns``; how many."""

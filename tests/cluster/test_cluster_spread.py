@@ -245,6 +245,37 @@ def test_a_failed_spread_deletes_the_chunks_it_stored(spread_cluster):
         c.bring_back(2)
 
 
+def test_two_puts_whose_copies_cross_leave_both_holders_readable(spread_cluster):
+    """Two clients PUT one name at once, each to another of its holders (any holder takes a
+    PUT); each holder's manifest replaces the other's version there. A copy must not delete
+    the chunks of what it replaced — it cannot tell older from newer: before (a review's
+    reproduction), both versions' chunks went and neither holder could serve the object."""
+    import threading
+
+    c = spread_cluster
+    sdk_client(c.url).bucket("cross").create(exist_ok=True)
+    smap = c.smap()
+    urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    for attempt in range(4):
+        name = f"x{attempt}"
+        a, b = (urls[i] for i in ranked(smap, "cross", name)[:2])
+        bodies = {a: os.urandom(6 * MiB), b: os.urandom(6 * MiB)}
+        go, status = threading.Barrier(2), {}
+
+        def put(url):
+            go.wait()
+            status[url] = httpx.put(f"{url}/v1/objects/cross/{name}", content=bodies[url], timeout=60).status_code
+        threads = [threading.Thread(target=put, args=(u,)) for u in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(status.values()) <= {200, 409}, status
+        for url in (a, b):
+            r = httpx.get(f"{url}/v1/objects/cross/{name}", timeout=60)
+            assert r.status_code == 200 and r.content in bodies.values(), (attempt, url, r.status_code)
+
+
 def test_chunks_a_delete_could_not_reach_are_deleted_once_their_target_is_back(tmp_path):
     """A target dies and is dropped from the map (--rebuild-after 3) while two spread objects
     are deleted: (a) copies=1, some of the object's chunks on the dead target — the object's

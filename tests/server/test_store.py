@@ -191,12 +191,13 @@ def test_deletes_owed_to_other_targets_are_kept_across_a_restart_and_bounded(tmp
     assert [o.name for o in due] == [f"h/t/{i}" for i in range(6)]  # the earliest first, both mountpaths
     assert due[0].targets == ("t1", "t2") and due[0].since_ns == 1_000
     assert store.deferred.due(100, now_ns=999) == []  # nothing due before its time
-    store.deferred.later(due[0], ["t2"], 10_000)  # t1 answered; t2 again at 10,000
+    store.deferred.add(".chunks.b", "h/t/0", ["t3"], 7)  # added meanwhile (a retry round awaits)
+    assert not store.deferred.strike(due[0], ["t1"], 10_000)  # t1 answered; t2, t3 again at 10,000
     assert [o.name for o in store.deferred.due(100, now_ns=2_000)] == [f"h/t/{i}" for i in range(1, 6)]
     assert store.deferred.due(1, now_ns=10_000)[0] == due[1]  # the others are earlier: not starved
-    assert store.deferred.due(100, now_ns=10_000)[-1].targets == ("t2",)
+    assert store.deferred.due(100, now_ns=10_000)[-1].targets == ("t2", "t3")
     for o in store.deferred.due(100, now_ns=10_000)[:5]:
-        store.deferred.done(o.bucket, o.name)
+        assert store.deferred.strike(o, list(o.targets), 20_000)
     assert store.deferred.count() == 1
     assert store.deferred.expire(older_than_ns=1_001) == 1 and store.deferred.count() == 0
     monkeypatch.setattr("server.store.deferred.MAX_ROWS", 2)
