@@ -56,7 +56,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from server.api import replicas, spread_deletes
+from server.api import replicas
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, PEERS
@@ -264,12 +264,8 @@ class Rebalancer:
                 self._failed(bucket, name, h, answer or replicas.CopyFailed("not asked"))
         # a holder deleted the name after our version was written: ours is not to be copied
         deleted = max((t for status, _, t in seen.values() if status == 404), default=None)
-        # its chunks go with it only if every other holder answered and none holds this very
-        # version: clocks decide "deleted after written", and a skewed one must cost a copy at
-        # most (it heals), never the chunks a holder still serves (found by a review)
-        last = len(seen) == len(others) and not any(st == 200 and ck == meta.cksum for st, ck, _ in seen.values())
         if replicas.deleted_after(deleted, meta.atime_ns):
-            await self._drop(bucket, name, meta, deleted, chunks=last)
+            await self._drop(bucket, name, meta, deleted)
             return
         confirmed = 0
         for h in others:
@@ -285,7 +281,7 @@ class Rebalancer:
                     raise replicas.CopyFailed(f"HEAD at {h.id}: HTTP {status}")
                 confirmed += 1
             except replicas.CopyDeleted as e:  # deleted there between our HEAD and the copy
-                await self._drop(bucket, name, meta, e.deleted_ns, chunks=last)
+                await self._drop(bucket, name, meta, e.deleted_ns)
                 return
             except replicas.CopyRefused:
                 confirmed += 1  # it was written there meanwhile: it has a copy, and a newer one
@@ -294,12 +290,13 @@ class Rebalancer:
         if me not in {h.id for h in holders} and confirmed == len(holders):
             await self._drop(bucket, name, meta, None)
 
-    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None, chunks: bool = False) -> None:
+    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None) -> None:
         """Remove the local copy if it is still ``meta``'s version: it has moved to its holders
         (``deleted_ns`` None), or it was deleted while this target was away (kept as a
-        tombstone here, so the delete outlives this copy too; with ``chunks`` — no other holder
-        has this version — a spread version's chunks are deleted then: the client's delete did
-        not, its copy here being unreachable)."""
+        tombstone here, so the delete outlives this copy too). A spread version's chunks stay:
+        "deleted after written" is decided by clocks, and a target the walk does not ask (one
+        out of the map, or no longer a holder) may hold the same version and copy it back —
+        reviews lost acknowledged objects both ways a deletion here was tried."""
         def same_version(current) -> None:
             if current.cksum != meta.cksum or current.version != meta.version:
                 raise replicas.CopyRefused("rewritten here meanwhile")
@@ -310,8 +307,6 @@ class Rebalancer:
         what = "deleted" if deleted_ns is None else "stale"
         self.state[what] += 1
         self._count(what)
-        if deleted_ns is not None and chunks:
-            await spread_deletes.forget_chunks(self.app, meta)
 
     def _failed(self, bucket: str, name: str, h: ClusterNode, e: Exception) -> None:
         self.state["failed"] += 1

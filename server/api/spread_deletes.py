@@ -4,11 +4,12 @@ of a version a client's PUT or DELETE replaced or removed, and those of a spread
 Invariants: a chunk's delete that a holder did not answer (down, a timeout) is owed to that
 holder: kept in the catalog (``server.store.deferred``) and tried again until it answers, even
 if it was dropped from the map meanwhile (it rejoins by its id, with its disks) — until then
-the chunk costs space, never a wrong byte (a version names its chunks by its own tag); the
-rebalance walk forgets the chunks of a copy it drops as deleted or stale (``rebalance._drop``),
-for the deletes that never reached the holder that owns the chunks' version; the chunks of a
-version that is still current and spread here are never deleted; the deletes of failed spreads run in tasks
-the app keeps (``CLEANUPS``) and ends at shutdown, before the peer session closes.
+the chunk costs space, never a wrong byte (a version names its chunks by its own tag); only
+a client's request here decides that a version's chunks go — never a copy from another target
+or the rebalance walk, which cannot tell an older version from a newer one without trusting
+clocks (reviews lost objects both ways); the chunks of a version that is still current and
+spread here are never deleted; the deletes of failed spreads run in tasks the app keeps
+(``CLEANUPS``) and ends at shutdown, before the peer session closes.
 """
 
 from __future__ import annotations
