@@ -163,8 +163,8 @@ async def put_object(request: web.Request) -> web.Response:
                                       f"({getattr(e, 'strerror', None) or e}); nothing was written") from None
         raise
     request.app[METRICS].bytes_in.inc(meta.size)
-    if copy_of is None:  # (a copy never deletes the chunks of what it replaced: it cannot tell
-        meta = await spread.after_put(request, bucket, name, meta)  # an older version from a newer one)
+    if copy_of is None:  # a copy deletes no chunks of what it replaced: it cannot tell older from newer
+        meta = await spread.after_put(request, bucket, name, meta)
     return web.Response(text="", headers=object_headers(meta))
 
 
