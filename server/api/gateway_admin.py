@@ -115,8 +115,7 @@ async def cluster_status(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
     nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
-              "alive": n.id not in gw.down if n.kind == TARGET else  # gateways: only the primary probes them
-              n.id not in gw.gateways_down if gw.primary or n.id == gw.id else None} for n in gw.smap.nodes]
+              "alive": gw.alive(n)} for n in gw.smap.nodes]
 
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"

@@ -271,6 +271,15 @@ class Gateway:
                         "" if gateway else "; its copies are rebuilt on the others")
             await self.push_map()
 
+    def alive(self, node: ClusterNode) -> bool | None:
+        """Whether ``node`` answers its probes as this gateway sees it; None for another gateway
+        when this one is a secondary (only the primary probes gateways)."""
+        if node.kind == TARGET:
+            return node.id not in self.down
+        if self.primary or node.id == self.id:
+            return node.id not in self.gateways_down
+        return None
+
     def _forget_probes(self, node_id: str) -> None:
         self.down.discard(node_id)
         self.gateways_down.discard(node_id)
