@@ -2,8 +2,8 @@
 targets' health as this gateway sees it, and its requests to targets and to the primary.
 
 Invariants:
-- A map change is persisted before it is answered or pushed (a restarted gateway serves the
-  last map it gave out); pushes are best effort (targets and secondaries also pull on keepalive).
+- A map change is persisted, then pushed to every node, before it is answered (a node that
+  does not answer within PUSH_TIMEOUT pulls it on keepalive).
 - Only the primary changes the map; a secondary sends changes to it (``to_primary``).
 - Requests to targets carry the gateway's cluster signature (``server.cluster.peers``).
 """
@@ -272,8 +272,7 @@ class Gateway:
             await self.push_map()
 
     def alive(self, node: ClusterNode) -> bool | None:
-        """Whether ``node`` answers its probes as this gateway sees it; None for another gateway
-        when this one is a secondary (only the primary probes gateways)."""
+        """Whether ``node`` answers this gateway's probes; None: a gateway, probed by the primary only."""
         if node.kind == TARGET:
             return node.id not in self.down
         if self.primary or node.id == self.id:
@@ -325,11 +324,13 @@ class Gateway:
                 for ghost in [n for n in new.proxies.values() if n.url == node.url and n.id not in (node.id, new.primary)]:
                     new = new.without(ghost.id)
             new = new.with_node(node)
-            if new is not self.smap:
+            changed = new is not self.smap
+            if changed:
                 new.save(self.map_path)  # persisted before anyone hears of it
                 self.smap = new
                 log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
-                asyncio.get_running_loop().create_task(self.push_map())
+        if changed:
+            await self.push_map()  # before the answer (``change``)
         return self.smap
 
     def _still_primary(self) -> None:
@@ -341,10 +342,9 @@ class Gateway:
                               "nothing was changed; send the change again")
 
     async def to_primary(self, method: str, path: str, body: bytes) -> tuple[int, dict, bytes]:
-        """A signed request to the primary gateway (from a secondary), marked as passed on: a
-        gateway that gets it and is not the primary either refuses it (``refuse_second_hop``)
-        rather than passing it on again — two secondaries that each take the other for the
-        primary (an election under way) would otherwise bounce it between them forever."""
+        """A signed request to the primary (from a secondary), marked as passed on: a gateway
+        that gets it and is not the primary refuses it (``refuse_second_hop``) — two secondaries
+        each taking the other for the primary would bounce it between them forever."""
         leader = self.smap.node(self.smap.primary)
         url = leader.url if leader is not None and leader.url else self.member.gateway_url
         try:
@@ -356,8 +356,7 @@ class Gateway:
                               "the cluster map cannot change without it") from None
 
     def _cluster_said(self) -> str:
-        """The cluster a passed-on change says it comes from: "1" (any) before this secondary
-        has a map of the primary's (its own placeholder's uuid is random, not its cluster's)."""
+        """The cluster a passed-on change says: "1" (any) before this secondary has the primary's map."""
         return self.member.smap.uuid if self.member is not None and self.member.smap is not None else "1"
 
     def refuse_second_hop(self, request: web.Request) -> None:
@@ -383,22 +382,24 @@ class Gateway:
             raise Unavailable(f"the primary gateway refused the change: HTTP {status}: {reply[:300]!r}")
 
     async def change(self, update) -> ClusterMap:
-        """Apply ``update(map) -> map`` (a new version, or the same map): saved before anyone
-        hears of it, then pushed to the targets (each walks its objects: rebalance)."""
+        """Apply ``update(map) -> map`` (a new version, or the same map): saved, then pushed to
+        every node *before* the answer (outside the lock): an acknowledged change is on every
+        node that answered, and an election takes the newest map its voters hold."""
         async with self._lock:
             self._still_primary()
             new = update(self.smap)
-            if new is not self.smap:
+            changed = new is not self.smap
+            if changed:
                 new.save(self.map_path)
                 self.smap = new
                 log.info("cluster map v%d: bucket copies %s", new.version, dict(new.bucket_copies))
-                asyncio.get_running_loop().create_task(self.push_map())
+        if changed:
+            await self.push_map()
         return self.smap
 
     async def push_map(self) -> None:
-        """Every target and every other gateway gets the new map (they also pull it on
-        keepalive), all at once, each within PUSH_TIMEOUT: a node that hangs (a stopped old
-        primary) delays nobody else's."""
+        """Every other node not known down gets the map (all pull it on keepalive), at once, each
+        within PUSH_TIMEOUT: one that hangs (a stopped old primary) delays nobody else's."""
         body = json.dumps(self.smap.to_json()).encode()
 
         async def one(t: ClusterNode) -> None:
@@ -410,7 +411,8 @@ class Gateway:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("map push to %s (%s): %s", t.id, t.url, e or type(e).__name__)
 
-        await asyncio.gather(*(one(t) for t in self.smap.nodes if t.id != self.smap.primary))
+        skip = {self.smap.primary} | self.down | self.gateways_down  # a change waits for its push
+        await asyncio.gather(*(one(t) for t in self.smap.nodes if t.id not in skip))
 
     def targets(self, alive: bool = False) -> list[ClusterNode]:
         ts = sorted(self.smap.targets.values(), key=lambda n: n.id)

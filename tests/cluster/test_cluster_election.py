@@ -279,3 +279,26 @@ def test_a_dead_secondary_gateway_is_not_a_dead_target(tmp_path):
                           region_name="us-east-1", config=Config(s3={"addressing_style": "path"},
                                                                  retries={"max_attempts": 1}))
         s3.delete_bucket(Bucket="e1")  # 204; a ClientError (503) before
+
+
+def test_an_acknowledged_map_change_survives_the_primary_killed_right_after(tmp_path):
+    """A bucket's copies changed through the primary: when its 200 arrives, every node already
+    holds the new map (before, the push went out after the answer: a primary killed at once
+    took the change with it, and the elected one's map lacked it)."""
+    with _with_secondaries(tmp_path, 1, ELECTION, targets=2) as (cluster, seconds):
+        sdk_client(cluster.url).bucket("ack").create()
+        nodes = [seconds[0], *cluster.targets]
+        for copies in (1, 2) * 5:
+            r = httpx.patch(f"{cluster.url}/v1/buckets/ack", timeout=30,
+                            json={"action": "set-bprops", "value": {"mirror": {"copies": copies}}})
+            assert r.status_code == 200, r.text
+            version = _smap(cluster.url)["version"]
+            assert [_smap(n.url)["version"] for n in nodes] == [version] * len(nodes), copies
+        r = httpx.patch(f"{cluster.url}/v1/buckets/ack", timeout=30,
+                        json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}})
+        assert r.status_code == 200, r.text
+        cluster.gateway.proc.kill()  # at once: nothing after the 200 may be needed
+        cluster.gateway.proc.wait()
+        until(lambda: _primary(seconds[0].url) == _ids(seconds[0]), 30, "the secondary elected")
+        st = httpx.get(f"{seconds[0].url}/v1/cluster/status", timeout=10).json()
+        assert st["bucket_copies"] == {"ack": 1}
