@@ -49,6 +49,8 @@ from server.errors import StoreError
 from server.tokens import token_digest
 from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
+from server.api.daemon_api import NODE_INFO
+from server.api.gateway_map import GATEWAY
 from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
 from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER
 
@@ -56,6 +58,7 @@ OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatev
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
 CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map", "/v1/cluster/rebalance",
                            "/v1/cluster/bucket-copies", "/v1/cluster/vote"})
+JOIN_PATH = "/v1/cluster/autoreg"  # the one request a node may sign for no node in particular
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")
@@ -198,9 +201,17 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
         if request.content_length is not None and request.content_length > cap:
             raise Forbidden("cluster request body too large")
         body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
-    if not secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body):
-        raise Forbidden(f"cluster request without a valid {CLUSTER_HEADER} signature (a node of this cluster "
-                        "signs with the shared --cluster-secret-file)")
+    why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
+                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST")
+    if why:
+        raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "
+                        "for one node, once, with the shared --cluster-secret-file)")
+
+
+def _own_id(app: web.Application) -> str:
+    """This node's id in the cluster map: the one a signature must name."""
+    gateway = app.get(GATEWAY)
+    return gateway.id if gateway is not None else app[NODE_INFO]["id"]
 
 
 def _body_signed(request: web.Request) -> bool:

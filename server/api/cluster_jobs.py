@@ -85,7 +85,7 @@ async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, ne
         failed = []
         for node in holders:  # the first that answers stores it (and its copies)
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new),
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new), to=node.id,
                                         body=replicas.pieces(obj.pread, size) if size else b"", body_signed=False,
                                         headers={"Content-Length": str(size)}) as r:
                     if r.status == 200:

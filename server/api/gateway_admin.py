@@ -120,7 +120,7 @@ async def cluster_status(request: web.Request) -> web.Response:
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"
         try:
-            async with peers.signed(gw.session, gw.secret, "GET", entry["url"], path,
+            async with peers.signed(gw.session, gw.secret, "GET", entry["url"], path, to=entry["id"],
                                     timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
                 entry["rebalance"] = await r.json() if r.status == 200 else {"error": f"HTTP {r.status}"}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
@@ -169,7 +169,7 @@ async def set_props(request: web.Request) -> web.Response:
     if not live:
         raise Unavailable("no target is up")
     try:  # the bucket must exist
-        async with peers.signed(gw.session, gw.secret, "HEAD", live[0].url, f"/v1/buckets/{bucket}") as r:
+        async with peers.signed(gw.session, gw.secret, "HEAD", live[0].url, f"/v1/buckets/{bucket}", to=live[0].id) as r:
             if r.status == 404:
                 raise NotFound(f"bucket ais://{bucket} does not exist")
             if r.status != 200:

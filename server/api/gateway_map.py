@@ -346,9 +346,9 @@ class Gateway:
         that gets it and is not the primary refuses it (``refuse_second_hop``) — two secondaries
         each taking the other for the primary would bounce it between them forever."""
         leader = self.smap.node(self.smap.primary)
-        url = leader.url if leader is not None and leader.url else self.member.gateway_url
+        url, to = (leader.url, leader.id) if leader is not None and leader.url else (self.member.gateway_url, "")
         try:
-            async with peers.signed(self.session, self.secret, method, url, path, body=body,
+            async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -404,7 +404,7 @@ class Gateway:
 
         async def one(t: ClusterNode) -> None:
             try:
-                async with peers.signed(self.session, self.secret, "POST", t.url, "/v1/cluster/map", body=body,
+                async with peers.signed(self.session, self.secret, "POST", t.url, "/v1/cluster/map", to=t.id, body=body,
                                         headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
                     if r.status != 200:
                         log.warning("map push to %s: HTTP %d", t.id, r.status)
@@ -428,7 +428,7 @@ class Gateway:
                    if k.lower() in ("authorization", "content-type", "accept")}
         path_qs = path_qs or request.rel_url.raw_path_qs
         try:  # signed: the target tells a gateway's fan-out from a client's request to it alone
-            async with peers.signed(self.session, self.secret, request.method, target.url, path_qs,
+            async with peers.signed(self.session, self.secret, request.method, target.url, path_qs, to=target.id,
                                     body=body or b"", headers=headers) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -77,7 +77,7 @@ async def _send(request: web.Request, target: ClusterNode, body) -> aiohttp.Clie
     path_qs = request.rel_url.raw_path_qs
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     try:  # the body is the client's, bound by its SigV4 signature: not signed again
-        return await peers.signed(gw.session, gw.secret, request.method, target.url, path_qs, body=body,
+        return await peers.signed(gw.session, gw.secret, request.method, target.url, path_qs, to=target.id, body=body,
                                   body_signed=False, headers=headers, timeout=PROXY_TIMEOUT, allow_redirects=False,
                                   skip_auto_headers=("Content-Type", "User-Agent", "Accept-Encoding"))
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -209,7 +209,7 @@ async def _refuse_unless_empty(request: web.Request) -> None:
     async def holds_any(t: ClusterNode) -> bool:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         try:
-            async with peers.signed(gw.session, gw.secret, "GET", t.url, path, body=body, headers=headers) as r:
+            async with peers.signed(gw.session, gw.secret, "GET", t.url, path, to=t.id, body=body, headers=headers) as r:
                 if r.status == 404:
                     return False
                 if r.status != 200:

@@ -133,7 +133,7 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         if node.id == lacking:
             continue
         try:
-            async with peers.signed(session, secret, "HEAD", node.url, path_qs,
+            async with peers.signed(session, secret, "HEAD", node.url, path_qs, to=node.id,
                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status == 200:
                     return True
@@ -172,7 +172,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         try:
-            r = await peers.signed(session, secret, "GET", nodes[node_id].url, path_qs, body=body, headers=headers)
+            r = await peers.signed(session, secret, "GET", nodes[node_id].url, path_qs, to=nodes[node_id].id, body=body, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
             down.add(node_id)  # its entries go to the targets of their next copies
             raise

@@ -95,7 +95,7 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
     failed = []
     for node in others:
         try:
-            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], request.method, node.url, path_qs,
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], request.method, node.url, path_qs, to=node.id,
                                     headers=headers, timeout=ASK_TIMEOUT) as r:
                 if r.status == 404:
                     continue
@@ -138,7 +138,7 @@ async def fetch(app: web.Application, bucket: str, name: str):
     failed = []
     for node in _neighbours(app, bucket, name):
         try:
-            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", node.url, path_qs,
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", node.url, path_qs, to=node.id,
                                     timeout=ASK_TIMEOUT) as r:
                 if r.status == 404:
                     continue

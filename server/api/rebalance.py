@@ -148,7 +148,7 @@ class Rebalancer:
             if t.id == me:
                 continue
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", t.url, path,
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", t.url, path, to=t.id,
                                         timeout=ASK_TIMEOUT) as r:
                     theirs = (await r.json()).get("buckets", []) if r.status == 200 else []
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -229,7 +229,7 @@ class Rebalancer:
         async def ask(holder: str, batch: list[str]) -> None:
             body = json.dumps({"bucket": bucket, "names": batch}).encode()
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", nodes[holder].url, CHECK_PATH,
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", nodes[holder].url, CHECK_PATH, to=nodes[holder].id,
                                         body=body, headers={"Content-Type": "application/json"},
                                         timeout=ASK_TIMEOUT) as r:
                     if r.status != 200:

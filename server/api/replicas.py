@@ -178,7 +178,7 @@ async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str,
                 body, size: int) -> None:
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(cksum, safe='')}{extra_query}"
     try:
-        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs,
+        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs, to=node.id,
                                 body=body, body_signed=False, headers={"Content-Length": str(size)}) as r:
             if r.status == 412:
                 deleted = r.headers.get(DELETED_HEADER, "")
@@ -218,7 +218,7 @@ async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
     found = 0
     for node in copy_targets(app, bucket, name):
         try:
-            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", node.url, path_qs) as r:
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", node.url, path_qs, to=node.id) as r:
                 if r.status == 200:
                     found += 1
                 elif r.status != 404:

@@ -367,7 +367,7 @@ async def _chunk_file(app: web.Application, meta: ObjectMeta, i: int) -> tuple[P
 async def _fetch(app: web.Application, node, cbucket: str, cname: str, c: Chunk, tmp_dir: Path) -> Path | None:
     """The chunk from ``node`` into a temporary file, checked whole; None if it has no copy."""
     path_qs = f"{object_path(cbucket, cname)}?gfn=1"
-    async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", node.url, path_qs, timeout=FETCH_TIMEOUT) as r:
+    async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", node.url, path_qs, to=node.id, timeout=FETCH_TIMEOUT) as r:
         if r.status == 404:
             return None
         if r.status != 200:

@@ -118,7 +118,7 @@ async def _delete_on(app: web.Application, cbucket: str, cname: str, targets: li
                 await asyncio.to_thread(app[NODE].delete, cbucket, cname, None, replicas.tombstone_time(app))
             else:
                 path_qs = f"{object_path(cbucket, cname)}?{replicas.REPLICA_PARAM}=1"
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", holder.url, path_qs,
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", holder.url, path_qs, to=holder.id,
                                         timeout=DELETE_TIMEOUT) as r:
                     if r.status not in (200, 404):
                         raise StoreError(f"HTTP {r.status}")

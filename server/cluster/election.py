@@ -115,7 +115,7 @@ async def ask_all(session: aiohttp.ClientSession, secret: ClusterSecret, nodes: 
 
     async def one(n: ClusterNode) -> dict | None:
         try:
-            async with peers.signed(session, secret, "GET", n.url, qs, timeout=VOTE_TIMEOUT) as r:
+            async with peers.signed(session, secret, "GET", n.url, qs, to=n.id, timeout=VOTE_TIMEOUT) as r:
                 return json.loads(await r.read()) if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None

@@ -59,6 +59,7 @@ class Membership:
         self.joined = asyncio.Event()
         self.ballots = Ballots()  # this node's votes when a gateway would replace the primary
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
+        self._not_who: set[str] = set()  # gateway URLs whose node refused a join signed for the map's id there
 
     def learn(self, doc: dict) -> bool:
         """Take the map in ``doc`` if it is newer than ours; True if taken."""
@@ -72,6 +73,7 @@ class Membership:
         if self.smap is not None and new.version <= self.smap.version and new.uuid == self.smap.uuid:
             return False
         self.smap = new
+        self._not_who.clear()
         self._to_primary(new)
         try:
             new.save(self.map_path)
@@ -97,6 +99,14 @@ class Membership:
             i = urls.index(self.gateway_url) if self.gateway_url in urls else -1
             self.gateway_url = urls[(i + 1) % len(urls)]
 
+    def _gateway_id(self) -> str:
+        """The id of the gateway at ``gateway_url`` in this node's map; "" (a join is the one
+        request that may be signed for no node) if none is there — a first join to the
+        ``--join`` URL — or if the node there said it is another (``_not_who``)."""
+        if self.gateway_url in self._not_who:
+            return ""
+        return next((n.id for n in (self.smap.proxies.values() if self.smap else ()) if n.url == self.gateway_url), "")
+
     async def run(self, url: str) -> None:
         self.url = url
         path = "/v1/cluster/autoreg"
@@ -108,9 +118,12 @@ class Membership:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
                 body = json.dumps(doc).encode()
                 try:
-                    async with peers.signed(session, self.secret, "POST", self.gateway_url, path, body=body,
+                    async with peers.signed(session, self.secret, "POST", self.gateway_url, path, to=self._gateway_id(),
+                                            body=body,
                                             headers={"Content-Type": "application/json"}) as r:
                         text = await r.text()
+                        if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
+                            self._not_who.add(self.gateway_url)  # its answer to a join says who it is
                         if r.status != 200:
                             raise RuntimeError(f"HTTP {r.status}: {text[:300]}")
                         if self.learn(json.loads(text)) or not self.joined.is_set():

@@ -1,10 +1,13 @@
 """Requests from one node of a cluster to another: the one place they are built and signed.
 
 Invariants:
+- A signed request never follows a redirect (its signature names one node, once); the 3xx is
+  its answer.
 - The URL is sent exactly as signed (``yarl.URL(..., encoded=True)``): left to requote it,
   yarl would turn ``%26`` into ``&`` in a path, the receiving node would see a path other
   than the one signed, and refuse an object whose name holds such a character.
-- The signature (``server.cluster.secret``) covers the method, path and query, and the body
+- The signature (``server.cluster.secret``) names the receiving node (``to``: its id in the
+  map; "" only for a join to a URL of no known node) and covers the method, path and query, and the body
   when ``body`` is bytes and ``body_signed`` (an object copy streams its body unsigned: the
   checksum in its signed query binds it).
 """
@@ -23,9 +26,10 @@ def exact_url(base: str, path_qs: str) -> URL:
 
 
 def signed(session: aiohttp.ClientSession, secret: ClusterSecret, method: str, base: str, path_qs: str, *,
-           body=None, body_signed: bool = True, headers: dict | None = None, **kwargs):
-    """``session.request`` to ``base + path_qs`` with this node's signature (an async context
-    manager, or awaitable, as aiohttp's)."""
+           to: str, body=None, body_signed: bool = True, headers: dict | None = None, **kwargs):
+    """``session.request`` to ``base + path_qs`` (node ``to``) with this node's signature (an
+    async context manager, or awaitable, as aiohttp's)."""
     covered = body if body_signed and isinstance(body, bytes) else b""
-    h = {HEADER: secret.sign(method, path_qs, covered), **(headers or {})}
+    h = {HEADER: secret.sign(method, path_qs, covered, to=to), **(headers or {})}
+    kwargs.setdefault("allow_redirects", False)  # a redirect's target is another node: the header is not for it
     return session.request(method, exact_url(base, path_qs), data=body, headers=h, **kwargs)

@@ -1,8 +1,10 @@
 """Intra-cluster authentication: gateways and targets prove they hold the cluster secret.
 
 Every request between nodes (join, map updates) carries
-``Batchfs-Cluster: TS:HEX`` where ``HEX = hmac_sha256(secret, "TS\\nMETHOD\\nPATH?QUERY\\nSHA256(BODY)")``
-and ``TS`` is the sender's clock in unix seconds.
+``Batchfs-Cluster: MS:NONCE:HEX:TO`` where
+``HEX = hmac_sha256(secret, "MS\\nNONCE\\nTO\\nMETHOD\\nPATH?QUERY\\nSHA256(BODY)")``, ``MS`` is the
+sender's clock in unix milliseconds, ``NONCE`` 16 random hex digits and ``TO`` the id of the
+node it is sent to (empty only for a join sent to a URL whose node the sender does not know).
 
 A gateway of a token-protected cluster adds a *grant* to the redirects it answers a client whose
 token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.HEX`` with
@@ -12,8 +14,10 @@ target accepts the grant instead of the token, for that one method and URL, ``SK
 
 Invariants:
 - The secret never crosses the network: only HMACs do, and a header is bound to one method,
-  path, query and body, so it cannot be replayed against another request.
-- A header older or newer than ``SKEW_SECONDS`` is refused: a captured one is useless later.
+  path, query, body and receiving node, so it cannot be replayed against another request or
+  another node (a receiver refuses a ``TO`` not its own; an empty one only on a join).
+- A header older or newer than ``SKEW_SECONDS`` is refused, and a receiver refuses a header
+  it has already accepted (``Replays``): a captured request cannot be sent again, to anyone.
 - Comparison is constant-time (``hmac.compare_digest``).
 - The secret file follows the token file's rules (``server.tokens.read_private_file``: not
   readable by other users) and holds at least ``MIN_SECRET_CHARS`` characters.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
 from pathlib import Path
 
@@ -36,6 +41,7 @@ MIN_SECRET_CHARS = 32
 
 class ClusterSecret:
     def __init__(self, secret: bytes):
+        self.replays = Replays()  # this node's: one ClusterSecret per process
         if len(secret) < MIN_SECRET_CHARS:
             raise ValueError(f"cluster secret shorter than {MIN_SECRET_CHARS} characters "
                              "(make one with: openssl rand -hex 32)")
@@ -49,13 +55,15 @@ class ClusterSecret:
         except ValueError as e:
             raise ValueError(f"cluster secret file {path}: {e}") from None
 
-    def _mac(self, ts: int, method: str, path_qs: str, body: bytes) -> str:
-        msg = f"{ts}\n{method.upper()}\n{path_qs}\n{hashlib.sha256(body).hexdigest()}".encode()
+    def _mac(self, ms: int, nonce: str, to: str, method: str, path_qs: str, body: bytes) -> str:
+        msg = f"{ms}\n{nonce}\n{to}\n{method.upper()}\n{path_qs}\n{hashlib.sha256(body).hexdigest()}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
-    def sign(self, method: str, path_qs: str, body: bytes = b"", now: float | None = None) -> str:
-        ts = int(time.time() if now is None else now)
-        return f"{ts}:{self._mac(ts, method, path_qs, body)}"
+    def sign(self, method: str, path_qs: str, body: bytes = b"", to: str = "", now: float | None = None) -> str:
+        """The header for one request to node ``to`` (never sent twice: each has its own nonce)."""
+        ms = int((time.time() if now is None else now) * 1000)
+        nonce = secrets.token_hex(8)
+        return f"{ms}:{nonce}:{self._mac(ms, nonce, to, method, path_qs, body)}:{to}"
 
     def grant(self, method: str, path_qs: str, now: float | None = None) -> str:
         """The ``bfs_grant`` value for a redirect to ``path_qs`` (appended last: ``&bfs_grant=``)."""
@@ -84,14 +92,49 @@ class ClusterSecret:
         msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
-    def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"",
-               now: float | None = None) -> bool:
-        if not header:
+    def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,
+               join: bool = False, now: float | None = None) -> str:
+        """Why the request ``header`` signs is refused by node ``me`` ("" when it is accepted and
+        remembered: the same header again is a replay). ``join``: a join may be signed for no
+        node in particular (its sender knows only the URL it was given)."""
+        ms_text, nonce, mac, to = ((header or "").split(":", 3) + ["", "", "", ""])[:4]
+        if not ms_text.isdigit() or len(nonce) != 16 or len(mac) != 64:
+            return "without a valid signature"
+        now_s = time.time() if now is None else now
+        ms = int(ms_text)
+        if abs(now_s * 1000 - ms) > SKEW_SECONDS * 1000:
+            return f"signed more than {SKEW_SECONDS} s away from this node's clock"
+        if not hmac.compare_digest(mac, self._mac(ms, nonce, to, method, path_qs, body)):
+            return "without a valid signature"
+        if to != me and not (join and to == ""):
+            return f"signed for node {to!r}, not this one ({me})"
+        if not self.replays.first(ms, mac, now_s):
+            return "already received once (a replay), or too old to tell"
+        return ""
+
+
+class Replays:
+    """The signatures a node accepted within ``SKEW_SECONDS`` (older ones the clock check
+    refuses), at most ``cap``: when full the oldest go, and every header no newer than one of
+    them is refused from then on (``_floor``), so memory stays bounded and a replay is never
+    let through, at worst a legitimate request from a clock far behind is refused."""
+
+    def __init__(self, cap: int = 100_000) -> None:
+        self.cap = cap
+        self._seen: dict[str, int] = {}  # MAC prefix -> its ms, in the order received
+        self._floor = 0
+
+    def first(self, ms: int, mac: str, now: float) -> bool:
+        oldest = int(now * 1000) - SKEW_SECONDS * 1000
+        while self._seen:
+            key, at = next(iter(self._seen.items()))
+            if at >= oldest and len(self._seen) < self.cap:
+                break
+            del self._seen[key]
+            if at >= oldest:  # dropped for room, not for age
+                self._floor = max(self._floor, at)
+        key = mac[:32]
+        if ms <= self._floor or key in self._seen:
             return False
-        ts_text, _, mac = header.partition(":")
-        if not ts_text.isdigit() or len(mac) != 64:
-            return False
-        ts = int(ts_text)
-        if abs((time.time() if now is None else now) - ts) > SKEW_SECONDS:
-            return False
-        return hmac.compare_digest(mac, self._mac(ts, method, path_qs, body))
+        self._seen[key] = ms
+        return True

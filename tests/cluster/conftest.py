@@ -26,14 +26,33 @@ def ranked(smap: dict, bucket: str, name: str) -> list[str]:
     return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
 
 
+_IDS: dict[str, str] = {}  # node URL -> id, from every map ``Cluster.smap`` read (with its token)
+
+
+def _ids_of(smap: dict) -> dict[str, str]:
+    return {n["public_net"]["direct_url"]: i for m in ("tmap", "pmap") for i, n in smap.get(m, {}).items()}
+
+
+def node_id(url: str) -> str:
+    """The id of the node at ``url``, from the map it serves (``what=smap``), or, on a
+    token-protected cluster, from the last map a ``Cluster`` read with its token."""
+    r = httpx.get(f"{url}/v1/daemon?what=smap", timeout=10)
+    return _ids_of(r.json())[url] if r.status_code == 200 else _IDS[url]
+
+
+def signed_for(url: str, method: str, path_qs: str, body: bytes = b"", to: str | None = None) -> dict:
+    """The ``Batchfs-Cluster`` header another node would send the node at ``url`` (id ``to``,
+    looked up if not given) for one request — a new one each time (a header is accepted once)."""
+    from server.cluster.secret import ClusterSecret
+
+    return {"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign(method, path_qs, body, to=to or node_id(url))}
+
+
 def holds(url: str, bucket: str, name: str) -> bool:
     """Whether the target at ``url`` itself stores the object: a signed HEAD ``?gfn=1`` (the
     request a neighbour sends), which never asks other targets."""
-    from server.cluster.secret import ClusterSecret
-
     path_qs = f"/v1/objects/{bucket}/{quote(name)}?gfn=1"
-    r = httpx.head(url + path_qs, timeout=10,
-                   headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("HEAD", path_qs)})
+    r = httpx.head(url + path_qs, timeout=10, headers=signed_for(url, "HEAD", path_qs))
     assert r.status_code in (200, 404), r.status_code
     return r.status_code == 200
 
@@ -125,7 +144,9 @@ class Cluster:
         return self.gateway.url
 
     def smap(self) -> dict:
-        return httpx.get(f"{self.url}/v1/daemon?what=smap", timeout=10, headers=self.headers).json()
+        smap = httpx.get(f"{self.url}/v1/daemon?what=smap", timeout=10, headers=self.headers).json()
+        _IDS.update(_ids_of(smap))
+        return smap
 
     def wait_joined(self, n: int, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout

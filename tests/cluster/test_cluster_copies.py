@@ -11,8 +11,7 @@ import time
 
 import httpx
 
-from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import SECRET, holds, ranked
+from tests.cluster.conftest import holds, ranked, signed_for
 from tests.support.getbatch import blob, sdk_client
 
 
@@ -50,11 +49,10 @@ def test_copies_survive_a_dead_target(cluster):
             assert not holds(url, "copies", name)
         del objs[name]
     # a copy that does not arrive as it was sent is refused and not kept
-    secret = ClusterSecret(SECRET.encode())
     path_qs = "/v1/objects/copies/forged?replica=1&cksum=0000000000000000"
     target = next(iter(urls.values()))
     r = httpx.put(target + path_qs, content=b"tampered", timeout=10,
-                  headers={"Batchfs-Cluster": secret.sign("PUT", path_qs)})
+                  headers=signed_for(target, "PUT", path_qs))
     assert r.status_code == 400 and "checksum" in r.text
     assert not holds(target, "copies", "forged")
     r = httpx.put(f"{target}/v1/objects/copies/forged?replica=1", content=b"x", timeout=10)

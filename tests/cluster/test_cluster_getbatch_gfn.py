@@ -80,8 +80,7 @@ def test_entries_their_owner_lacks_come_from_the_other_copy(cluster):
     here its copy is removed by hand) — GetBatch takes the entry from the other copy's target:
     a sender's 404 before its 200, a coer placeholder, and a designated target lacking one of
     its own entries. A name no target holds stays a 404 (or, with coer, a placeholder)."""
-    from server.cluster.secret import ClusterSecret
-    from tests.cluster.conftest import SECRET, holds
+    from tests.cluster.conftest import holds, signed_for
 
     smap = cluster.smap()
     ids = sorted(smap["tmap"])
@@ -93,11 +92,10 @@ def test_entries_their_owner_lacks_come_from_the_other_copy(cluster):
     for n in names:
         b.object(n).get_writer().put_content(data[n])
     lost = names[::4]  # each removed from its owner only: the second copy stays
-    signer = ClusterSecret(SECRET.encode())
     for n in lost:
         owner = ranked(smap, "lacks", n)[0]
         path_qs = f"/v1/objects/lacks/{n}?replica=1"
-        r = httpx.delete(url_of[owner] + path_qs, headers={"Batchfs-Cluster": signer.sign("DELETE", path_qs)})
+        r = httpx.delete(url_of[owner] + path_qs, headers=signed_for(url_of[owner], "DELETE", path_qs, to=owner))
         assert r.status_code == 200 and not holds(url_of[owner], "lacks", n)
     order = names[::-1] + lost  # duplicates too
 

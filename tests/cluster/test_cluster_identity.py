@@ -10,8 +10,7 @@ import shutil
 
 import httpx
 
-from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import SECRET, Cluster, until
+from tests.cluster.conftest import Cluster, signed_for, until
 from tests.support.getbatch import sdk_client
 
 
@@ -42,7 +41,7 @@ def test_targets_refuse_a_gateway_of_another_cluster(tmp_path):
         doc = {"version": 99, "uuid": "foreign", "primary": "gwX", "created": 0, "nodes": []}
         body = json.dumps(doc).encode()
         r = httpx.post(f"{cluster.targets[0].url}/v1/cluster/map", content=body, timeout=10,
-                       headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/map", body),
+                       headers={**signed_for(cluster.targets[0].url, "POST", "/v1/cluster/map", body),
                                 "Content-Type": "application/json"})
         assert r.status_code == 409 and "belongs to cluster" in r.text, r.text
         assert _uuid(cluster.targets[0].url) == first
@@ -50,8 +49,8 @@ def test_targets_refuse_a_gateway_of_another_cluster(tmp_path):
         # primary's address): 409, not made
         body = json.dumps({"bucket": "mine", "copies": 1}).encode()
         r = httpx.post(f"{cluster.url}/v1/cluster/bucket-copies", content=body, timeout=10,
-                       headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign(
-                           "POST", "/v1/cluster/bucket-copies", body), "Batchfs-Passed-On": first,
+                       headers={**signed_for(cluster.url, "POST", "/v1/cluster/bucket-copies", body),
+                                "Batchfs-Passed-On": first,
                            "Content-Type": "application/json"})
         assert r.status_code == 409 and first in r.text, r.text
         assert cluster.status()["bucket_copies"] == {}

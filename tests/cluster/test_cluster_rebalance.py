@@ -15,9 +15,9 @@ import time
 
 import httpx
 
-from server.cluster.secret import ClusterSecret
 from server.cluster.spreadnames import chunks_bucket
-from tests.cluster.conftest import Cluster, SECRET, chunk_names, free_port, holds, ranked
+from tests.cluster.conftest import Cluster, chunk_names, free_port, holds, ranked, signed_for
+from tests.cluster.conftest import node_id as id_at
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
 
@@ -26,7 +26,7 @@ def _stored(url: str, bucket: str, name: str) -> bytes:
     """The bytes the target at ``url`` itself stores (a neighbour's signed GET, never relayed)."""
     path_qs = f"/v1/objects/{bucket}/{name}?gfn=1"
     r = httpx.get(url + path_qs, timeout=10,
-                  headers={"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("GET", path_qs)})
+                  headers=signed_for(url, "GET", path_qs))
     assert r.status_code == 200, (url, name, r.status_code)
     return r.content
 
@@ -37,10 +37,10 @@ def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> di
     urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
     for name, data in objs.items():
         want = ranked(smap, bucket, name)[:2]
-        for node_id, url in urls.items():
-            assert holds(url, bucket, name) == (node_id in want), (name, node_id, want)
-            if node_id in want:
-                assert _stored(url, bucket, name) == data, (name, node_id)
+        for nid, url in urls.items():
+            assert holds(url, bucket, name) == (nid in want), (name, nid, want)
+            if nid in want:
+                assert _stored(url, bucket, name) == data, (name, nid)
         for cname in chunk_names(cluster.targets, bucket, name):
             want = ranked(smap, chunks_bucket(bucket), cname)[:2]
             for node_id, url in urls.items():
@@ -91,13 +91,12 @@ def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
         # the walk's question about a page of names: one signed POST per holder, answered in order
         ask = json.dumps({"bucket": "rebal", "names": [*sorted(objs)[:5], "r/none"]}).encode()
         assert httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=ask, timeout=10).status_code == 403
-        signed = {"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", ask),
-                  "Content-Type": "application/json"}
+        signed = {**signed_for(newcomer.url, "POST", "/v1/cluster/rebalance", ask), "Content-Type": "application/json"}
         answers = httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=ask, headers=signed, timeout=10).json()
         held = {n for n in objs if new_id in ranked(smap, "rebal", n)[:2]}
         assert [a[0] for a in answers["objects"]] == [200 if n in held else 404 for n in sorted(objs)[:5]] + [404]
         too_many = json.dumps({"bucket": "rebal", "names": ["x"] * 257}).encode()
-        signed["Batchfs-Cluster"] = ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", too_many)
+        signed.update(signed_for(newcomer.url, "POST", "/v1/cluster/rebalance", too_many))
         assert httpx.post(f"{newcomer.url}/v1/cluster/rebalance", content=too_many, headers=signed,
                           timeout=10).status_code == 400
     finally:
@@ -154,7 +153,7 @@ def _held(url: str, bucket: str, names: list[str]) -> set[str]:
     out = set()
     for i in range(0, len(names), 256):
         ask = json.dumps({"bucket": bucket, "names": names[i:i + 256]}).encode()
-        headers = {"Batchfs-Cluster": ClusterSecret(SECRET.encode()).sign("POST", "/v1/cluster/rebalance", ask)}
+        headers = signed_for(url, "POST", "/v1/cluster/rebalance", ask)
         answers = httpx.post(f"{url}/v1/cluster/rebalance", content=ask, headers=headers, timeout=10).json()
         out |= {n for n, a in zip(names[i:i + 256], answers["objects"]) if a[0] == 200}
     return out
@@ -183,11 +182,11 @@ def test_a_target_restarted_mid_walk_continues_where_it_stopped(tmp_path):
         cluster.wait_rebalanced()
         victim = cluster.targets[0]
         newcomer.start()
-        sign = ClusterSecret(SECRET.encode()).sign
+        vid = id_at(victim.url)
         deadline = time.monotonic() + 60
         while True:  # the victim has walked a few pages of the new map, not all of them
             walk = httpx.get(f"{victim.url}/v1/cluster/rebalance", timeout=10,
-                             headers={"Batchfs-Cluster": sign("GET", "/v1/cluster/rebalance")}).json()
+                             headers=signed_for(victim.url, "GET", "/v1/cluster/rebalance", to=vid)).json()
             if walk["running"] and 300 <= walk["checked"] < 1200:
                 break  # the walks before the newcomer had nothing to check (the bucket was empty)
             assert time.monotonic() < deadline and walk["checked"] < 1200, walk

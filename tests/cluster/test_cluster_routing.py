@@ -16,7 +16,7 @@ import pytest
 from aistore.sdk import Client
 
 from batchfs.wire import hrw
-from tests.cluster.conftest import SECRET, holds, ranked, secret_file
+from tests.cluster.conftest import SECRET, holds, ranked, secret_file, signed_for
 from tests.support.processes import ServerProcess
 
 
@@ -143,6 +143,28 @@ def test_cluster_requests_need_the_secret(cluster, tmp_path):
             time.sleep(0.05)
         assert "HTTP 403" in "".join(other.output)
         assert len(cluster.smap()["tmap"]) == 3
+
+
+def test_a_recorded_cluster_request_is_refused_again_and_by_another_node(cluster):
+    """A node's signed request names the node it is for and is accepted once: sent again (a
+    replay), or to another node, it is refused (before, any node took it for 300 s — a dead
+    target's recorded keepalive could add it back)."""
+    smap = cluster.smap()
+    (a, a_url), (b, b_url) = [(i, n["public_net"]["direct_url"]) for i, n in sorted(smap["tmap"].items())][:2]
+    path_qs = "/v1/cluster/rebalance"
+    headers = signed_for(a_url, "GET", path_qs, to=a)
+    assert httpx.get(a_url + path_qs, headers=headers, timeout=10).status_code == 200
+    r = httpx.get(a_url + path_qs, headers=headers, timeout=10)
+    assert r.status_code == 403 and "replay" in r.text, r.text
+    r = httpx.get(b_url + path_qs, headers=signed_for(a_url, "GET", path_qs, to=a), timeout=10)
+    assert r.status_code == 403 and f"signed for node '{a}'" in r.text, r.text
+    # a keepalive recorded on its way to the gateway, sent again: refused, nothing changes
+    body = json.dumps({"id": a, "url": a_url, "kind": "target", "cluster": smap["uuid"]}).encode()
+    gw = cluster.smap()["proxy_si"]["daemon_id"]
+    headers = {**signed_for(cluster.url, "POST", "/v1/cluster/autoreg", body, to=gw), "Content-Type": "application/json"}
+    assert httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10).status_code == 200
+    r = httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10)
+    assert r.status_code == 403 and "replay" in r.text, r.text
 
 
 def test_a_restarted_gateway_keeps_the_map_and_clients_keep_working(cluster):

@@ -16,16 +16,14 @@ from urllib.parse import quote
 import httpx
 import xxhash
 
-from server.cluster.secret import ClusterSecret
-from tests.cluster.conftest import Cluster, SECRET, holds, ranked
+from tests.cluster.conftest import Cluster, holds, ranked, signed_for
 from tests.support.getbatch import blob, sdk_client
 
-SIGNER = ClusterSecret(SECRET.encode())
 
 
 def _signed(method: str, url: str, path_qs: str, content: bytes = b"") -> httpx.Response:
     return httpx.request(method, url + path_qs, content=content, timeout=10,
-                         headers={"Batchfs-Cluster": SIGNER.sign(method, path_qs)})
+                         headers=signed_for(url, method, path_qs))
 
 
 def _copy(url: str, bucket: str, name: str, data: bytes, written_ns: int) -> httpx.Response:
