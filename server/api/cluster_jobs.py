@@ -77,12 +77,13 @@ async def share(request: web.Request) -> Callable[[str, str], bool] | None:
 
 async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, new: str) -> int:
     """Copy ``src/name`` to ``dst/new`` in the cluster: read here (verified), PUT to the first
-    holder of the destination, which makes its copies; the size. NotFound if it is not here."""
+    holder of the destination, which makes its copies; the size. NotFound if it is not here.
+    A holder whose map differs answers 307 to the one it takes for the first holder: asked
+    next, signed for it (a node's signature names one node, so no redirect is followed)."""
     obj = await spread.open_object(app, src, name)
     try:
-        holders = app[MEMBERSHIP].smap.holders(dst, new)
-        size = obj.meta.size
-        failed = []
+        smap = app[MEMBERSHIP].smap
+        holders, size, failed = list(smap.holders(dst, new)), obj.meta.size, []
         for node in holders:  # the first that answers stores it (and its copies)
             try:
                 async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new), to=node.id,
@@ -90,6 +91,11 @@ async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, ne
                                         headers={"Content-Length": str(size)}) as r:
                     if r.status == 200:
                         return size
+                    there = next((n for n in smap.nodes if n.url and r.headers.get("Location", "").startswith(n.url + "/")), None)
+                    if r.status == 307 and there is not None:
+                        if there not in holders:
+                            holders.append(there)  # this loop asks it in turn
+                        continue
                     failed.append(f"{node.id}: HTTP {r.status}: {(await r.text())[:200]}")
                     break  # it answered: another holder would answer the same
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:

@@ -16,8 +16,9 @@ Invariants:
 - The secret never crosses the network: only HMACs do, and a header is bound to one method,
   path, query, body and receiving node, so it cannot be replayed against another request or
   another node (a receiver refuses a ``TO`` not its own; an empty one only on a join).
-- A header older or newer than ``SKEW_SECONDS`` is refused, and a receiver refuses a header
-  it has already accepted (``Replays``): a captured request cannot be sent again, to anyone.
+- A header older or newer than ``SKEW_SECONDS`` (a join for no node: ``ANY_NODE_SECONDS``) is
+  refused, and a receiver refuses a header it has already accepted or that was signed before
+  it started (``Replays``): a captured request cannot be sent again, to anyone.
 - Comparison is constant-time (``hmac.compare_digest``).
 - The secret file follows the token file's rules (``server.tokens.read_private_file``: not
   readable by other users) and holds at least ``MIN_SECRET_CHARS`` characters.
@@ -26,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import secrets
 import time
@@ -36,7 +38,14 @@ from server.tokens import read_private_file
 HEADER = "Batchfs-Cluster"
 GRANT_PARAM = "bfs_grant"  # a gateway's redirect on a token-protected cluster: ...&bfs_grant=TS.HEX (last)
 SKEW_SECONDS = 300
+ANY_NODE_SECONDS = 10  # a join signed for no node: shorter than any sensible --rebuild-after (a replay
+# through another gateway re-adds a node only if it was dropped within this window)
 MIN_SECRET_CHARS = 32
+
+
+def _digits(text: str, most: int) -> bool:
+    """ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses), at most ``most``."""
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()
 
 
 class ClusterSecret:
@@ -81,7 +90,7 @@ class ClusterSecret:
         """Whether ``raw_path_qs`` (as the target received it) ends with a valid grant for it."""
         signed, sep, value = raw_path_qs.rpartition(f"&{GRANT_PARAM}=")
         ts_text, _, mac = value.partition(".")
-        if not sep or not ts_text.isdigit() or len(mac) != 64:
+        if not sep or not _digits(ts_text, 12) or len(mac) != 64:
             return False
         ts = int(ts_text)
         if abs((time.time() if now is None else now) - ts) > SKEW_SECONDS:
@@ -98,12 +107,13 @@ class ClusterSecret:
         remembered: the same header again is a replay). ``join``: a join may be signed for no
         node in particular (its sender knows only the URL it was given)."""
         ms_text, nonce, mac, to = ((header or "").split(":", 3) + ["", "", "", ""])[:4]
-        if not ms_text.isdigit() or len(nonce) != 16 or len(mac) != 64:
+        if not _digits(ms_text, 16) or len(nonce) != 16 or len(mac) != 64:
             return "without a valid signature"
         now_s = time.time() if now is None else now
         ms = int(ms_text)
-        if abs(now_s * 1000 - ms) > SKEW_SECONDS * 1000:
-            return f"signed more than {SKEW_SECONDS} s away from this node's clock"
+        window = SKEW_SECONDS if to else ANY_NODE_SECONDS
+        if abs(now_s * 1000 - ms) > window * 1000:
+            return f"signed more than {window} s away from this node's clock"
         if not hmac.compare_digest(mac, self._mac(ms, nonce, to, method, path_qs, body)):
             return "without a valid signature"
         if to != me and not (join and to == ""):
@@ -115,26 +125,29 @@ class ClusterSecret:
 
 class Replays:
     """The signatures a node accepted within ``SKEW_SECONDS`` (older ones the clock check
-    refuses), at most ``cap``: when full the oldest go, and every header no newer than one of
-    them is refused from then on (``_floor``), so memory stays bounded and a replay is never
-    let through, at worst a legitimate request from a clock far behind is refused."""
+    refuses), at most ``cap``, kept by their own time (a heap). Every header no newer than
+    ``_floor`` is refused: the floor starts at this process's start (what it accepted before a
+    restart is not remembered, so nothing signed earlier is taken) and rises to the time of each
+    entry let go — the oldest by their signed time, for age or for room — so a replay is never
+    let through, memory stays bounded, and a sender whose clock is ahead cannot push the floor
+    past the others' (at worst, under more than ``cap`` headers per ``SKEW_SECONDS``, a sender
+    whose clock is far behind is refused)."""
 
-    def __init__(self, cap: int = 100_000) -> None:
+    def __init__(self, cap: int = 100_000, start: float | None = None) -> None:
         self.cap = cap
-        self._seen: dict[str, int] = {}  # MAC prefix -> its ms, in the order received
-        self._floor = 0
+        self._heap: list[tuple[int, str]] = []  # (signed ms, MAC prefix), the oldest first
+        self._seen: set[str] = set()
+        self._floor = int((time.time() if start is None else start) * 1000) - 1  # signed before: refused
 
     def first(self, ms: int, mac: str, now: float) -> bool:
         oldest = int(now * 1000) - SKEW_SECONDS * 1000
-        while self._seen:
-            key, at = next(iter(self._seen.items()))
-            if at >= oldest and len(self._seen) < self.cap:
-                break
-            del self._seen[key]
-            if at >= oldest:  # dropped for room, not for age
-                self._floor = max(self._floor, at)
+        while self._heap and (self._heap[0][0] < oldest or len(self._heap) >= self.cap):
+            at, key = heapq.heappop(self._heap)
+            self._seen.discard(key)
+            self._floor = max(self._floor, at)
         key = mac[:32]
         if ms <= self._floor or key in self._seen:
             return False
-        self._seen[key] = ms
+        heapq.heappush(self._heap, (ms, key))
+        self._seen.add(key)
         return True

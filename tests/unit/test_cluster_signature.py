@@ -56,8 +56,8 @@ def test_a_header_off_the_clock_is_refused():
 
 
 def test_the_replay_memory_is_bounded_and_refuses_what_it_forgot():
-    r, now = Replays(cap=100), time.time()
-    ms = int(now * 1000)
+    now = time.time()
+    r, ms = Replays(cap=100, start=now - 10), int(now * 1000)
     macs = [f"{i:032x}" * 2 for i in range(250)]
     for i, mac in enumerate(macs):
         assert r.first(ms - 1000 + i, mac, now)
@@ -65,7 +65,51 @@ def test_the_replay_memory_is_bounded_and_refuses_what_it_forgot():
     for i, mac in enumerate(macs):  # forgotten or remembered, none is taken twice
         assert not r.first(ms - 1000 + i, mac, now)
     assert r.first(ms + 1, "f" * 64, now)  # newer than everything forgotten: still accepted
-    # entries older than the clock window go by age and raise no floor
-    r2 = Replays(cap=100)
-    assert r2.first(ms - SKEW_SECONDS * 1000 - 5, "a" * 64, now - SKEW_SECONDS)
-    assert r2.first(ms, "b" * 64, now) and r2._floor == 0 and len(r2._seen) == 1
+
+
+def test_a_sender_whose_clock_is_ahead_does_not_lock_the_others_out():
+    """Found by a review: entries were let go in the order received, so one from a clock 60 s
+    ahead raised the floor 60 s into the future and every honest header was refused as a
+    replay. Now the oldest by signed time go first."""
+    now = time.time()
+    r, ms = Replays(cap=1000, start=now - 10), int(now * 1000)
+    refused = 0
+    for i in range(5000):
+        t = now + i * 0.001
+        ahead = i % 10 == 0
+        refused += not r.first(int(t * 1000) + (60_000 if ahead else 0), f"{i:032x}" * 2, t)
+    assert refused == 0 and r._floor < ms + 5000
+    # a sender 0.2 s behind is still taken: the memory holds the last ~0.5 s of honest headers
+    # (500 of its 1,000 entries are the fast clock's, all in the future)
+    assert r.first(int((now + 5) * 1000) - 200, "e" * 64, now + 5)
+
+
+def test_nothing_signed_before_the_receiver_started_is_taken():
+    """Found by a review: a restarted node forgot what it accepted, and a recorded DELETE of a
+    copy, replayed after the restart, deleted a newer version."""
+    sender = ClusterSecret(KEY)
+    before = sender.sign("DELETE", "/v1/objects/b/o?replica=1", to="t1")
+    time.sleep(0.01)
+    restarted = ClusterSecret(KEY)
+    assert "replay" in restarted.verify("DELETE", "/v1/objects/b/o?replica=1", before, me="t1")
+    assert restarted.verify("DELETE", "/v1/objects/b/o?replica=1",
+                            sender.sign("DELETE", "/v1/objects/b/o?replica=1", to="t1"), me="t1") == ""
+
+
+def test_forgetting_for_age_raises_the_floor_too():
+    """A receiver whose clock steps back must not take again what it let go for age."""
+    now = time.time()
+    r = Replays(cap=100, start=now - 1000)
+    old = int((now - 400) * 1000)
+    assert r.first(old, "a" * 64, now - 400)
+    assert r.first(int(now * 1000), "b" * 64, now)  # lets "a" go for age
+    assert not r.first(old, "a" * 64, now - 400)  # the clock stepped back: still refused
+
+
+def test_odd_digits_and_joins_for_no_node_outside_their_window_are_refused():
+    sender, receiver = _pair()
+    h = sender.sign("POST", "/v1/cluster/autoreg", b"{}", to="")
+    assert "valid signature" in receiver.verify("POST", "/v1/cluster/autoreg", "²" + h[1:], b"{}", me="gw", join=True)
+    late = sender.sign("POST", "/v1/cluster/autoreg", b"{}", to="", now=time.time() - 20)
+    assert "10 s away" in receiver.verify("POST", "/v1/cluster/autoreg", late, b"{}", me="gw", join=True)
+    assert receiver.verify("POST", "/v1/cluster/autoreg", h, b"{}", me="gw", join=True) == ""
