@@ -21,13 +21,15 @@ from server.errors import BadRequest, Conflict
 async def map_push(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     doc = await read_json(request)
+    member = request.app[MEMBERSHIP]
     try:
-        taken = request.app[MEMBERSHIP].learn(doc)
+        taken = member.learn(doc)
     except ForeignCluster as e:
         raise Conflict(str(e)) from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise BadRequest(f"not a cluster map: {e}") from None
-    return web.json_response({"taken": taken})
+    # what it holds now: the primary counts the push as held only if it is its map or newer
+    return web.json_response({"taken": taken, "version": member.smap.version, "primary": member.smap.primary})
 
 
 async def vote(request: web.Request) -> web.Response:

@@ -81,7 +81,7 @@ async def map_push(request: web.Request) -> web.Response:
         raise Conflict(str(e)) from None
     except (KeyError, TypeError, ValueError) as e:
         raise BadRequest(f"cluster map: {e}") from None
-    return web.Response(text="")
+    return web.json_response({"version": gw.smap.version, "primary": gw.smap.primary})  # what it holds now
 
 
 async def vote(request: web.Request) -> web.Response:
@@ -155,9 +155,12 @@ async def set_props(request: web.Request) -> web.Response:
             raise NotImplementedThroughGateway(f"set-bprops: only mirror.copies (and mirror.enabled) are served, "
                                                f"not {value!r}; nothing was changed")
         enabled = mirror.get("enabled", True)
-        copies = mirror.get("copies", 1 if enabled is False else None)
-        if enabled is False:
-            copies = 1
+        if enabled is False and mirror.get("copies", 1) != 1:
+            raise BadRequest(f"mirror.enabled=false keeps one copy; mirror.copies={mirror['copies']!r} contradicts it: "
+                             "nothing was changed")
+        copies = 1 if enabled is False else mirror.get("copies")
+        if copies is None and enabled is True:  # mirror.enabled=true alone: the cluster's default copies
+            copies = gw.smap.copies
         if not isinstance(copies, int) or isinstance(copies, bool) or not 1 <= copies <= MAX_COPIES:
             raise BadRequest(f"mirror.copies must be an integer from 1 to {MAX_COPIES}, got {copies!r}")
         if copies > len(gw.smap.targets):
@@ -169,7 +172,8 @@ async def set_props(request: web.Request) -> web.Response:
     if not live:
         raise Unavailable("no target is up")
     try:  # the bucket must exist
-        async with peers.signed(gw.session, gw.secret, "HEAD", live[0].url, f"/v1/buckets/{bucket}", to=live[0].id) as r:
+        async with peers.signed(gw.session, gw.secret, "HEAD", live[0].url, f"/v1/buckets/{bucket}", to=live[0].id,
+                                timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status == 404:
                 raise NotFound(f"bucket ais://{bucket} does not exist")
             if r.status != 200:

@@ -2,9 +2,9 @@
 targets' health as this gateway sees it, and its requests to targets and to the primary.
 
 Invariants:
-- A map change is persisted, then pushed to every node, before it is answered (a node that
-  does not answer within PUSH_TIMEOUT pulls it on keepalive).
-- Only the primary changes the map; a secondary sends changes to it (``to_primary``).
+- Only the primary changes the map, and only while it reaches a majority of its nodes; a
+  secondary sends changes to it (``to_primary``). A change is persisted, pushed, and answered
+  200 only once a majority of the map's nodes hold it (``_publish``).
 - Requests to targets carry the gateway's cluster signature (``server.cluster.peers``).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +20,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from server.api.gateway_election import REPLACED_CHECK_SECONDS, GatewayElections
 from server.cluster import election, peers
+from server.cluster.health import Probes
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
@@ -31,14 +32,11 @@ log = logging.getLogger(__name__)
 
 GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
 FANOUT_TIMEOUT_SECONDS = 60
-HEALTH_SECONDS = 1.0  # how often every target's health is probed
-PROBE_SECONDS = 1.0
-DOWN_AFTER = 2  # failed probes in a row before a target is routed around
+HEALTH_SECONDS = PROBE_SECONDS = 1.0  # how often every node's health is probed; one probe's timeout
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
 PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
-REPLACED_CHECK_SECONDS = 10.0  # how often a primary asks the nodes whether another was elected
 
 
 class NotImplementedThroughGateway(StoreError):
@@ -49,7 +47,7 @@ class Unavailable(StoreError):
     status = 503
 
 
-class Gateway:
+class Gateway(GatewayElections):
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
     def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
@@ -59,15 +57,12 @@ class Gateway:
 
         With ``primary_url`` this is a secondary gateway: it joins the primary like a target
         (``Membership``, kind proxy; its id kept beside the map), serves clients with the map
-        the primary gives it, and sends what changes the map (joins, bucket copies) to the
-        primary; only the primary drops dead targets. A secondary that finds the primary
-        unreachable for ``election_after`` seconds may replace it (``server.cluster.election``).
-        The map kept beside the id decides over the flags: a gateway elected primary stays
-        primary after a restart, and a primary that was replaced restarts as a secondary of the
-        primary its map names."""
+        the primary gives it, sends map changes to the primary, and may replace a primary
+        unreachable for ``election_after`` seconds (``server.cluster.election``). The map kept
+        beside the id decides over the flags: a gateway elected primary stays primary after a
+        restart; a primary that was replaced restarts as a secondary of the one its map names."""
         self.map_path, self.secret, self.rebuild_after = map_path, secret, rebuild_after
         self.election_after = election_after
-        self._down_since: dict[str, float] = {}
         self.member: Membership | None = None
         self._member_task: asyncio.Task | None = None
         self._primary_lost: float | None = None  # since when a secondary cannot reach the primary
@@ -96,9 +91,7 @@ class Gateway:
             self.smap = self.member.smap or ClusterMap.new(ClusterNode(self.id, "", PROXY))
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
-        self.down: set[str] = set()  # targets that failed DOWN_AFTER health probes in a row
-        self.gateways_down: set[str] = set()  # the same for the other gateways (probed by a primary)
-        self._fails: dict[str, int] = {}
+        self.probes = Probes()  # what this gateway's health probes said of each node
         self._watcher: asyncio.Task | None = None
 
     def _follow(self, primary_url: str) -> None:
@@ -112,6 +105,11 @@ class Gateway:
     @property
     def primary(self) -> bool:
         return self.member is None
+
+    @property
+    def down(self) -> set[str]:
+        """The targets this gateway's probes find down (routing skips them)."""
+        return self.probes.down
 
     def _take(self, smap: ClusterMap) -> None:
         self.smap = smap  # a secondary: the primary's newer map
@@ -133,78 +131,6 @@ class Gateway:
             asyncio.get_running_loop().create_task(self._start_primary())
         self._watcher = asyncio.get_running_loop().create_task(self.watch())
 
-    async def _start_primary(self) -> None:
-        async with self._lock:  # no join or other change before the map is known to be current
-            others = [n for n in self.smap.nodes if n.id != self.id]
-            answers = await election.ask_all(self.session, self.secret, others, self.smap, self.id) if others else []
-            newer = election.newest_elsewhere(self.smap, answers, above=self._loaded_version)
-            if newer is not None:
-                self.step_down(newer, force=True)
-                return
-        await self.push_map()  # targets learn a restart's URL
-
-    def step_down(self, newer: ClusterMap, force: bool = False) -> None:
-        """Another gateway was elected primary (``newer`` says so): follow it as a secondary.
-        Only for a newer map than this one, unless ``force`` (the startup check, whose own map
-        may have moved on by its new URL since it started)."""
-        if not self.primary or newer.uuid != self.smap.uuid or newer.primary == self.id:
-            return
-        if newer.version <= self.smap.version and not force:
-            return
-        leader = newer.node(newer.primary)
-        newer.save(self.map_path)
-        self.smap = newer
-        log.warning("cluster map v%d: %s is the primary gateway now; this gateway (%s) follows it",
-                    newer.version, newer.primary, self.id)
-        self._follow(leader.url if leader is not None else "")
-
-    async def promote(self) -> None:
-        """This secondary won the election: the next map names it primary, saved and pushed."""
-        async with self._lock:
-            new = election.promoted(self.smap, self.id, self.url)
-            new.save(self.map_path)
-            old, self.smap = self.smap.primary, new
-            if self._member_task is not None:
-                self._member_task.cancel()
-            self.member, self._member_task, self._primary_lost = None, None, None
-        log.warning("cluster map v%d: this gateway (%s) replaces the unreachable primary %s", new.version, self.id, old)
-        asyncio.get_running_loop().create_task(self.push_map())  # the watch loop goes on meanwhile
-
-    async def _watch_primary(self) -> None:
-        """A secondary: after ``election_after`` seconds without the primary, the first
-        candidate that answers runs the election (``server.cluster.election``)."""
-        smap = self.smap
-        old = smap.node(smap.primary)
-        if old is None or old.id == self.id or await election.reachable(self.session, old.url):
-            self._primary_lost = None
-            return
-        now = time.monotonic()
-        self._primary_lost = self._primary_lost or now
-        if now - self._primary_lost < self.election_after:
-            return
-        for cand in election.candidates(smap, old.id):
-            if cand.id == self.id:
-                break
-            if await election.reachable(self.session, cand.url):
-                return  # that one runs it
-        else:
-            return
-        if not self.ballots.grant(smap.uuid, smap.version, self.id):
-            return  # it voted for another candidate of this map: that one's election runs
-        voters = [n for n in smap.nodes if n.id not in (old.id, self.id)]
-        answers = await election.ask_all(self.session, self.secret, voters, smap, old.id, candidate=self.id)
-        newer = election.newest_elsewhere(smap, answers) or election.newest(smap, answers)
-        if newer is not None:  # already replaced (follow the winner), or this map is behind: take
-            self.member.learn(newer.to_json())  # the newest and run again with it
-            return
-        if not election.won(smap, old.id, answers):
-            log.warning("primary %s unreachable for %.0f s; election: %d of %d other nodes agree, not a majority",
-                        old.id, now - self._primary_lost, sum(1 for a in answers if a.get("agree")), len(voters))
-            self._primary_lost = now - self.election_after + random.uniform(1.0, 4.0)  # a split vote: retry at random
-            return
-        if self.smap is smap and self.member is not None:
-            await self.promote()
-
     async def stop(self, app: web.Application) -> None:
         for task in (self._watcher, self._member_task):
             if task is not None:
@@ -213,15 +139,12 @@ class Gateway:
             await self.session.close()
 
     async def watch(self) -> None:
-        """Probe every target's health every HEALTH_SECONDS: DOWN_AFTER failures in a row mark
-        it down (routing then skips it), one success marks it up again. The primary probes the
-        other gateways too (a dead one is dropped like a target: it would count in every later
-        election's electorate)."""
+        """Probe every target's health every HEALTH_SECONDS (``server.cluster.health``); the
+        primary probes the other gateways too (a dead one is dropped like a target: it would
+        count in every later election's electorate)."""
         last_check = time.monotonic()
-        while True:
-            known = {n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets)
-            for gone in (self.down | self.gateways_down | set(self._fails)) - known:
-                self._forget_probes(gone)  # left the map, or a gateway's since this one stepped down
+        while True:  # forget nodes that left the map, or gateways' states once this one stepped down
+            self.probes.forget_all_but({n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets))
             probed = [n for n in self.smap.nodes
                       if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
             await asyncio.gather(*(self._probe(n) for n in probed))
@@ -230,39 +153,28 @@ class Gateway:
                 await self._check_replaced()
             if self.primary:  # the map is the primary's to change
                 await self._give_up_on_dead()
+                await self._after_return()
             else:
                 await self._watch_primary()
             await asyncio.sleep(HEALTH_SECONDS)
-
-    async def _check_replaced(self) -> None:
-        """A primary that was unreachable for a while (stopped, cut off) may have been replaced
-        without hearing of it: if most nodes that answer hold a map naming another primary, at
-        least as new as this one, it follows that primary."""
-        smap = self.smap
-        others = [n for n in smap.nodes if n.id != self.id]
-        if not others:
-            return
-        answers = await election.ask_all(self.session, self.secret, others, smap, self.id)
-        newer = election.newest_elsewhere(smap, answers, above=smap.version - 1)
-        naming = sum(1 for a in answers if election.names_other(smap, a))
-        if newer is not None and 2 * naming > len(answers) and self.smap is smap and election.yields_to(smap, newer):
-            self.step_down(newer, force=True)
 
     async def _give_up_on_dead(self) -> None:
         """Drop from the map every node down for ``rebuild_after`` seconds. A target: the new map
         makes the other targets copy what it held to the targets that now rank for it (rebuild);
         when it comes back it joins again like a new target (rebalance moves data to it). A
-        secondary gateway: it no longer counts in elections; back, it joins again (its keepalive)."""
-        now = time.monotonic()
-        for tid in [t for t in self.down | self.gateways_down if now - self._down_since.get(t, now) >= self.rebuild_after]:
+        secondary gateway: it no longer counts in elections; back, it joins again (its keepalive).
+        Only while this primary reaches a majority of the map (``_still_primary``)."""
+        for tid in self.probes.due(self.rebuild_after):
             async with self._lock:
-                if not self.primary:  # stepped down meanwhile: the map is another's to change
-                    return
+                try:
+                    self._still_primary()
+                except Unavailable:
+                    return  # stepped down meanwhile (the map is another's), or cut off from most nodes
                 old, new = self.smap, self.smap.without(tid)
                 if new is not old:
                     new.save(self.map_path)
                     self.smap = new
-            self._forget_probes(tid)
+            self.probes.forget(tid)
             if new is old:  # it left the map meanwhile (a rejoin under another id): nothing to push
                 continue
             gateway = tid in old.proxies
@@ -271,19 +183,30 @@ class Gateway:
                         "" if gateway else "; its copies are rebuilt on the others")
             await self.push_map()
 
+    async def _after_return(self) -> None:
+        """Targets up again that were seen down (back within ``rebuild_after``, never dropped):
+        the next map version, the same nodes, makes every target walk its objects, so a write
+        made while one was away reaches it. Before (found by a user's test), a version written
+        while a holder was down stayed on the other holder only — reads served the returning
+        holder's older copy while the listing showed the newer — until some other map change."""
+        if not self.probes.back:
+            return
+        back = set(self.probes.back)
+        try:
+            await self.change(lambda m: m.renewed())
+        except Unavailable as e:
+            log.warning("targets %s are back; their copies wait for a map change: %s", ", ".join(sorted(back)), e)
+            return
+        self.probes.back -= back
+        log.info("cluster map v%d: targets %s back, every target walks again", self.smap.version, ", ".join(sorted(back)))
+
     def alive(self, node: ClusterNode) -> bool | None:
         """Whether ``node`` answers this gateway's probes; None: a gateway, probed by the primary only."""
         if node.kind == TARGET:
-            return node.id not in self.down
+            return node.id not in self.probes.down
         if self.primary or node.id == self.id:
-            return node.id not in self.gateways_down
+            return node.id not in self.probes.gateways_down
         return None
-
-    def _forget_probes(self, node_id: str) -> None:
-        self.down.discard(node_id)
-        self.gateways_down.discard(node_id)
-        self._fails.pop(node_id, None)
-        self._down_since.pop(node_id, None)
 
     async def _probe(self, t: ClusterNode) -> None:
         try:
@@ -291,19 +214,7 @@ class Gateway:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
-        down = self.down if t.kind == TARGET else self.gateways_down  # ``down`` routes: targets only
-        if ok:
-            self._fails[t.id] = 0
-            if t.id in down:
-                down.discard(t.id)
-                self._down_since.pop(t.id, None)
-                log.info("%s %s is up again", t.kind, t.id)
-            return
-        self._fails[t.id] = self._fails.get(t.id, 0) + 1
-        if self._fails[t.id] >= DOWN_AFTER and t.id not in down:
-            down.add(t.id)
-            self._down_since[t.id] = time.monotonic()
-            log.warning("%s %s (%s) is down%s", t.kind, t.id, t.url, ": routing around it" if t.kind == TARGET else "")
+        self.probes.record(t, ok)
 
     def holder(self, bucket: str, name: str) -> ClusterNode:
         """The first target holding a copy of the object that is not down."""
@@ -317,8 +228,10 @@ class Gateway:
                           f"({', '.join(n.id for n in holders)}) is down")
 
     async def admit(self, node: ClusterNode) -> ClusterMap:
+        """A join: made without a majority (a dead cluster's replacement target must be able to
+        join), pushed before the answer all the same."""
         async with self._lock:
-            self._still_primary()
+            self._still_primary(majority=False)
             new = self.smap
             if node.kind == PROXY:  # a gateway that lost its id joins again: its old entry goes
                 for ghost in [n for n in new.proxies.values() if n.url == node.url and n.id not in (node.id, new.primary)]:
@@ -330,16 +243,21 @@ class Gateway:
                 self.smap = new
                 log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
         if changed:
-            await self.push_map()  # before the answer (``change``)
+            await self.push_map()
         return self.smap
 
-    def _still_primary(self) -> None:
-        """Under the lock, before a change: a gateway that stepped down while the change waited
-        for the lock must not apply it to the new primary's map (a 503: the client asks again,
-        and it goes to the primary)."""
+    def _still_primary(self, majority: bool = True) -> None:
+        """Under the lock, before a change: not by a gateway that stepped down while the change
+        waited (a 503: asked again, it goes to the primary), nor by a primary that reaches no
+        majority of the map's nodes (``server.cluster.health``: the others may elect another)."""
         if not self.primary:
             raise Unavailable(f"gateway {self.id} is no longer the primary ({self.smap.primary} is): "
                               "nothing was changed; send the change again")
+        ok, reached = self.probes.majority(self.smap)
+        if majority and not ok:
+            raise Unavailable(f"the primary gateway reaches {reached} of the cluster map's {len(self.smap.nodes)} "
+                              "nodes, not a majority (most are down, or cut off from it): the map cannot change "
+                              "now; nothing was changed")
 
     async def to_primary(self, method: str, path: str, body: bytes) -> tuple[int, dict, bytes]:
         """A signed request to the primary (from a secondary), marked as passed on: a gateway
@@ -347,6 +265,8 @@ class Gateway:
         each taking the other for the primary would bounce it between them forever."""
         leader = self.smap.node(self.smap.primary)
         url, to = (leader.url, leader.id) if leader is not None and leader.url else (self.member.gateway_url, "")
+        if not to and path != "/v1/cluster/autoreg":  # only a join may be signed for no node
+            raise Unavailable(f"gateway {self.id} has not joined the primary yet: send the change again shortly")
         try:
             async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
@@ -355,8 +275,7 @@ class Gateway:
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 
-    def _cluster_said(self) -> str:
-        """The cluster a passed-on change says: "1" (any) before this secondary has the primary's map."""
+    def _cluster_said(self) -> str:  # what a passed-on change says: "1" (any) before this secondary has a map
         return self.member.smap.uuid if self.member is not None and self.member.smap is not None else "1"
 
     def refuse_second_hop(self, request: web.Request) -> None:
@@ -382,37 +301,50 @@ class Gateway:
             raise Unavailable(f"the primary gateway refused the change: HTTP {status}: {reply[:300]!r}")
 
     async def change(self, update) -> ClusterMap:
-        """Apply ``update(map) -> map`` (a new version, or the same map): saved, then pushed to
-        every node *before* the answer (outside the lock): an acknowledged change is on every
-        node that answered, and an election takes the newest map its voters hold."""
+        """Apply ``update(map) -> map`` (a new version, or the same map): saved, then pushed
+        before the answer (``_publish``) — the same map too: a change sent again after a 503
+        is answered 200 only once a majority holds it."""
         async with self._lock:
             self._still_primary()
             new = update(self.smap)
-            changed = new is not self.smap
-            if changed:
+            if new is not self.smap:
                 new.save(self.map_path)
                 self.smap = new
                 log.info("cluster map v%d: bucket copies %s", new.version, dict(new.bucket_copies))
-        if changed:
-            await self.push_map()
+        await self._publish(new)
         return self.smap
 
-    async def push_map(self) -> None:
-        """Every other node not known down gets the map (all pull it on keepalive), at once, each
-        within PUSH_TIMEOUT: one that hangs (a stopped old primary) delays nobody else's."""
-        body = json.dumps(self.smap.to_json()).encode()
+    async def _publish(self, new: ClusterMap) -> None:
+        """Push a change (outside the lock); answer it once a majority of the map's nodes hold it
+        (this one included): an election's majority includes one of them and takes the newest
+        map its voters hold, so the change outlives this primary. Fewer: a 503 (may be lost)."""
+        held = await self.push_map()
+        if 2 * held <= len(new.nodes):
+            raise Unavailable(f"cluster map v{new.version}: only {held} of its {len(new.nodes)} nodes confirmed it, "
+                              "not a majority — the change may not outlive this primary; send it again")
 
-        async def one(t: ClusterNode) -> None:
+    async def push_map(self) -> int:
+        """Every other node not known down gets the map (all pull it on keepalive), at once, each
+        within PUSH_TIMEOUT: one that hangs (a stopped old primary) delays nobody else's. How
+        many nodes hold it now, this one included."""
+        smap = self.smap
+        body = json.dumps(smap.to_json()).encode()
+
+        async def one(t: ClusterNode) -> bool:
             try:
                 async with peers.signed(self.session, self.secret, "POST", t.url, "/v1/cluster/map", to=t.id, body=body,
                                         headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
                     if r.status != 200:
                         log.warning("map push to %s: HTTP %d", t.id, r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        return False
+                    held = await r.json()  # this map, or a newer one of the same primary
+                    return held.get("primary") == smap.primary and held.get("version", -1) >= smap.version
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
                 log.warning("map push to %s (%s): %s", t.id, t.url, e or type(e).__name__)
+                return False
 
-        skip = {self.smap.primary} | self.down | self.gateways_down  # a change waits for its push
-        await asyncio.gather(*(one(t) for t in self.smap.nodes if t.id not in skip))
+        skip = {smap.primary} | self.probes.any_down()  # a change waits for its push
+        return 1 + sum(await asyncio.gather(*(one(t) for t in smap.nodes if t.id not in skip)))
 
     def targets(self, alive: bool = False) -> list[ClusterNode]:
         ts = sorted(self.smap.targets.values(), key=lambda n: n.id)
@@ -446,5 +378,5 @@ def passthrough(status: int, headers: dict, body: bytes) -> web.Response:
 
 
 def refuse_not_served(request: web.Request):
-    raise NotImplementedThroughGateway(f"{request.method} {request.path} is not served through a gateway yet "
-                                       "(docs/cluster.md lists what is): send it to a target, or use a single node")
+    raise NotImplementedThroughGateway(f"{request.method} {request.path} is not served by a batchfs cluster "
+                                       "(docs/cluster.md lists what is; nothing was changed)")

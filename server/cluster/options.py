@@ -34,7 +34,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
                    help="primary gateway: a target that fails its health checks this long is dropped from "
                    "the cluster map and the copies it held are rebuilt on the other targets; a secondary "
                    "gateway is dropped too (it would count in elections); either rejoins when it comes "
-                   f"back (default: {d.rebuild_after_seconds:g})")
+                   "back. Only while the primary reaches a majority of the map's nodes "
+                   f"(default: {d.rebuild_after_seconds:g})")
     c.add_argument("--election-after", dest="election_after_seconds", type=float, metavar="SECONDS",
                    help="secondary gateway: the primary unreachable this long, the first secondary in the "
                    "map's order that answers asks every node for its vote and, with a majority, becomes the "

@@ -110,6 +110,10 @@ class ClusterMap:
     def node(self, node_id: str) -> ClusterNode | None:
         return next((n for n in self.nodes if n.id == node_id), None)
 
+    def renewed(self) -> "ClusterMap":
+        """The next version, unchanged: every target walks its objects again (a target is back)."""
+        return dataclasses.replace(self, version=self.version + 1)
+
     def with_node(self, node: ClusterNode) -> "ClusterMap":
         """This map with ``node`` added or its URL updated; the same map if nothing changed."""
         old = self.node(node.id)

@@ -16,7 +16,7 @@ import time
 import httpx
 
 from server.cluster.spreadnames import chunks_bucket
-from tests.cluster.conftest import Cluster, chunk_names, free_port, holds, ranked, signed_for
+from tests.cluster.conftest import Cluster, chunk_names, free_port, holds, ranked, signed_for, until
 from tests.cluster.conftest import node_id as id_at
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import ServerProcess
@@ -210,3 +210,48 @@ def test_a_target_restarted_mid_walk_continues_where_it_stopped(tmp_path):
         newcomer.stop()
         cluster.stop()
 
+
+
+def test_a_version_written_while_a_holder_was_down_reaches_it_when_it_is_back(tmp_path):
+    """Found by a user's test: the first holder of a name killed, the name rewritten (503: its
+    copy could not be made, the other holder keeps the new version), the holder restarted within
+    --rebuild-after — no map change, so no walk: it served its old copy (GET, direct, GetBatch)
+    while the listing showed the new size, until some other map change. Now a target back up
+    makes the primary publish the next map version and every target walks: the holders agree."""
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "120"))
+    try:
+        cluster.start()
+        b = sdk_client(cluster.url).bucket("away")
+        b.create()
+        names = [f"w/{i:02d}" for i in range(12)]
+        for n in names:
+            b.object(n).get_writer().put_content(b"old " + n.encode())
+        smap = cluster.smap()
+        first = ranked(smap, "away", names[0])[0]
+        index = next(i for i in range(3) if cluster.target_id(i) == first)
+        mine = [n for n in names if ranked(smap, "away", n)[0] == first]
+        victim = cluster.targets[index]
+        victim.proc.kill()
+        victim.proc.wait()
+        until(lambda: not next(n for n in cluster.status()["nodes"] if n["id"] == first)["alive"], 20, "seen down")
+        new = {n: b"new and longer " + n.encode() for n in mine}
+        for n, data in new.items():
+            r = httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=data, timeout=30, follow_redirects=True)
+            assert r.status_code in (200, 503), r.text  # 503: its copy on the dead holder could not be made
+        version = cluster.smap()["version"]
+        same_port = victim.url.removeprefix("http://")  # at its old URL: its join changes nothing
+        cluster.targets[index] = type(victim)(victim.data_dirs, *victim.args, "--listen", same_port).start()
+        assert cluster.targets[index].url == victim.url
+        until(lambda: all(n["alive"] for n in cluster.status()["nodes"]), 30, "back")
+        deadline = time.monotonic() + 15  # the next map version (the fix), or the old bytes below (before it)
+        while int(cluster.smap()["version"]) == int(version) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.wait_rebalanced()
+        url = cluster.targets[index].url
+        for n, data in new.items():
+            assert b.object(n).get_reader().read_all() == data, n
+            assert _stored(url, "away", n) == data, n  # the returning holder's own copy
+        sizes = {e.name: e.size for e in b.list_all_objects(props="size")}
+        assert all(sizes[n] == len(d) for n, d in new.items())
+    finally:
+        cluster.stop()
