@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
     p = argparse.ArgumentParser(
         prog="batchfs-server",
+        usage="batchfs-server [OPTIONS]   (a node, a gateway or a target: --role)\n"
+              "       batchfs-server cluster-status URL [--json]   (or: cluster status URL)",
         description="Run one batchfs storage node: the AIStore-compatible HTTP API (objects, "
         "list, range reads, chunked objects, GetBatch at /v1/ml/moss) and an S3 subset "
         "(at /s3/ and at the root), with Prometheus metrics at /metrics.",
@@ -386,10 +388,10 @@ async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["cluster-status"]:  # an operator's command, not a server
+    if argv[:1] == ["cluster-status"] or argv[:2] == ["cluster", "status"]:  # an operator's command
         from server.cluster import statuscli
 
-        return statuscli.main(argv[1:])
+        return statuscli.main(argv[2 if argv[0] == "cluster" else 1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -45,7 +45,7 @@ from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gatew
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, read_json
 from server.cluster.smap import ClusterNode
-from server.errors import BadRequest, StoreError
+from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,14 @@ async def list_objects(request: web.Request) -> web.Response:
     request_headers = {"Accept": "application/json"}
     live = gw.targets(alive=True)
     copies = gw.smap.copies_for(bucket)
-    if len(gw.smap.targets) - len(live) >= copies:
+    if value.get("target"):  # AIStore's list_objects(target=ID): what that target holds
+        one = gw.smap.targets.get(value["target"])
+        if one is None:
+            raise NotFound(f"target {value['target']!r} is not in this cluster (targets: {', '.join(sorted(gw.smap.targets))})")
+        if one.id in gw.down:
+            raise Unavailable(f"target {one.id} is down")
+        live = [one]
+    elif len(gw.smap.targets) - len(live) >= copies:
         raise Unavailable(f"{len(gw.smap.targets) - len(live)} targets are down ({', '.join(sorted(gw.down))}): with "
                           f"{copies} copies of each object of ais://{bucket}, a listing would miss objects")
     pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in live))

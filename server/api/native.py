@@ -278,10 +278,11 @@ async def head_object(request: web.Request) -> web.StreamResponse:
     unknown = set(props) - KNOWN_PROPS
     if unknown:
         raise BadRequest(f"unknown object properties: {', '.join(sorted(unknown))}")
+    gfn = await neighbours.is_gfn(request)  # a client's gfn=1: 400 whether this target holds it or not
     try:
         meta = request.app[NODE].lookup(bucket, name)
     except NotFound as e:
-        if await neighbours.is_gfn(request):
+        if gfn:
             neighbours.say_when_deleted(request, bucket, name, e)
             raise
         return await neighbours.read_from_neighbours(request, bucket, name, e)
@@ -303,12 +304,13 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
+    gfn = await neighbours.is_gfn(request)
     try:
         obj = await spread.open_object(request.app, bucket, name,
                                        None if header is None else lambda meta: parse_range(header, meta.size),
                                        stream=True)
     except NotFound as e:
-        if await neighbours.is_gfn(request):
+        if gfn:
             raise
         return await neighbours.read_from_neighbours(request, bucket, name, e)  # placed here, stored elsewhere
     try:

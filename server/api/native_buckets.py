@@ -218,7 +218,8 @@ async def list_objects(request: web.Request) -> web.Response:
         raise BadRequest(f"unknown list flag bits in {flags:#x}")
     node_id = request.app[daemon_api.NODE_INFO]["id"]
     if value.get("target") not in (None, "", node_id):
-        raise NotFound(f"target {value['target']!r} is not in this one-node cluster (its node is {node_id!r})")
+        raise NotFound(f"target {value['target']!r} is not this node ({node_id!r}); through a gateway, "
+                       "list_objects(target=ID) lists that target's objects")
     # A listing's id: echoed back while the client pages, fresh on its first page (the SDK's
     # iterator stops only once it has seen a non-empty id and an empty token).
     list_id = value.get("uuid") or uuidlib.uuid4().hex[:10]

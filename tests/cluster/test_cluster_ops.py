@@ -40,7 +40,7 @@ def test_a_cluster_from_toml_files(tmp_path):
         assert r.returncode == 0 and target.url in out and "gateway" in out and "up" in out, (out, r.stderr)
         # capacity: the target's data directories, their one filesystem counted once
         assert "GiB free of" in out, out
-        doc = json.loads(subprocess.run([str(BIN / "batchfs-server"), "cluster-status", "--json", gateway.url],
+        doc = json.loads(subprocess.run([str(BIN / "batchfs-server"), "cluster", "status", "--json", gateway.url],
                                         capture_output=True, text=True, timeout=30, check=True).stdout)
         cap = next(n for n in doc["nodes"] if n["kind"] == "target")["rebalance"]["capacity"]
         assert cap["total_bytes"] == shutil.disk_usage(tmp_path / "t1" / "d1").total and cap["mountpaths"] == 2

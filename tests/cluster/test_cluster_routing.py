@@ -125,6 +125,36 @@ def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
     assert client.bucket("refusals").object("app").get_reader().read_all() == b"x"
 
 
+def test_listing_one_target_mirror_flags_and_a_clients_gfn(cluster):
+    """Found by a user's test: ``list_objects(target=ID)`` failed through the gateway for every
+    target (it asked all of them, and the others refused); ``mirror.enabled=false`` with
+    ``copies=3`` was taken as 1 without a word; ``mirror.enabled=true`` alone was a 400 about
+    ``copies``; a client's ``?gfn=1`` was refused only by a target lacking the object."""
+    client = Client(cluster.url)
+    b = client.bucket("one-target")
+    b.create(exist_ok=True)
+    names = [f"o/{i:02d}" for i in range(30)]
+    for n in names:
+        b.object(n).get_writer().put_content(n.encode())
+    smap = cluster.smap()
+    for tid in smap["tmap"]:
+        listed = {e.name for e in b.list_all_objects(target=tid)}
+        assert listed == {n for n in names if tid in ranked(smap, "one-target", n)[:2]}, tid
+    r = httpx.request("GET", f"{cluster.url}/v1/buckets/one-target", timeout=10,
+                      json={"action": "list", "value": {"target": "bfs-nobody"}})
+    assert r.status_code == 404 and "not in this cluster" in r.text
+    props = f"{cluster.url}/v1/buckets/one-target"
+    r = httpx.patch(props, json={"action": "set-bprops", "value": {"mirror": {"enabled": False, "copies": 3}}}, timeout=10)
+    assert r.status_code == 400 and "contradicts" in r.text
+    r = httpx.patch(props, json={"action": "set-bprops", "value": {"mirror": {"enabled": True}}}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert cluster.status()["bucket_copies"]["one-target"] == 2
+    owner = smap["tmap"][ranked(smap, "one-target", names[0])[0]]["public_net"]["direct_url"]
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, f"{owner}/v1/objects/one-target/{names[0]}?gfn=1", timeout=10)
+        assert r.status_code == 400, (method, r.status_code)
+
+
 def test_cluster_requests_need_the_secret(cluster, tmp_path):
     body = json.dumps({"id": "intruder", "url": "http://127.0.0.1:1"}).encode()
     for headers in ({}, {"Batchfs-Cluster": "1:" + "0" * 64}, {"Batchfs-Cluster": "garbage"}):
