@@ -35,7 +35,7 @@ from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, l
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
 from server.validate import check_bucket, check_objname, parse_range
-from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, read_json
+from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, copies_of, read_json
 from server.store.meta import CKSUM_TYPE, ObjectMeta
 from server.store.reader import discard, verify_in_thread, verify_pieces, OpenObject
 
@@ -289,7 +289,8 @@ async def head_object(request: web.Request) -> web.StreamResponse:
     headers = object_headers(meta)
     headers.update({"Content-Length": str(meta.size), "Ais-Present": "true", "Ais-Name": name,
                     "Ais-Bucket-Name": bucket, "Ais-Bucket-Provider": "ais",
-                    "Ais-Mirror-Copies": "1", "Content-Type": "application/octet-stream"})
+                    "Ais-Mirror-Copies": str(copies_of(request.app, bucket)),
+                    "Content-Type": "application/octet-stream"})
     return web.Response(headers=headers)
 
 

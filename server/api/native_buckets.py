@@ -17,7 +17,7 @@ from aiohttp import web
 from server import bucket_ops, jobs
 from server.api import cluster_jobs, daemon_api, replicas, spread_deletes
 from server.api.guard import MSG_KEY, accepts, bool_param
-from server.api.state import MEMBERSHIP, NODE, OP_KEY
+from server.api.state import MEMBERSHIP, NODE, OP_KEY, copies_of
 from server.errors import BadRequest, NotFound
 from server.validate import check_bucket
 
@@ -233,6 +233,10 @@ async def list_objects(request: web.Request) -> web.Response:
     else:
         page, next_token = await asyncio.to_thread(node.list_page, bucket, prefix, token, limit)
         entries = [_entry(m) for m in page]
+    copies = copies_of(request.app, bucket)
+    for e in entries:
+        if "c" in e:
+            e["c"] = copies  # the map's copies of each object (a listing through a gateway: the same)
     if flags & (LS_NAME_ONLY | LS_NAME_SIZE):
         keep = ("n", "f", "s") if flags & LS_NAME_SIZE else ("n", "f")
         entries = [{k: e[k] for k in keep if k in e} for e in entries]

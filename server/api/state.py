@@ -58,6 +58,14 @@ CLUSTER_SECRET = web.AppKey("cluster_secret", object)
 MEMBERSHIP = web.AppKey("membership", object)
 PEERS = web.AppKey("peers", object)  # a target's aiohttp.ClientSession to the other targets
 
+
+
+def copies_of(app: web.Application, bucket: str) -> int:
+    """How many copies each object of ``bucket`` has by the cluster map (on distinct targets); 1 on a single node."""
+    member = app.get(MEMBERSHIP)
+    return member.smap.copies_for(bucket) if member is not None and member.smap is not None else 1
+
+
 API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
 OP_KEY = "batchfs.op"  # request key: operation label for metrics
 

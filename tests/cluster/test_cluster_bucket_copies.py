@@ -57,6 +57,9 @@ def test_copies_per_bucket(tmp_path):
         # a write follows the property: all three copies before the 200
         three.object("c/new").get_writer().put_content(b"three copies")
         _placement(cluster, "three", ["c/new"], 3)
+        # an object's props and its listing entry say so (found by a user's test: 1, always)
+        assert three.object("c/new").head().present and three.object("c/new").props.mirror_copies == 3
+        assert {e.copies for e in three.list_all_objects(props="name,copies")} == {3}
 
         # one copy and its owner dead: placeholders with coer, a clear error without
         smap = cluster.smap()
