@@ -59,7 +59,8 @@ async def autoreg(request: web.Request) -> web.Response:
     known = gw.smap.node(doc["id"])
     if doc["id"] == gw.smap.primary or (known is not None and known.kind != kind):
         raise BadRequest(f"{doc['id']} is already in the map as a {known.kind if known else PROXY}")
-    smap = await gw.admit(ClusterNode(doc["id"], doc["url"], kind))
+    boot = doc.get("boot") if isinstance(doc.get("boot"), str) and len(doc["boot"]) <= 64 else None
+    smap = await gw.admit(ClusterNode(doc["id"], doc["url"], kind), boot)
     return web.json_response(smap.to_json())
 
 

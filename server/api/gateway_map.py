@@ -37,6 +37,7 @@ LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
 PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
+BACK_SETTLE_SECONDS = 3.0  # a target back up this long makes every target walk again
 
 
 class NotImplementedThroughGateway(StoreError):
@@ -92,6 +93,8 @@ class Gateway(GatewayElections):
         self.session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self.probes = Probes()  # what this gateway's health probes said of each node
+        self._boots: dict[str, str] = {}  # each node's process, as its last join said
+        self._unheld: int | None = None  # the map version last published without a majority
         self._watcher: asyncio.Task | None = None
 
     def _follow(self, primary_url: str) -> None:
@@ -159,46 +162,42 @@ class Gateway(GatewayElections):
             await asyncio.sleep(HEALTH_SECONDS)
 
     async def _give_up_on_dead(self) -> None:
-        """Drop from the map every node down for ``rebuild_after`` seconds. A target: the new map
-        makes the other targets copy what it held to the targets that now rank for it (rebuild);
-        when it comes back it joins again like a new target (rebalance moves data to it). A
-        secondary gateway: it no longer counts in elections; back, it joins again (its keepalive).
-        Only while this primary reaches a majority of the map (``_still_primary``)."""
+        """Drop from the map every node down for ``rebuild_after`` seconds (a change: ``change``'s
+        rules). A target: the new map makes the other targets copy what it held to the targets
+        that now rank for it (rebuild); when it comes back it joins again like a new target
+        (rebalance moves data to it). A secondary gateway: it no longer counts in elections;
+        back, it joins again (its keepalive)."""
         for tid in self.probes.due(self.rebuild_after):
-            async with self._lock:
-                try:
-                    self._still_primary()
-                except Unavailable:
-                    return  # stepped down meanwhile (the map is another's), or cut off from most nodes
-                old, new = self.smap, self.smap.without(tid)
-                if new is not old:
-                    new.save(self.map_path)
-                    self.smap = new
-            self.probes.forget(tid)
-            if new is old:  # it left the map meanwhile (a rejoin under another id): nothing to push
+            gone = self.smap.node(tid)
+            if gone is None:  # it left the map meanwhile (a rejoin under another id)
+                self.probes.forget(tid)
                 continue
-            gateway = tid in old.proxies
-            log.warning("cluster map v%d: %s %s dropped after %.0f s down%s", new.version,
-                        "gateway" if gateway else "target", tid, self.rebuild_after,
-                        "" if gateway else "; its copies are rebuilt on the others")
-            await self.push_map()
+            what = (f"{gone.kind} {tid} dropped after {self.rebuild_after:.0f} s down"
+                    + ("" if gone.kind == PROXY else "; its copies are rebuilt on the others"))
+            try:
+                await self.change(lambda m: m.without(tid), what)
+            except Unavailable as e:
+                log.warning("%s %s down for %.0f s, not dropped: %s", gone.kind, tid, self.rebuild_after, e)
+                return
+            self.probes.forget(tid)
 
     async def _after_return(self) -> None:
-        """Targets up again that were seen down (back within ``rebuild_after``, never dropped):
-        the next map version, the same nodes, makes every target walk its objects, so a write
-        made while one was away reaches it. Before (found by a user's test), a version written
-        while a holder was down stayed on the other holder only — reads served the returning
-        holder's older copy while the listing showed the newer — until some other map change."""
-        if not self.probes.back:
+        """Targets that restarted (a new boot id in their join) or were seen down and are up
+        again, for ``BACK_SETTLE_SECONDS`` (a flapping target makes one renewal, not one per
+        flap): the next map version, the same nodes, makes every target walk its objects, so a
+        write made while one was away reaches it. Before (found by a user's test), a version
+        written while a holder was down stayed on the other holder only — reads served the
+        returning holder's older copy while the listing showed the newer — until some other
+        map change."""
+        back = self.probes.settled(BACK_SETTLE_SECONDS)
+        if not back:
             return
-        back = set(self.probes.back)
         try:
-            await self.change(lambda m: m.renewed())
+            await self.change(lambda m: m.renewed(), f"targets {', '.join(sorted(back))} back, every target walks again")
         except Unavailable as e:
             log.warning("targets %s are back; their copies wait for a map change: %s", ", ".join(sorted(back)), e)
             return
-        self.probes.back -= back
-        log.info("cluster map v%d: targets %s back, every target walks again", self.smap.version, ", ".join(sorted(back)))
+        self.probes.walked(back)
 
     def alive(self, node: ClusterNode) -> bool | None:
         """Whether ``node`` answers this gateway's probes; None: a gateway, probed by the primary only."""
@@ -227,11 +226,18 @@ class Gateway(GatewayElections):
         raise Unavailable(f"ais://{bucket}/{name}: every target holding a copy "
                           f"({', '.join(n.id for n in holders)}) is down")
 
-    async def admit(self, node: ClusterNode) -> ClusterMap:
-        """A join: made without a majority (a dead cluster's replacement target must be able to
-        join), pushed before the answer all the same."""
+    async def admit(self, node: ClusterNode, boot: str | None = None) -> ClusterMap:
+        """A join, or a keepalive (the same node at the same URL: nothing changes). A change
+        follows ``change``'s rules. ``boot``: the node's process (a new one: it restarted, so
+        every target walks again, ``_after_return``)."""
+        if boot and node.kind == TARGET and self._boots.get(node.id, boot) != boot:
+            self.probes.mark_back(node.id)
+        if boot:
+            self._boots[node.id] = boot
+        if self._unheld is not None and self.smap.node(node.id) is None:
+            await self._publish(self.smap)  # never build on a version no majority holds
         async with self._lock:
-            self._still_primary(majority=False)
+            self._still_primary(majority=False)  # a keepalive changes nothing: answered as it is
             new = self.smap
             if node.kind == PROXY:  # a gateway that lost its id joins again: its old entry goes
                 for ghost in [n for n in new.proxies.values() if n.url == node.url and n.id not in (node.id, new.primary)]:
@@ -239,11 +245,12 @@ class Gateway(GatewayElections):
             new = new.with_node(node)
             changed = new is not self.smap
             if changed:
+                self._still_primary()  # a change: only with a majority (with another gateway)
                 new.save(self.map_path)  # persisted before anyone hears of it
                 self.smap = new
                 log.info("cluster map v%d: %s %s at %s", new.version, node.kind, node.id, node.url)
         if changed:
-            await self.push_map()
+            await self._publish(new)
         return self.smap
 
     def _still_primary(self, majority: bool = True) -> None:
@@ -254,7 +261,7 @@ class Gateway(GatewayElections):
             raise Unavailable(f"gateway {self.id} is no longer the primary ({self.smap.primary} is): "
                               "nothing was changed; send the change again")
         ok, reached = self.probes.majority(self.smap)
-        if majority and not ok:
+        if majority and len(self.smap.proxies) > 1 and not ok:  # one gateway: no election can replace it
             raise Unavailable(f"the primary gateway reaches {reached} of the cluster map's {len(self.smap.nodes)} "
                               "nodes, not a majority (most are down, or cut off from it): the map cannot change "
                               "now; nothing was changed")
@@ -293,41 +300,50 @@ class Gateway(GatewayElections):
     async def set_copies(self, bucket: str, copies: int | None) -> None:
         """A bucket's copies (None: the default) in the map: here on the primary, else sent to it."""
         if self.primary:
-            await self.change(lambda m: m.with_copies(bucket, copies))
+            await self.change(lambda m: m.with_copies(bucket, copies), f"bucket {bucket} copies {copies}")
             return
         status, _, reply = await self.to_primary("POST", "/v1/cluster/bucket-copies",
                                                  json.dumps({"bucket": bucket, "copies": copies}).encode())
         if status != 200:
             raise Unavailable(f"the primary gateway refused the change: HTTP {status}: {reply[:300]!r}")
 
-    async def change(self, update) -> ClusterMap:
+    async def change(self, update, what: str) -> ClusterMap:
         """Apply ``update(map) -> map`` (a new version, or the same map): saved, then pushed
         before the answer (``_publish``) — the same map too: a change sent again after a 503
-        is answered 200 only once a majority holds it."""
+        is answered 200 only once a majority holds it. A version no majority holds is sent
+        again first, never built on (before, a deposed primary renewing its map each second
+        outgrew the elected one's version and undid its acknowledged change: a review)."""
+        self._still_primary()
+        if self._unheld is not None:
+            await self._publish(self.smap)
         async with self._lock:
             self._still_primary()
             new = update(self.smap)
             if new is not self.smap:
                 new.save(self.map_path)
                 self.smap = new
-                log.info("cluster map v%d: bucket copies %s", new.version, dict(new.bucket_copies))
+                log.info("cluster map v%d: %s", new.version, what)
         await self._publish(new)
         return self.smap
 
     async def _publish(self, new: ClusterMap) -> None:
         """Push a change (outside the lock); answer it once a majority of the map's nodes hold it
         (this one included): an election's majority includes one of them and takes the newest
-        map its voters hold, so the change outlives this primary. Fewer: a 503 (may be lost)."""
+        map its voters hold, so the change outlives this primary. Fewer: a 503 (may be lost),
+        and ``_unheld`` until a push is held. With no other gateway, no election can take the
+        map away: kept here is enough."""
         held = await self.push_map()
-        if 2 * held <= len(new.nodes):
+        if 2 * held <= len(new.nodes) and len(new.proxies) > 1:
+            self._unheld = self.smap.version
             raise Unavailable(f"cluster map v{new.version}: only {held} of its {len(new.nodes)} nodes confirmed it, "
                               "not a majority — the change may not outlive this primary; send it again")
+        self._unheld = None
 
     async def push_map(self) -> int:
         """Every other node not known down gets the map (all pull it on keepalive), at once, each
         within PUSH_TIMEOUT: one that hangs (a stopped old primary) delays nobody else's. How
         many nodes hold it now, this one included."""
-        smap = self.smap
+        smap, outranked = self.smap, []
         body = json.dumps(smap.to_json()).encode()
 
         async def one(t: ClusterNode) -> bool:
@@ -338,13 +354,19 @@ class Gateway(GatewayElections):
                         log.warning("map push to %s: HTTP %d", t.id, r.status)
                         return False
                     held = await r.json()  # this map, or a newer one of the same primary
+                    if held.get("primary") != smap.primary and held.get("version", -1) >= smap.version:
+                        outranked.append(t.id)  # another primary's map, as new: was this one replaced?
                     return held.get("primary") == smap.primary and held.get("version", -1) >= smap.version
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
                 log.warning("map push to %s (%s): %s", t.id, t.url, e or type(e).__name__)
                 return False
 
         skip = {smap.primary} | self.probes.any_down()  # a change waits for its push
-        return 1 + sum(await asyncio.gather(*(one(t) for t in smap.nodes if t.id not in skip)))
+        held = 1 + sum(await asyncio.gather(*(one(t) for t in smap.nodes if t.id not in skip)))
+        if outranked and self.primary:
+            log.warning("map push: %s hold another primary's map at least as new: checking", ", ".join(outranked))
+            await self._check_replaced()  # steps down if most nodes follow another
+        return held
 
     def targets(self, alive: bool = False) -> list[ClusterNode]:
         ts = sorted(self.smap.targets.values(), key=lambda n: n.id)

@@ -23,8 +23,9 @@ that is pushed such a map steps down the same way, and so does a primary that fi
 every node every ``REPLACED_CHECK_SECONDS``, that most of them hold a map at least as new as
 its own naming another primary (it was stopped or cut off while the others elected one: its
 own map may even have reached the same version meanwhile; of two primaries of one version, the
-one later in the candidates' order yields). Not a consensus protocol: a primary cut off from
-the others (a network partition) goes on changing its map until it hears from them
+one later in the candidates' order yields). A primary changes its map only while it reaches a
+majority, and answers a change only once a majority holds it (``server.api.gateway_map``), so
+an answered change is in some voter's map of every election. Not a consensus protocol
 (docs/cluster.md, "Not yet").
 
 Invariants: votes and map requests are signed with the cluster secret; a map is only ever

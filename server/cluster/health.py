@@ -35,7 +35,7 @@ class Probes:
         self.gateways_down: set[str] = set()  # the same for the other gateways (probed by a primary)
         self._fails: dict[str, int] = {}
         self._since: dict[str, float] = {}  # when each node went down (monotonic)
-        self.back: set[str] = set()  # targets up again since they were seen down (``Gateway._after_return``)
+        self.back: dict[str, float] = {}  # targets up again (or restarted) -> since when (``Gateway._after_return``)
 
     def record(self, node: ClusterNode, ok: bool) -> None:
         down = self.down if node.kind == TARGET else self.gateways_down
@@ -45,7 +45,7 @@ class Probes:
                 down.discard(node.id)
                 self._since.pop(node.id, None)
                 if node.kind == TARGET:
-                    self.back.add(node.id)
+                    self.mark_back(node.id)
                 log.info("%s %s is up again", node.kind, node.id)
             return
         self._fails[node.id] = self._fails.get(node.id, 0) + 1
@@ -56,7 +56,7 @@ class Probes:
                         ": routing around it" if node.kind == TARGET else "")
 
     def forget(self, node_id: str) -> None:
-        self.back.discard(node_id)
+        self.back.pop(node_id, None)
         self.down.discard(node_id)
         self.gateways_down.discard(node_id)
         self._fails.pop(node_id, None)
@@ -65,6 +65,20 @@ class Probes:
     def forget_all_but(self, known: set[str]) -> None:
         for gone in (self.down | self.gateways_down | set(self._fails)) - known:
             self.forget(gone)
+
+    def mark_back(self, node_id: str) -> None:
+        """A target up again, or restarted (its join says so): from now."""
+        self.back[node_id] = time.monotonic()
+
+    def settled(self, after: float) -> set[str]:
+        """The targets back for ``after`` seconds or more and not down again."""
+        now = time.monotonic()
+        return {n for n, t in self.back.items() if now - t >= after and n not in self.down}
+
+    def walked(self, ids: set[str]) -> None:
+        """Every target was told to walk again for ``ids`` (unless back again since)."""
+        for n in ids:
+            self.back.pop(n, None)
 
     def any_down(self) -> set[str]:
         return self.down | self.gateways_down

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -50,6 +51,7 @@ class Membership:
         self.gateway_url, self.secret, self.node_id, self.map_path = gateway_url.rstrip("/"), secret, node_id, map_path
         self.join_urls = [gateway_url.rstrip("/"), *(u.rstrip("/") for u in fallback_urls)]
         self.kind = kind  # "target", or "proxy" for a secondary gateway
+        self.boot = uuid.uuid4().hex[:12]  # this process: a restart is a new one (the gateway walks the cluster again)
         self.url = ""  # this target's URL, set once it listens
         # an unreadable map stops the start (UnreadableMap): without it this node would join
         # any cluster, its data placed by another's map
@@ -113,7 +115,7 @@ class Membership:
         delay = 0.1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             while True:
-                doc = {"id": self.node_id, "url": url, "kind": self.kind}
+                doc = {"id": self.node_id, "url": url, "kind": self.kind, "boot": self.boot}
                 if self.smap is not None:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
                 body = json.dumps(doc).encode()
