@@ -332,12 +332,14 @@ class Gateway(GatewayElections):
         map its voters hold, so the change outlives this primary. Fewer: a 503 (may be lost),
         and ``_unheld`` until a push is held. With no other gateway, no election can take the
         map away: kept here is enough."""
+        pushed = self.smap.version  # what push_map sends (it reads the map before its first await)
         held = await self.push_map()
         if 2 * held <= len(new.nodes) and len(new.proxies) > 1:
-            self._unheld = self.smap.version
+            self._unheld = max(self._unheld or 0, pushed)
             raise Unavailable(f"cluster map v{new.version}: only {held} of its {len(new.nodes)} nodes confirmed it, "
                               "not a majority — the change may not outlive this primary; send it again")
-        self._unheld = None
+        if self._unheld is not None and self._unheld <= pushed:  # a later version may have failed meanwhile
+            self._unheld = None
 
     async def push_map(self) -> int:
         """Every other node not known down gets the map (all pull it on keepalive), at once, each
