@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="batchfs-server",
         usage="batchfs-server [OPTIONS]   (a node, a gateway or a target: --role)\n"
-              "       batchfs-server cluster-status URL [--json]   (or: cluster status URL)",
+              "       batchfs-server cluster-status URL [OPTIONS]   (or: cluster status URL; its own --help)",
         description="Run one batchfs storage node: the AIStore-compatible HTTP API (objects, "
         "list, range reads, chunked objects, GetBatch at /v1/ml/moss) and an S3 subset "
         "(at /s3/ and at the root), with Prometheus metrics at /metrics.",
