@@ -10,8 +10,9 @@ A gateway probes every target (and, when primary, every other gateway) each seco
 
 and whether the nodes this gateway reaches are a majority of the map's (``majority``): a
 primary that reaches fewer — most nodes dead, or it is on the small side of a network
-partition — changes nothing (no drop, no join, no bucket copies), so the side that can elect a
-new primary is the only one whose map moves on.
+partition — changes nothing when the map has another gateway (no drop, no join, no bucket
+copies: ``server.api.gateway_map``), so the side that can elect a new primary is the only one
+whose map moves on.
 
 Invariants: ``down`` holds targets only (it routes); a gateway's state lives in
 ``gateways_down``; a node that left the map is forgotten (``forget``).
@@ -63,22 +64,24 @@ class Probes:
         self._since.pop(node_id, None)
 
     def forget_all_but(self, known: set[str]) -> None:
-        for gone in (self.down | self.gateways_down | set(self._fails)) - known:
+        for gone in (self.down | self.gateways_down | set(self._fails) | set(self.back)) - known:
             self.forget(gone)
 
     def mark_back(self, node_id: str) -> None:
         """A target up again, or restarted (its join says so): from now."""
         self.back[node_id] = time.monotonic()
 
-    def settled(self, after: float) -> set[str]:
-        """The targets back for ``after`` seconds or more and not down again."""
+    def settled(self, after: float) -> dict[str, float]:
+        """The targets back for ``after`` seconds or more and not down again (id -> since when)."""
         now = time.monotonic()
-        return {n for n, t in self.back.items() if now - t >= after and n not in self.down}
+        return {n: t for n, t in self.back.items() if now - t >= after and n not in self.down}
 
-    def walked(self, ids: set[str]) -> None:
-        """Every target was told to walk again for ``ids`` (unless back again since)."""
-        for n in ids:
-            self.back.pop(n, None)
+    def walked(self, back: dict[str, float]) -> None:
+        """Every target was told to walk again for ``back`` (``settled``'s): each is forgotten
+        unless it came back again since (then the next renewal is its)."""
+        for n, t in back.items():
+            if self.back.get(n) == t:
+                del self.back[n]
 
     def any_down(self) -> set[str]:
         return self.down | self.gateways_down
