@@ -213,6 +213,33 @@ def test_a_target_restarted_mid_walk_continues_where_it_stopped(tmp_path):
 
 
 
+def _kill_holder(cluster: Cluster, names: list[str], rank: int):
+    """kill -9 the target at ``rank`` in the HRW order of ``names[0]`` ("away"): its id, index,
+    process, and the names it holds at that rank."""
+    smap = cluster.smap()
+    tid = ranked(smap, "away", names[0])[rank]
+    index = next(i for i in range(len(cluster.targets)) if cluster.target_id(i) == tid)
+    victim = cluster.targets[index]
+    victim.proc.kill()
+    victim.proc.wait()
+    return tid, index, victim, [n for n in names if ranked(smap, "away", n)[rank] == tid]
+
+
+def _rewrite(cluster: Cluster, data: dict[str, bytes]) -> dict[str, bytes]:
+    """PUT each through the gateway: 200, or 503 when its copy on the dead holder could not be made."""
+    for n, d in data.items():
+        r = httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=d, timeout=30, follow_redirects=True)
+        assert r.status_code in (200, 503), r.text
+    return data
+
+
+def _restart_at_its_url(cluster: Cluster, index: int, victim) -> None:
+    """The same target back on its data at its old URL: its join changes nothing in the map."""
+    cluster.targets[index] = type(victim)(victim.data_dirs, *victim.args, "--listen",
+                                          victim.url.removeprefix("http://")).start()
+    assert cluster.targets[index].url == victim.url
+
+
 def test_a_version_written_while_a_holder_was_down_reaches_it_when_it_is_back(tmp_path):
     """Found by a user's test: the first holder of a name killed, the name rewritten (503: its
     copy could not be made, the other holder keeps the new version), the holder restarted within
@@ -227,22 +254,11 @@ def test_a_version_written_while_a_holder_was_down_reaches_it_when_it_is_back(tm
         names = [f"w/{i:02d}" for i in range(12)]
         for n in names:
             b.object(n).get_writer().put_content(b"old " + n.encode())
-        smap = cluster.smap()
-        first = ranked(smap, "away", names[0])[0]
-        index = next(i for i in range(3) if cluster.target_id(i) == first)
-        mine = [n for n in names if ranked(smap, "away", n)[0] == first]
-        victim = cluster.targets[index]
-        victim.proc.kill()
-        victim.proc.wait()
+        first, index, victim, mine = _kill_holder(cluster, names, 0)
         until(lambda: not next(n for n in cluster.status()["nodes"] if n["id"] == first)["alive"], 20, "seen down")
-        new = {n: b"new and longer " + n.encode() for n in mine}
-        for n, data in new.items():
-            r = httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=data, timeout=30, follow_redirects=True)
-            assert r.status_code in (200, 503), r.text  # 503: its copy on the dead holder could not be made
+        new = _rewrite(cluster, {n: b"new and longer " + n.encode() for n in mine})
         version = cluster.smap()["version"]
-        same_port = victim.url.removeprefix("http://")  # at its old URL: its join changes nothing
-        cluster.targets[index] = type(victim)(victim.data_dirs, *victim.args, "--listen", same_port).start()
-        assert cluster.targets[index].url == victim.url
+        _restart_at_its_url(cluster, index, victim)
         until(lambda: all(n["alive"] for n in cluster.status()["nodes"]), 30, "back")
         deadline = time.monotonic() + 15  # the next map version (the fix), or the old bytes below (before it)
         while int(cluster.smap()["version"]) == int(version) and time.monotonic() < deadline:
@@ -257,19 +273,9 @@ def test_a_version_written_while_a_holder_was_down_reaches_it_when_it_is_back(tm
 
         # the same with a second holder killed and restarted at once, perhaps never seen down
         # (a review: no probe saw it, so nothing walked); its join says it is a new process
-        smap = cluster.smap()
-        second = ranked(smap, "away", names[0])[1]
-        index = next(i for i in range(3) if cluster.target_id(i) == second)
-        theirs = [n for n in names if ranked(smap, "away", n)[1] == second]
-        victim = cluster.targets[index]
-        victim.proc.kill()
-        victim.proc.wait()
-        newer = {n: b"newest " + n.encode() for n in theirs}
-        for n, data in newer.items():  # to the first holder, alive; its copy on the second fails
-            r = httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=data, timeout=30, follow_redirects=True)
-            assert r.status_code in (200, 503), r.text
-        cluster.targets[index] = type(victim)(victim.data_dirs, *victim.args, "--listen",
-                                              victim.url.removeprefix("http://")).start()
+        _, index, victim, theirs = _kill_holder(cluster, names, 1)
+        newer = _rewrite(cluster, {n: b"newest " + n.encode() for n in theirs})  # to the first holder, alive
+        _restart_at_its_url(cluster, index, victim)
         url = cluster.targets[index].url
         until(lambda: all(_stored(url, "away", n) == d for n, d in newer.items()), 40, "the second holder has them")
     finally:
