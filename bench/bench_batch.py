@@ -191,6 +191,7 @@ def main() -> int:
     res: dict[str, list[float]] = {}
     reqs: dict[str, dict[str, float]] = {}
     cpu: dict[str, list[float]] = {}
+    server_cpu: dict[str, list[float]] = {}
 
     def note(key: str, value: float) -> None:
         res.setdefault(key, []).append(value)
@@ -204,12 +205,13 @@ def main() -> int:
         base = {}
 
         def start() -> None:
-            base.update(metrics=server.metrics(), cpu=cpu_seconds(m.pid))
+            base.update(metrics=server.metrics(), cpu=cpu_seconds(m.pid), server_cpu=cpu_seconds(server.proc.pid))
 
         try:
             start()
             yield mnt, start
             cpu.setdefault(tag, []).append((cpu_seconds(m.pid) - base["cpu"]) / per)
+            server_cpu.setdefault(tag, []).append((cpu_seconds(server.proc.pid) - base["server_cpu"]) / per)
             reqs[tag] = {op: v / per for op, v in request_counts(base["metrics"], server.metrics()).items()}
         finally:
             m.close()
@@ -274,11 +276,11 @@ def main() -> int:
             line.close()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    report(res, reqs, cpu, a, sizes, sides)
+    report(res, reqs, cpu, server_cpu, a, sizes, sides)
     return 0
 
 
-def report(res, reqs, cpu, a, sizes, sides) -> None:
+def report(res, reqs, cpu, server_cpu, a, sizes, sides) -> None:
     med = {k: statistics.median(v) for k, v in res.items()}
     head = os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -321,6 +323,8 @@ def report(res, reqs, cpu, a, sizes, sides) -> None:
     if cpu:
         print("\ndaemon CPU per sample (median), ms: " + ", ".join(
             f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in cpu.items()))
+        print("server CPU per sample (median), ms: " + ", ".join(
+            f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in server_cpu.items()))
     if getattr(a, "line_cpu_s", None) is not None:
         print(f"delay line CPU over the whole run: {a.line_cpu_s:.1f} s")
     print("server requests per sample (last round): " + "; ".join(
