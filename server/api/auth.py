@@ -4,7 +4,10 @@ Every request passes ``check_access`` before any handler runs, so a route added 
 covered without doing anything: it is protected unless this module's route table says
 otherwise. The table classifies a request by its path:
 
-    /v1/health            open (liveness probes; answers an empty 200, reveals nothing)
+    /v1/health            open (liveness probes; answers an empty 200, reveals nothing); a
+                          probe signed by a node (``Batchfs-Cluster``) is checked like any
+                          signed request: 403 unless signed for this very node, so another
+                          process at a node's URL does not pass for it
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
                           one is configured; "none" leaves it open (labels are operations and
                           status codes, never bucket or object names: tests/server/test_auth.py checks)
@@ -179,6 +182,8 @@ async def check_access(request: web.Request, handler):
         kind = route_class(request.rel_url.path_safe)
         if kind == "cluster":
             await _check_cluster(request)
+        elif kind == "open" and CLUSTER_HEADER in request.headers:
+            await _check_cluster(request, with_body=False)  # a node's probe (server.cluster.peers.answers)
         elif kind in ("native", "s3") and CLUSTER_HEADER in request.headers:
             await _check_cluster(request, kind == "native" and _body_signed(request))
             request[_FROM_NODE] = True

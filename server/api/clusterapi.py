@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from server.api import spread, spread_deletes
-from server.api.state import MEMBERSHIP, OP_KEY, PEERS, read_json
+from server.api.state import CLUSTER_SECRET, MEMBERSHIP, OP_KEY, PEERS, read_json
 from server.cluster import election
 from server.cluster.join import ForeignCluster
 from server.errors import BadRequest, Conflict
@@ -37,7 +37,8 @@ async def vote(request: web.Request) -> web.Response:
     (``server.cluster.election``)."""
     request[OP_KEY] = "cluster"
     member = request.app[MEMBERSHIP]
-    return web.json_response(await election.vote(request.app[PEERS], member.smap, request.query, member.ballots))
+    return web.json_response(await election.vote(request.app[PEERS], request.app[CLUSTER_SECRET], member.smap,
+                                                 request.query, member.ballots))
 
 
 async def _open_peers(app: web.Application) -> None:

@@ -89,7 +89,7 @@ async def vote(request: web.Request) -> web.Response:
     """``GET /v1/cluster/vote`` (signed): this gateway's vote on replacing the primary."""
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
-    return web.json_response(await election.vote(gw.session, gw.smap, request.query, gw.ballots))
+    return web.json_response(await election.vote(gw.session, gw.secret, gw.smap, request.query, gw.ballots))
 
 
 async def bucket_copies(request: web.Request) -> web.Response:

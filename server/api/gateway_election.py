@@ -67,7 +67,7 @@ class GatewayElections:
         candidate that answers runs the election (``server.cluster.election``)."""
         smap = self.smap
         old = smap.node(smap.primary)
-        if old is None or old.id == self.id or await election.reachable(self.session, old.url):
+        if old is None or old.id == self.id or await election.reachable(self.session, self.secret, old):
             self._primary_lost = None
             return
         now = time.monotonic()
@@ -77,7 +77,7 @@ class GatewayElections:
         for cand in election.candidates(smap, old.id):
             if cand.id == self.id:
                 break
-            if await election.reachable(self.session, cand.url):
+            if await election.reachable(self.session, self.secret, cand):
                 return  # that one runs it
         else:
             return

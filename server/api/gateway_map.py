@@ -208,12 +208,7 @@ class Gateway(GatewayElections):
         return None
 
     async def _probe(self, t: ClusterNode) -> None:
-        try:
-            async with self.session.get(t.url + "/v1/health", timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
-                ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
-        self.probes.record(t, ok)
+        self.probes.record(t, await peers.answers(self.session, self.secret, t.url, t.id, PROBE_SECONDS))
 
     def holder(self, bucket: str, name: str) -> ClusterNode:
         """The first target holding a copy of the object that is not down."""

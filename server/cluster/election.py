@@ -47,7 +47,7 @@ from server.cluster import peers
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
 
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
+PROBE_SECONDS = 1.0
 VOTE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 VOTE_PATH = "/v1/cluster/vote"
 BALLOT_SECONDS = 5.0  # a vote given to one candidate holds this long
@@ -59,14 +59,9 @@ def candidates(smap: ClusterMap, old_primary: str) -> list[ClusterNode]:
     return [smap.proxies[i] for i in hrw.ranked(hrw.digest(f"primary/{smap.uuid}"), others)]
 
 
-async def reachable(session: aiohttp.ClientSession, url: str) -> bool:
-    if not url:
-        return False
-    try:
-        async with session.get(url + "/v1/health", timeout=PROBE_TIMEOUT) as r:
-            return r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return False
+async def reachable(session: aiohttp.ClientSession, secret: ClusterSecret, node: ClusterNode) -> bool:
+    """Whether ``node`` itself answers (a signed probe: another process at its URL does not)."""
+    return await peers.answers(session, secret, node.url, node.id, PROBE_SECONDS)
 
 
 class Ballots:
@@ -88,7 +83,8 @@ class Ballots:
         return True
 
 
-async def vote(session: aiohttp.ClientSession, smap: ClusterMap | None, query, ballots: Ballots) -> dict:
+async def vote(session: aiohttp.ClientSession, secret: ClusterSecret, smap: ClusterMap | None, query,
+               ballots: Ballots) -> dict:
     """A voter's answer to ``GET /v1/cluster/vote?uuid=U&version=V&primary=P&candidate=C``:
     agree only if this node's map is the same cluster, not newer, with the same primary, that
     primary does not answer this node either, and this node has not voted for another
@@ -103,7 +99,7 @@ async def vote(session: aiohttp.ClientSession, smap: ClusterMap | None, query, b
     if not candidate or smap is None or smap.uuid != uuid or smap.version > version or smap.primary != primary:
         return out
     node = smap.node(primary)
-    if node is None or not await reachable(session, node.url):
+    if node is None or not await reachable(session, secret, node):
         out["agree"] = ballots.grant(uuid, version, candidate)
     return out
 

@@ -10,9 +10,14 @@ Invariants:
   map; "" only for a join to a URL of no known node) and covers the method, path and query, and the body
   when ``body`` is bytes and ``body_signed`` (an object copy streams its body unsigned: the
   checksum in its signed query binds it).
+- A health probe is signed too (``answers``): a process at a node's URL that is not that node
+  (started on other data directories, or a node of another cluster) refuses it, so the node
+  is seen down rather than kept alive by whoever now listens at its address.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 from yarl import URL
@@ -33,3 +38,18 @@ def signed(session: aiohttp.ClientSession, secret: ClusterSecret, method: str, b
     h = {HEADER: secret.sign(method, path_qs, covered, to=to), **(headers or {})}
     kwargs.setdefault("allow_redirects", False)  # a redirect's target is another node: the header is not for it
     return session.request(method, exact_url(base, path_qs), data=body, headers=h, **kwargs)
+
+
+async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, node_id: str,
+                  timeout: float) -> bool:
+    """Whether node ``node_id`` answers at ``url`` within ``timeout`` seconds: a signed
+    ``GET /v1/health`` for it, 200. Another process at that URL answers 403 (signed for another
+    node, or with another secret): False."""
+    if not url:
+        return False
+    try:
+        async with signed(session, secret, "GET", url, "/v1/health", to=node_id,
+                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False

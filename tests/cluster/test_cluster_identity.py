@@ -10,7 +10,8 @@ import shutil
 
 import httpx
 
-from tests.cluster.conftest import Cluster, signed_for, until
+from tests.cluster.conftest import Cluster, holds, ranked, signed_for, until
+from tests.support.processes import ServerProcess
 from tests.support.getbatch import sdk_client
 
 
@@ -89,3 +90,48 @@ def test_a_node_whose_kept_map_is_damaged_does_not_start(tmp_path):
         assert r.returncode == 1, (role, r.returncode, r.stderr[-2000:])
         assert "is unreadable" in r.stderr and "Copy the map of another node" in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+
+
+def test_a_new_node_at_a_dead_targets_url_does_not_keep_the_dead_one_alive(tmp_path):
+    """Found by a review: the gateway's health probes were unsigned, so a new process at a dead
+    target's URL (on other data directories: another id) answered them for the dead one, which
+    stayed alive in the map for ever — its copies never rebuilt, one copy left of each. Now a
+    probe is signed for the node it probes, and a node refuses one signed for another: the dead
+    id is seen down, dropped after --rebuild-after, and the others rebuild its copies."""
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"))
+    try:
+        cluster.start()
+        b = sdk_client(cluster.url).bucket("reborn")
+        b.create()
+        objs = {f"o/{i:02d}": f"object {i}".encode() * (i + 1) for i in range(24)}
+        for name, data in objs.items():
+            b.object(name).get_writer().put_content(data)
+        dead = cluster.target_id(0)
+        victim = cluster.targets[0]
+        health = f"{victim.url}/v1/health"
+        assert httpx.get(health, timeout=10).status_code == 200  # unsigned: open, as before
+        assert httpx.get(health, headers=signed_for(victim.url, "GET", "/v1/health"), timeout=10).status_code == 200
+        other = signed_for(victim.url, "GET", "/v1/health", to=cluster.target_id(1))
+        assert httpx.get(health, headers=other, timeout=10).status_code == 403  # signed for another node
+        victim.proc.kill()
+        victim.proc.wait()
+        cluster.targets[0] = ServerProcess([tmp_path / "other" / "d1"], *victim.args,
+                                           "--listen", victim.url.removeprefix("http://")).start()
+        assert cluster.targets[0].url == victim.url
+
+        def dead_dropped_new_joined() -> bool:
+            tmap = cluster.smap()["tmap"]
+            return dead not in tmap and len(tmap) == 3
+
+        until(dead_dropped_new_joined, 30, f"the dead target {dead} dropped and the new one joined")
+        cluster.wait_rebalanced()
+        smap = cluster.smap()
+        urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+        for name, data in objs.items():
+            assert b.object(name).get_reader().read_all() == data
+            want = ranked(smap, "reborn", name)[:2]
+            assert {i for i, url in urls.items() if holds(url, "reborn", name)} == set(want), name
+        line = next(n for n in cluster.status()["nodes"] if n["id"] == cluster.target_id(0))
+        assert line["alive"]
+    finally:
+        cluster.stop()

@@ -78,7 +78,7 @@ def test_a_vote_needs_a_candidate_the_same_map_and_no_earlier_vote():
 
     def ask(**q):
         query = {"uuid": "u1", "version": "7", "primary": "gone", **q}
-        return asyncio.run(election.vote(None, m, query, ballots))["agree"]
+        return asyncio.run(election.vote(None, None, m, query, ballots))["agree"]
 
     assert not ask()  # no candidate: a primary asking for maps
     assert not ask(candidate="gw1", version="6")  # this node's map is newer
