@@ -31,14 +31,10 @@ import httpx
 from batchfs.wire import hrw
 from tests.cluster.conftest import Cluster
 from tests.support.getbatch import sdk_client
+from tests.support.procstat import cpu_seconds
 
 MiB = 1 << 20
 CHUNK = 8 * MiB
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sent_bytes(url: str) -> float:
