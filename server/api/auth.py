@@ -6,8 +6,10 @@ otherwise. The table classifies a request by its path:
 
     /v1/health            open (liveness probes; answers an empty 200, reveals nothing); a
                           probe signed by a node (``Batchfs-Cluster``) is checked like any
-                          signed request: 403 unless signed for this very node, so another
-                          process at a node's URL does not pass for it
+                          signed request but for the replay memory (a probe changes
+                          nothing): 403 unless signed for this very node, and a 200 carries
+                          ``Batchfs-Cluster-Proof`` (server.cluster.peers.answers checks it),
+                          so no other process at a node's URL passes for it
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
                           one is configured; "none" leaves it open (labels are operations and
                           status codes, never bucket or object names: tests/server/test_auth.py checks)
@@ -55,7 +57,7 @@ from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
 from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
-from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER
+from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, PROOF_HEADER
 
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
@@ -177,13 +179,15 @@ def _authorize(request: web.Request) -> None:
 @web.middleware
 async def check_access(request: web.Request, handler):
     """Must run inside ``server.api.app.error_boundary`` (which renders the refusals)."""
+    probe = ""
     try:
         authorize(request)
         kind = route_class(request.rel_url.path_safe)
         if kind == "cluster":
             await _check_cluster(request)
         elif kind == "open" and CLUSTER_HEADER in request.headers:
-            await _check_cluster(request, with_body=False)  # a node's probe (server.cluster.peers.answers)
+            await _check_cluster(request, with_body=False, once=False)  # a node's probe: proven below
+            probe = request.headers[CLUSTER_HEADER]
         elif kind in ("native", "s3") and CLUSTER_HEADER in request.headers:
             await _check_cluster(request, kind == "native" and _body_signed(request))
             request[_FROM_NODE] = True
@@ -193,10 +197,13 @@ async def check_access(request: web.Request, handler):
             request[API_KEY] = "s3"
             request[CODE_KEY] = e.code if isinstance(e, S3Error) else "AccessDenied"
         raise
-    return await handler(request)
+    resp = await handler(request)
+    if probe:  # server.cluster.peers.answers checks that only this node could answer so
+        resp.headers[PROOF_HEADER] = request.app[CLUSTER_SECRET].proof(probe, _own_id(request.app))
+    return resp
 
 
-async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
+async def _check_cluster(request: web.Request, with_body: bool = True, once: bool = True) -> None:
     secret = request.app.get(CLUSTER_SECRET)
     if secret is None:
         raise Forbidden("this node is not part of a cluster (no --cluster-secret-file)")
@@ -207,7 +214,8 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
             raise Forbidden("cluster request body too large")
         body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
     why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
-                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST")
+                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST",
+                        once=once)
     if why:
         raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "
                         "for one node, once, with the shared --cluster-secret-file)")

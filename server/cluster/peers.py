@@ -10,19 +10,23 @@ Invariants:
   map; "" only for a join to a URL of no known node) and covers the method, path and query, and the body
   when ``body`` is bytes and ``body_signed`` (an object copy streams its body unsigned: the
   checksum in its signed query binds it).
-- A health probe is signed too (``answers``): a process at a node's URL that is not that node
-  (started on other data directories, or a node of another cluster) refuses it, so the node
-  is seen down rather than kept alive by whoever now listens at its address.
+- A health probe is signed too (``answers``), and its answer must carry a proof only the
+  probed node can make: a process at a node's URL that is not that node (started on other
+  data directories, a node of another cluster, any other server) fails it, so the node is seen
+  down rather than kept alive by whoever now listens at its address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 import aiohttp
 from yarl import URL
 
-from server.cluster.secret import HEADER, ClusterSecret
+from server.cluster.secret import HEADER, PROOF_HEADER, ClusterSecret
+
+HEALTH_PATH = "/v1/health"
 
 
 def exact_url(base: str, path_qs: str) -> URL:
@@ -43,13 +47,16 @@ def signed(session: aiohttp.ClientSession, secret: ClusterSecret, method: str, b
 async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, node_id: str,
                   timeout: float) -> bool:
     """Whether node ``node_id`` answers at ``url`` within ``timeout`` seconds: a signed
-    ``GET /v1/health`` for it, 200. Another process at that URL answers 403 (signed for another
-    node, or with another secret): False."""
+    ``GET /v1/health`` for it, answered 200 with the proof (``ClusterSecret.proof``) that only
+    that node of this cluster can give. Another batchfs node at that URL refuses the probe
+    (403); any other server (one that checks no signature) cannot prove it: False either way."""
     if not url:
         return False
+    header = secret.sign("GET", HEALTH_PATH, b"", to=node_id)
     try:
-        async with signed(session, secret, "GET", url, "/v1/health", to=node_id,
-                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            return r.status == 200
+        async with session.get(exact_url(url, HEALTH_PATH), headers={HEADER: header}, allow_redirects=False,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            proof = r.headers.get(PROOF_HEADER, "")
+            return r.status == 200 and hmac.compare_digest(proof, secret.proof(header, node_id))
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return False

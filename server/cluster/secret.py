@@ -18,7 +18,9 @@ Invariants:
   another node (a receiver refuses a ``TO`` not its own; an empty one only on a join).
 - A header older or newer than ``SKEW_SECONDS`` (a join for no node: ``ANY_NODE_SECONDS``) is
   refused, and a receiver refuses a header it has already accepted or that was signed before
-  it started (``Replays``): a captured request cannot be sent again, to anyone.
+  it started (``Replays``): a captured request cannot be sent again, to anyone. The one
+  exception is a health probe (``verify(once=False)``), which changes nothing; its answer
+  carries ``proof``, which only the probed node can make.
 - Comparison is constant-time (``hmac.compare_digest``).
 - The secret file follows the token file's rules (``server.tokens.read_private_file``: not
   readable by other users) and holds at least ``MIN_SECRET_CHARS`` characters.
@@ -36,6 +38,7 @@ from pathlib import Path
 from server.tokens import read_private_file
 
 HEADER = "Batchfs-Cluster"
+PROOF_HEADER = "Batchfs-Cluster-Proof"  # a node's answer to a signed health probe (``proof``)
 GRANT_PARAM = "bfs_grant"  # a gateway's redirect on a token-protected cluster: ...&bfs_grant=TS.HEX (last)
 SKEW_SECONDS = 300
 ANY_NODE_SECONDS = 10  # a join signed for no node: shorter than any sensible --rebuild-after (a replay
@@ -74,6 +77,12 @@ class ClusterSecret:
         nonce = secrets.token_hex(8)
         return f"{ms}:{nonce}:{self._mac(ms, nonce, to, method, path_qs, body)}:{to}"
 
+    def proof(self, header: str, node: str) -> str:
+        """What node ``node`` answers a health probe signed ``header`` with (``PROOF_HEADER``):
+        the prober checks it, so only a node of this cluster with that id passes — not any
+        server that answers 200 at its URL (one that checks no signature at all)."""
+        return hmac.new(self._key, f"alive\n{header}\n{node}".encode(), hashlib.sha256).hexdigest()
+
     def grant(self, method: str, path_qs: str, now: float | None = None) -> str:
         """The ``bfs_grant`` value for a redirect to ``path_qs`` (appended last: ``&bfs_grant=``)."""
         ts = int(time.time() if now is None else now)
@@ -102,10 +111,14 @@ class ClusterSecret:
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,
-               join: bool = False, now: float | None = None) -> str:
+               join: bool = False, once: bool = True, now: float | None = None) -> str:
         """Why the request ``header`` signs is refused by node ``me`` ("" when it is accepted and
         remembered: the same header again is a replay). ``join``: a join may be signed for no
-        node in particular (its sender knows only the URL it was given)."""
+        node in particular (its sender knows only the URL it was given). ``once=False`` (a
+        health probe, which changes nothing): not checked against, nor kept in, the replay
+        memory — its floor (this process's start) would refuse every probe from a node whose
+        clock is behind this one's for that long after each start, and that node would take
+        this one for dead."""
         ms_text, nonce, mac, to = ((header or "").split(":", 3) + ["", "", "", ""])[:4]
         if not _digits(ms_text, 16) or len(nonce) != 16 or len(mac) != 64:
             return "without a valid signature"
@@ -118,7 +131,7 @@ class ClusterSecret:
             return "without a valid signature"
         if to != me and not (join and to == ""):
             return f"signed for node {to!r}, not this one ({me})"
-        if not self.replays.first(ms, mac, now_s):
+        if once and not self.replays.first(ms, mac, now_s):
             return "already received once (a replay), or too old to tell"
         return ""
 

@@ -5,10 +5,13 @@ one, the gateway has them all back."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import shutil
+import threading
 
 import httpx
+import pytest
 
 from tests.cluster.conftest import Cluster, holds, ranked, signed_for, until
 from tests.support.processes import ServerProcess
@@ -92,13 +95,30 @@ def test_a_node_whose_kept_map_is_damaged_does_not_start(tmp_path):
         assert "Traceback" not in r.stderr
 
 
-def test_a_new_node_at_a_dead_targets_url_does_not_keep_the_dead_one_alive(tmp_path):
-    """Found by a review: the gateway's health probes were unsigned, so a new process at a dead
-    target's URL (on other data directories: another id) answered them for the dead one, which
-    stayed alive in the map for ever — its copies never rebuilt, one copy left of each. Now a
-    probe is signed for the node it probes, and a node refuses one signed for another: the dead
-    id is seen down, dropped after --rebuild-after, and the others rebuild its copies."""
-    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"))
+class _AnyHealth(http.server.BaseHTTPRequestHandler):
+    """A server that checks no signature: 200 to every GET (an older batchfs, an AIStore node)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("successor", ["a new target", "a server checking no signature"])
+def test_a_new_process_at_a_dead_targets_url_does_not_keep_the_dead_one_alive(tmp_path, successor):
+    """Found by reviews: the gateway's health probes were unsigned, so a new process at a dead
+    target's URL (a target on other data directories: another id) answered them for the dead
+    one, which stayed alive in the map for ever — its copies never rebuilt, one copy left of
+    each. Now a probe is signed for the node it probes, a node refuses one signed for another,
+    and the answer must carry a proof only that node can make (a server that checks nothing
+    cannot): the dead id is seen down, dropped after --rebuild-after, its copies rebuilt."""
+    # --rebuild-after well above the successor's start (under 1 s): with unsigned probes the
+    # dead id would be back up before it could be dropped, so only the fix passes
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "4"))
+    stub = None
     try:
         cluster.start()
         b = sdk_client(cluster.url).bucket("reborn")
@@ -110,20 +130,30 @@ def test_a_new_node_at_a_dead_targets_url_does_not_keep_the_dead_one_alive(tmp_p
         victim = cluster.targets[0]
         health = f"{victim.url}/v1/health"
         assert httpx.get(health, timeout=10).status_code == 200  # unsigned: open, as before
-        assert httpx.get(health, headers=signed_for(victim.url, "GET", "/v1/health"), timeout=10).status_code == 200
+        signed = httpx.get(health, headers=signed_for(victim.url, "GET", "/v1/health"), timeout=10)
+        assert signed.status_code == 200 and len(signed.headers["Batchfs-Cluster-Proof"]) == 64
         other = signed_for(victim.url, "GET", "/v1/health", to=cluster.target_id(1))
         assert httpx.get(health, headers=other, timeout=10).status_code == 403  # signed for another node
         victim.proc.kill()
         victim.proc.wait()
-        cluster.targets[0] = ServerProcess([tmp_path / "other" / "d1"], *victim.args,
-                                           "--listen", victim.url.removeprefix("http://")).start()
-        assert cluster.targets[0].url == victim.url
+        host, port = victim.url.removeprefix("http://").rsplit(":", 1)
+        if successor == "a new target":
+            cluster.targets[0] = ServerProcess([tmp_path / "other" / "d1"], *victim.args,
+                                               "--listen", f"{host}:{port}").start()
+            assert cluster.targets[0].url == victim.url
+        else:
+            stub = http.server.ThreadingHTTPServer((host, int(port)), _AnyHealth)
+            threading.Thread(target=stub.serve_forever, daemon=True).start()
+            assert httpx.get(health, headers=signed_for(victim.url, "GET", "/v1/health", to=dead),
+                             timeout=10).status_code == 200
+            cluster.targets.pop(0)
+        left = 3 if successor == "a new target" else 2
 
-        def dead_dropped_new_joined() -> bool:
+        def dead_dropped() -> bool:
             tmap = cluster.smap()["tmap"]
-            return dead not in tmap and len(tmap) == 3
+            return dead not in tmap and len(tmap) == left
 
-        until(dead_dropped_new_joined, 30, f"the dead target {dead} dropped and the new one joined")
+        until(dead_dropped, 30, f"the dead target {dead} dropped ({successor} at its URL)")
         cluster.wait_rebalanced()
         smap = cluster.smap()
         urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
@@ -131,7 +161,9 @@ def test_a_new_node_at_a_dead_targets_url_does_not_keep_the_dead_one_alive(tmp_p
             assert b.object(name).get_reader().read_all() == data
             want = ranked(smap, "reborn", name)[:2]
             assert {i for i, url in urls.items() if holds(url, "reborn", name)} == set(want), name
-        line = next(n for n in cluster.status()["nodes"] if n["id"] == cluster.target_id(0))
-        assert line["alive"]
+        assert all(n["alive"] for n in cluster.status()["nodes"])
     finally:
+        if stub is not None:
+            stub.shutdown()
+            stub.server_close()
         cluster.stop()

@@ -113,3 +113,27 @@ def test_odd_digits_and_joins_for_no_node_outside_their_window_are_refused():
     late = sender.sign("POST", "/v1/cluster/autoreg", b"{}", to="", now=time.time() - 20)
     assert "10 s away" in receiver.verify("POST", "/v1/cluster/autoreg", late, b"{}", me="gw", join=True)
     assert receiver.verify("POST", "/v1/cluster/autoreg", h, b"{}", me="gw", join=True) == ""
+
+
+def test_a_health_probe_skips_the_replay_memory_and_is_answered_with_a_proof_for_that_node():
+    """Found by a review: signed probes went through the replay memory, whose floor is the
+    receiver's start — a prober whose clock was behind the receiver's saw it down for that
+    long after each restart (a target dropped and rebuilt, a primary replaced). A probe
+    changes nothing: the memory neither refuses nor keeps it; every other check holds."""
+    sender = ClusterSecret(KEY)
+    receiver = ClusterSecret(KEY)
+    receiver.replays = Replays(start=time.time() + 8)  # its clock 8 s ahead of the sender's
+    h = sender.sign("GET", "/v1/health", to="t1")
+    assert "too old" in receiver.verify("GET", "/v1/health", h, me="t1")
+    assert receiver.verify("GET", "/v1/health", h, me="t1", once=False) == ""
+    assert receiver.verify("GET", "/v1/health", h, me="t1", once=False) == ""  # again: a probe is not a change
+    assert "signed for node 't1'" in receiver.verify("GET", "/v1/health", h, me="t2", once=False)
+    assert "valid signature" in receiver.verify("GET", "/v1/health", h, b"x", me="t1", once=False)
+    assert "away from this node's clock" in receiver.verify(
+        "GET", "/v1/health", sender.sign("GET", "/v1/health", to="t1", now=time.time() - SKEW_SECONDS - 5),
+        me="t1", once=False)
+    # the answer's proof is bound to the probe and to the node, and needs the secret
+    proof = receiver.proof(h, "t1")
+    assert proof == sender.proof(h, "t1")
+    assert proof not in (sender.proof(h, "t2"), sender.proof(sender.sign("GET", "/v1/health", to="t1"), "t1"),
+                         ClusterSecret(b"x" * 32).proof(h, "t1"))
