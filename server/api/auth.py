@@ -6,8 +6,7 @@ otherwise. The table classifies a request by its path:
 
     /v1/health            open (liveness probes; answers an empty 200, reveals nothing); a
                           probe signed by a node (``Batchfs-Cluster``) is checked like any
-                          signed request but for the replay memory (a probe changes
-                          nothing): 403 unless signed for this very node, and a 200 carries
+                          signed request: 403 unless signed for this very node, and a 200 carries
                           ``Batchfs-Cluster-Proof`` (server.cluster.peers.answers checks it),
                           so no other process at a node's URL passes for it
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
@@ -186,7 +185,7 @@ async def check_access(request: web.Request, handler):
         if kind == "cluster":
             await _check_cluster(request)
         elif kind == "open" and CLUSTER_HEADER in request.headers:
-            await _check_cluster(request, with_body=False, once=False)  # a node's probe: proven below
+            await _check_cluster(request, with_body=False)  # a node's probe: answered with a proof below
             probe = request.headers[CLUSTER_HEADER]
         elif kind in ("native", "s3") and CLUSTER_HEADER in request.headers:
             await _check_cluster(request, kind == "native" and _body_signed(request))
@@ -203,7 +202,7 @@ async def check_access(request: web.Request, handler):
     return resp
 
 
-async def _check_cluster(request: web.Request, with_body: bool = True, once: bool = True) -> None:
+async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     secret = request.app.get(CLUSTER_SECRET)
     if secret is None:
         raise Forbidden("this node is not part of a cluster (no --cluster-secret-file)")
@@ -214,8 +213,7 @@ async def _check_cluster(request: web.Request, with_body: bool = True, once: boo
             raise Forbidden("cluster request body too large")
         body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
     why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
-                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST",
-                        once=once)
+                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST")
     if why:
         raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "
                         "for one node, once, with the shared --cluster-secret-file)")

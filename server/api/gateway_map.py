@@ -67,6 +67,7 @@ class Gateway(GatewayElections):
         self.member: Membership | None = None
         self._member_task: asyncio.Task | None = None
         self._primary_lost: float | None = None  # since when a secondary cannot reach the primary
+        self._replaced_checked = time.monotonic()  # a primary's last check whether it was replaced
         self.url = ""
         self.join_url = primary_url
         self.ballots = election.Ballots()  # this gateway's votes in elections
@@ -145,21 +146,27 @@ class Gateway(GatewayElections):
         """Probe every target's health every HEALTH_SECONDS (``server.cluster.health``); the
         primary probes the other gateways too (a dead one is dropped like a target: it would
         count in every later election's electorate)."""
-        last_check = time.monotonic()
-        while True:  # forget nodes that left the map, or gateways' states once this one stepped down
-            self.probes.forget_all_but({n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets))
-            probed = [n for n in self.smap.nodes
-                      if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
-            await asyncio.gather(*(self._probe(n) for n in probed))
-            if self.primary and time.monotonic() - last_check >= REPLACED_CHECK_SECONDS:
-                last_check = time.monotonic()
-                await self._check_replaced()
-            if self.primary:  # the map is the primary's to change
-                await self._give_up_on_dead()
-                await self._after_return()
-            else:
-                await self._watch_primary()
+        while True:
+            try:
+                await self._watch_once()
+            except Exception:  # a bug in one round must not end the watch: no node would be seen down again
+                log.exception("health round failed; the next one follows in %g s", HEALTH_SECONDS)
             await asyncio.sleep(HEALTH_SECONDS)
+
+    async def _watch_once(self) -> None:
+        # forget nodes that left the map, or gateways' states once this one stepped down
+        self.probes.forget_all_but({n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets))
+        probed = [n for n in self.smap.nodes
+                  if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
+        await asyncio.gather(*(self._probe(n) for n in probed))
+        if self.primary and time.monotonic() - self._replaced_checked >= REPLACED_CHECK_SECONDS:
+            self._replaced_checked = time.monotonic()
+            await self._check_replaced()
+        if self.primary:  # the map is the primary's to change
+            await self._give_up_on_dead()
+            await self._after_return()
+        else:
+            await self._watch_primary()
 
     async def _give_up_on_dead(self) -> None:
         """Drop from the map every node down for ``rebuild_after`` seconds (a change: ``change``'s

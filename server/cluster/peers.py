@@ -56,7 +56,9 @@ async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: st
     try:
         async with session.get(exact_url(url, HEALTH_PATH), headers={HEADER: header}, allow_redirects=False,
                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            proof = r.headers.get(PROOF_HEADER, "")
-            return r.status == 200 and hmac.compare_digest(proof, secret.proof(header, node_id))
+            # as bytes: compare_digest raises TypeError on a str that is not ASCII, and whatever
+            # listens at the URL chooses this header
+            proof = r.headers.get(PROOF_HEADER, "").encode("utf-8", "surrogateescape")
+            return r.status == 200 and hmac.compare_digest(proof, secret.proof(header, node_id).encode())
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return False

@@ -18,9 +18,8 @@ Invariants:
   another node (a receiver refuses a ``TO`` not its own; an empty one only on a join).
 - A header older or newer than ``SKEW_SECONDS`` (a join for no node: ``ANY_NODE_SECONDS``) is
   refused, and a receiver refuses a header it has already accepted or that was signed before
-  it started (``Replays``): a captured request cannot be sent again, to anyone. The one
-  exception is a health probe (``verify(once=False)``), which changes nothing; its answer
-  carries ``proof``, which only the probed node can make.
+  it started (``Replays``): a captured request cannot be sent again, to anyone. A health
+  probe's answer carries ``proof``, which only the probed node can make.
 - Comparison is constant-time (``hmac.compare_digest``).
 - The secret file follows the token file's rules (``server.tokens.read_private_file``: not
   readable by other users) and holds at least ``MIN_SECRET_CHARS`` characters.
@@ -49,6 +48,12 @@ MIN_SECRET_CHARS = 32
 def _digits(text: str, most: int) -> bool:
     """ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses), at most ``most``."""
     return 0 < len(text) <= most and text.isascii() and text.isdigit()
+
+
+def _hex(text: str, length: int) -> bool:
+    """Exactly ``length`` lower-case hex digits: a MAC or nonce as ``sign`` makes them (and
+    ASCII, which ``hmac.compare_digest`` needs of a str: anything else raised TypeError, a 500)."""
+    return len(text) == length and text.isascii() and all(c in "0123456789abcdef" for c in text)
 
 
 class ClusterSecret:
@@ -111,16 +116,15 @@ class ClusterSecret:
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,
-               join: bool = False, once: bool = True, now: float | None = None) -> str:
+               join: bool = False, now: float | None = None) -> str:
         """Why the request ``header`` signs is refused by node ``me`` ("" when it is accepted and
         remembered: the same header again is a replay). ``join``: a join may be signed for no
-        node in particular (its sender knows only the URL it was given). ``once=False`` (a
-        health probe, which changes nothing): not checked against, nor kept in, the replay
-        memory — its floor (this process's start) would refuse every probe from a node whose
-        clock is behind this one's for that long after each start, and that node would take
-        this one for dead."""
+        node in particular (its sender knows only the URL it was given). A health probe is
+        checked the same way, replay memory included: a node that refuses a sender's signed
+        requests (its clock ahead of the sender's, for that long after it started) is then
+        seen down by it, and their traffic goes to the other copies meanwhile."""
         ms_text, nonce, mac, to = ((header or "").split(":", 3) + ["", "", "", ""])[:4]
-        if not _digits(ms_text, 16) or len(nonce) != 16 or len(mac) != 64:
+        if not _digits(ms_text, 16) or not _hex(nonce, 16) or not _hex(mac, 64):
             return "without a valid signature"
         now_s = time.time() if now is None else now
         ms = int(ms_text)
@@ -131,7 +135,7 @@ class ClusterSecret:
             return "without a valid signature"
         if to != me and not (join and to == ""):
             return f"signed for node {to!r}, not this one ({me})"
-        if once and not self.replays.first(ms, mac, now_s):
+        if not self.replays.first(ms, mac, now_s):
             return "already received once (a replay), or too old to tell"
         return ""
 

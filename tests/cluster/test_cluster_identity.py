@@ -96,10 +96,13 @@ def test_a_node_whose_kept_map_is_damaged_does_not_start(tmp_path):
 
 
 class _AnyHealth(http.server.BaseHTTPRequestHandler):
-    """A server that checks no signature: 200 to every GET (an older batchfs, an AIStore node)."""
+    """A server that checks no signature: 200 to every GET (an older batchfs, an AIStore node),
+    with a proof header that is not even ASCII (a review: comparing it raised TypeError, which
+    ended the gateway's health loop — no node was seen down again)."""
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         self.send_response(200)
+        self.send_header("Batchfs-Cluster-Proof", "\u00e9" * 64)
         self.send_header("Content-Length", "0")
         self.end_headers()
 

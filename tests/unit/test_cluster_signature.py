@@ -115,25 +115,32 @@ def test_odd_digits_and_joins_for_no_node_outside_their_window_are_refused():
     assert receiver.verify("POST", "/v1/cluster/autoreg", h, b"{}", me="gw", join=True) == ""
 
 
-def test_a_health_probe_skips_the_replay_memory_and_is_answered_with_a_proof_for_that_node():
-    """Found by a review: signed probes went through the replay memory, whose floor is the
-    receiver's start — a prober whose clock was behind the receiver's saw it down for that
-    long after each restart (a target dropped and rebuilt, a primary replaced). A probe
-    changes nothing: the memory neither refuses nor keeps it; every other check holds."""
+def test_a_health_probe_is_checked_like_any_request_and_answered_with_a_proof_for_that_node():
+    """A probe goes through every check, the replay memory included (a review: skipping it made
+    a node whose clock is ahead look alive while it refused every other signed request from the
+    prober — clients got 403s instead of the other copy). Its answer's proof is bound to the
+    probe and to the node, and needs the secret."""
     sender = ClusterSecret(KEY)
     receiver = ClusterSecret(KEY)
-    receiver.replays = Replays(start=time.time() + 8)  # its clock 8 s ahead of the sender's
     h = sender.sign("GET", "/v1/health", to="t1")
-    assert "too old" in receiver.verify("GET", "/v1/health", h, me="t1")
-    assert receiver.verify("GET", "/v1/health", h, me="t1", once=False) == ""
-    assert receiver.verify("GET", "/v1/health", h, me="t1", once=False) == ""  # again: a probe is not a change
-    assert "signed for node 't1'" in receiver.verify("GET", "/v1/health", h, me="t2", once=False)
-    assert "valid signature" in receiver.verify("GET", "/v1/health", h, b"x", me="t1", once=False)
-    assert "away from this node's clock" in receiver.verify(
-        "GET", "/v1/health", sender.sign("GET", "/v1/health", to="t1", now=time.time() - SKEW_SECONDS - 5),
-        me="t1", once=False)
-    # the answer's proof is bound to the probe and to the node, and needs the secret
+    assert receiver.verify("GET", "/v1/health", h, me="t1") == ""
+    assert "replay" in receiver.verify("GET", "/v1/health", h, me="t1")
+    assert "signed for node 't1'" in receiver.verify("GET", "/v1/health", sender.sign("GET", "/v1/health", to="t1"),
+                                                     me="t2")
+    ahead = ClusterSecret(KEY)
+    ahead.replays = Replays(start=time.time() + 8)  # a receiver whose clock is 8 s ahead of the sender's
+    assert "too old" in ahead.verify("GET", "/v1/health", sender.sign("GET", "/v1/health", to="t1"), me="t1")
     proof = receiver.proof(h, "t1")
-    assert proof == sender.proof(h, "t1")
+    assert proof == sender.proof(h, "t1") and len(proof) == 64
     assert proof not in (sender.proof(h, "t2"), sender.proof(sender.sign("GET", "/v1/health", to="t1"), "t1"),
                          ClusterSecret(b"x" * 32).proof(h, "t1"))
+
+
+def test_a_header_that_is_not_ascii_is_refused_not_an_error():
+    """A review: a 64-character MAC that is not ASCII made ``hmac.compare_digest`` raise
+    TypeError (a 500 and a traceback); it is a header without a valid signature."""
+    sender, receiver = _pair()
+    ms, nonce, mac, to = sender.sign("GET", "/v1/health", to="t1").split(":")
+    e = "\u00e9"
+    for bad in (f"{ms}:{nonce}:{e * 64}:{to}", f"{ms}:{e * 16}:{mac}:{to}", f"{ms}:{nonce}:{mac.upper()}:{to}"):
+        assert "valid signature" in receiver.verify("GET", "/v1/health", bad, me="t1")
