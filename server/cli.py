@@ -32,6 +32,7 @@ from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import UnreadableMap
 from batchfs.wire.units import parse_size
+from server import datalock
 from server.config import ServerConfig, load_toml
 from server.api.state import CLUSTER_SECRET, INFLIGHT, METRICS, NODE
 from server.store.store import Store
@@ -253,7 +254,8 @@ def prepare_data_dirs(config: ServerConfig) -> list[str]:
         if other != d:
             warnings.append(f"data directories {other} and {d} are on the same filesystem: they share "
                             "its space and bandwidth (one --data per disk is the intended layout)")
-        if st.st_dev == root_dev and not (d / ".batchfs" / "id").exists() and d.resolve() != Path("/"):
+        known = (d / ".batchfs" / "id").exists() or (d / ".batchfs" / "gateway-id").exists()  # a target's, a gateway's
+        if st.st_dev == root_dev and not known and d.resolve() != Path("/"):
             warnings.append(f"data directory {d} is new and on the root filesystem; if a disk should be "
                             "mounted there, it is not")
     return warnings
@@ -406,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     _raise_fd_limit()
     try:
         warnings = prepare_data_dirs(config)
+        datalock.lock(config.data_dirs)  # before anything in them is written (or a PUT's temp file deleted)
     except ValueError as e:
         parser.error(str(e))
     for w in warnings:

@@ -1,14 +1,21 @@
 """Data directories at startup (issue 9, point 14): a missing one is refused unless
 ``--create-data-dirs`` is given, so an unmounted disk or a typo cannot silently put the store
-on the root filesystem; suspicious layouts start with a warning. Real server processes."""
+on the root filesystem; suspicious layouts start with a warning; one directory serves one
+server at a time (server/datalock.py). Real server processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import httpx
+import pytest
 
-from tests.support.processes import BIN, ServerProcess
+from server import datalock
+from server.cli import prepare_data_dirs
+from server.config import ServerConfig
+from tests.support.processes import BIN, ROOT, ServerProcess
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -68,3 +75,61 @@ def test_two_data_dirs_on_one_filesystem_warn(tmp_path):
         assert httpx.get(f"{srv.url}/v1/health").status_code == 200
     log = "".join(srv.output)
     assert "are on the same filesystem" in log, log
+
+
+def test_a_data_directory_in_use_is_refused(tmp_path):
+    """Found by a new user: a second server on a running one's --data started, and wrote the
+    same store (in a cluster both joined under one id, which flipped between their URLs); its
+    start also deleted the first one's PUTs in flight. Now it exits 2 naming the holder, and
+    the first one serves on; a killed holder leaves no stale lock."""
+    d, other = tmp_path / "d", tmp_path / "other"
+    other.mkdir()
+    with ServerProcess([d]) as first:
+        assert httpx.post(f"{first.url}/v1/buckets/b", json={"action": "create-bck"}).status_code == 200
+        assert httpx.put(f"{first.url}/v1/objects/b/k", content=b"still mine").status_code == 200
+        for dirs in ([d], [other, d]):
+            args = [a for x in dirs for a in ("--data", str(x))]
+            out = _run(*args)
+            assert out.returncode == 2, out.stderr
+            assert f"data directory {d} is in use by another batchfs-server (pid {first.proc.pid})" in out.stderr
+        assert httpx.get(f"{first.url}/v1/objects/b/k").content == b"still mine"
+        first.proc.kill()
+        first.proc.wait()
+    with ServerProcess([d]) as again:  # the kernel released the dead one's lock
+        assert httpx.get(f"{again.url}/v1/objects/b/k").content == b"still mine"
+
+
+ON_ROOT = os.stat("/tmp").st_dev == os.stat("/").st_dev
+
+
+@pytest.mark.skipif(not ON_ROOT, reason="the warning is about directories on the root filesystem")
+def test_a_gateways_directory_is_not_taken_for_a_missing_mount(tmp_path):
+    """A new user's test: every gateway restart warned that its directory was new on the root
+    filesystem — the check knew only a target's id file, not a gateway's."""
+    fresh, gateway, target = (tmp_path / n for n in ("fresh", "gateway", "target"))
+    for d, kept in ((fresh, None), (gateway, "gateway-id"), (target, "id")):
+        (d / ".batchfs").mkdir(parents=True)
+        if kept:
+            (d / ".batchfs" / kept).write_text("x\n")
+    warned = prepare_data_dirs(ServerConfig(data_dirs=(fresh, gateway, target)))
+    assert [w for w in warned if "is new" in w] == [f"data directory {fresh} is new and on the root filesystem; "
+                                                     "if a disk should be mounted there, it is not"]
+
+
+def test_a_locked_directory_names_its_holder_and_nothing_is_left_half_locked(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from server import "
+                               f"datalock; datalock.lock([Path({str(b)!r})]); print('ok', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        with pytest.raises(ValueError, match=rf"data directory {b} is in use by another batchfs-server \(pid {holder.pid}\)"):
+            datalock.lock([a, b])
+        held = len(datalock._HELD)
+        datalock.lock([a])  # a was released when b failed: it can be taken
+        assert len(datalock._HELD) == held + 1
+        os.close(datalock._HELD.pop())  # this test's own lock, not the process's
+    finally:
+        holder.kill()
+        holder.wait()
