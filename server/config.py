@@ -139,6 +139,8 @@ class ServerConfig:
             raise ValueError("a target needs the gateway to join: --join http://GATEWAY:PORT")
         if self.role == "node" and self.join_url:
             raise ValueError("--join is for targets and secondary gateways (--role target|gateway)")
+        if self.join_url and not _is_base_url(self.join_url):
+            raise ValueError(f"--join wants a gateway's URL, http://HOST:PORT, got {self.join_url!r}")
         if self.role != "node" and self.cluster_secret_file is None:
             raise ValueError(f"a {self.role} needs --cluster-secret-file FILE (the same file on every gateway "
                              "and target; make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")
@@ -151,6 +153,19 @@ class ServerConfig:
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
             object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
+
+
+def _is_base_url(url: str) -> bool:
+    """``http(s)://HOST[:PORT]`` with nothing after it (a trailing "/" aside): what nodes join."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 (raises ValueError for a port that is not a number in range)
+        return u.scheme in ("http", "https") and bool(u.hostname) and u.path in ("", "/") \
+            and not u.query and not u.fragment and not u.username
+    except ValueError:  # a port that is not a number, or out of range
+        return False
 
 
 # Config-file keys that are spelled like the command-line option rather than the field.

@@ -16,7 +16,7 @@ import pytest
 from aistore.sdk import Client
 
 from batchfs.wire import hrw
-from tests.cluster.conftest import SECRET, holds, ranked, secret_file, signed_for
+from tests.cluster.conftest import SECRET, Cluster, holds, ranked, secret_file, signed_for, until
 from tests.support.processes import ServerProcess
 
 
@@ -212,6 +212,7 @@ def test_a_restarted_gateway_keeps_the_map_and_clients_keep_working(cluster):
 
 def test_secret_files_and_roles_are_checked_before_starting(tmp_path):
     weak = secret_file(tmp_path / "weak", "short")
+    good = secret_file(tmp_path / "good")
     loose = tmp_path / "loose"
     loose.write_text(SECRET)
     os.chmod(loose, 0o644)
@@ -219,8 +220,30 @@ def test_secret_files_and_roles_are_checked_before_starting(tmp_path):
                       (["--role", "target", "--cluster-secret-file", str(weak)], "--join"),
                       (["--role", "gateway", "--cluster-secret-file", str(weak)], "shorter than 32"),
                       (["--role", "gateway", "--cluster-secret-file", str(loose)], "accessible by other users"),
-                      (["--join", "http://x"], "--join is for targets and secondary gateways")):
+                      (["--join", "http://x"], "--join is for targets and secondary gateways"),
+                      # a new user's: a URL without its scheme was taken, and the join retried for ever
+                      (["--role", "target", "--cluster-secret-file", str(good), "--join", "127.0.0.1:18090"],
+                       "--join wants a gateway's URL, http://HOST:PORT, got '127.0.0.1:18090'"),
+                      (["--role", "gateway", "--cluster-secret-file", str(good), "--join", "http://gw:1/v1"],
+                       "--join wants a gateway's URL")):
         p = ServerProcess([tmp_path / "d"], *args)
         with pytest.raises(RuntimeError, match="exited with 2"):
             p.start(timeout=10)
         assert why in "".join(p.output), (args, "".join(p.output)[-500:])
+
+
+def test_a_target_joining_a_url_that_is_no_gateway_says_so(tmp_path):
+    """A new user's: ``--join`` given a target's URL logged only "HTTP 405: Method Not Allowed
+    (retrying)" for ever. (A single node's URL answers 403 "not part of a cluster".)"""
+    cluster = Cluster(tmp_path, targets=1)
+    target = None
+    try:
+        cluster.start()
+        target = ServerProcess([tmp_path / "t9"], "--role", "target", "--join", cluster.targets[0].url,
+                               "--cluster-secret-file", str(cluster.secret)).start()
+        until(lambda: any("no gateway answers there" in line and "--join a gateway's URL" in line
+                          for line in target.output), 20, "the join's refusal explained in the target's log")
+    finally:
+        if target is not None:
+            target.stop()
+        cluster.stop()
