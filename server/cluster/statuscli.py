@@ -62,8 +62,9 @@ def main(argv: list[str]) -> int:
                                 epilog="exit status: 0 every target up and no rebalance due, 3 rebalance running (or due again), 4 a target "
                                 "down (a gateway down shows as DOWN, or ? through a secondary, which does not probe gateways), 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
-    p.add_argument("--token-file", type=Path, metavar="FILE", help="bearer token for a token-protected cluster "
-                   "(default: $AIS_AUTHN_TOKEN)")
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="a file holding the bearer token of a "
+                   "token-protected cluster (without it: the token itself from $AIS_AUTHN_TOKEN, if set, as the "
+                   "aistore SDK takes it)")
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     a = p.parse_args(argv)
     token = a.token_file.read_text().strip() if a.token_file else os.environ.get("AIS_AUTHN_TOKEN")
