@@ -234,6 +234,7 @@ def prepare_data_dirs(config: ServerConfig) -> list[str]:
     new (uninitialised) directory on the root filesystem, the signature of a missing mount."""
     warnings: list[str] = []
     devices: dict[int, Path] = {}
+    seen: dict[tuple[int, int], Path] = {}
     root_dev = os.stat("/").st_dev
     for d in config.data_dirs:
         if not d.exists():
@@ -250,6 +251,9 @@ def prepare_data_dirs(config: ServerConfig) -> list[str]:
         if not os.access(d, os.W_OK | os.X_OK):
             raise ValueError(f"data directory {d} is not writable by this user")
         st = os.stat(d)
+        same = seen.setdefault((st.st_dev, st.st_ino), d)
+        if same != d:  # --data d --data d/, or a symlink to d: one store opened twice
+            raise ValueError(f"data directories {same} and {d} are the same directory: give it once")
         other = devices.setdefault(st.st_dev, d)
         if other != d:
             warnings.append(f"data directories {other} and {d} are on the same filesystem: they share "

@@ -133,3 +133,14 @@ def test_a_locked_directory_names_its_holder_and_nothing_is_left_half_locked(tmp
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_one_directory_given_twice_is_refused_as_such(tmp_path):
+    """Given twice (``d`` and a symlink to it), the lock of the second named this very server as
+    the other one holding it; it is one store opened twice: refused, saying so."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    out = _run("--data", str(d), "--data", str(tmp_path / "link"))
+    assert out.returncode == 2, out.stderr
+    assert f"data directories {d} and {tmp_path / 'link'} are the same directory: give it once" in out.stderr
