@@ -251,9 +251,10 @@ def prepare_data_dirs(config: ServerConfig) -> list[str]:
         if not os.access(d, os.W_OK | os.X_OK):
             raise ValueError(f"data directory {d} is not writable by this user")
         st = os.stat(d)
-        same = seen.setdefault((st.st_dev, st.st_ino), d)
-        if same != d:  # --data d --data d/, or a symlink to d: one store opened twice
-            raise ValueError(f"data directories {same} and {d} are the same directory: give it once")
+        if (st.st_dev, st.st_ino) in seen:  # --data d twice, d/ or a symlink to d: one store opened twice
+            raise ValueError(f"data directories {seen[st.st_dev, st.st_ino]} and {d} are the same directory: "
+                             "give it once")
+        seen[st.st_dev, st.st_ino] = d
         other = devices.setdefault(st.st_dev, d)
         if other != d:
             warnings.append(f"data directories {other} and {d} are on the same filesystem: they share "

@@ -159,6 +159,8 @@ def _is_base_url(url: str) -> bool:
     """``http(s)://HOST[:PORT]`` with nothing after it (a trailing "/" aside): what nodes join."""
     from urllib.parse import urlsplit
 
+    if not isinstance(url, str):
+        return False
     try:
         u = urlsplit(url)
         u.port  # noqa: B018 (raises ValueError for a port that is not a number in range)

@@ -16,9 +16,30 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from pathlib import Path
 
 _HELD: list[int] = []  # descriptors of the locks this process holds: never closed
+
+
+def _lock_one(meta: Path) -> int:
+    """The locked descriptor of ``meta/lock``, this process's pid written in it. BlockingIOError
+    (its text: who holds it) when another process does."""
+    meta.mkdir(exist_ok=True)
+    fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise BlockingIOError(f"pid {holder}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    me = f"{os.getpid()} on {socket.gethostname()}\n".encode()
+    os.pwrite(fd, me, 0)  # written, then cut to length: a reader never sees it empty
+    os.ftruncate(fd, len(me))
+    return fd
 
 
 def lock(dirs: list[Path]) -> None:
@@ -27,18 +48,13 @@ def lock(dirs: list[Path]) -> None:
     taken = []
     try:
         for d in dirs:
-            meta = Path(d) / ".batchfs"
-            meta.mkdir(exist_ok=True)
-            fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-                os.close(fd)
-                raise ValueError(f"data directory {d} is in use by another batchfs-server (pid {holder}): two "
-                                 "servers on one directory would write the same store") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                fd = _lock_one(Path(d) / ".batchfs")
+            except BlockingIOError as e:
+                raise ValueError(f"data directory {d} is in use by another batchfs-server ({e}): two servers "
+                                 "on one directory would write the same store") from None
+            except OSError as e:  # .batchfs a file, a lock file of another user, no locks on NFS
+                raise ValueError(f"data directory {d}: cannot lock {e.filename or ''}: {e.strerror}") from None
             taken.append(fd)
     except BaseException:
         for fd in taken:

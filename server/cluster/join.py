@@ -127,8 +127,8 @@ class Membership:
                         if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
                             self._not_who.add(self.gateway_url)  # its answer to a join says who it is
                         if r.status in (404, 405):  # a target or a single node: no join route (a new user's)
-                            raise RuntimeError(f"HTTP {r.status}: no gateway answers there — a target or a "
-                                               "single node does not take joins; give --join a gateway's URL")
+                            raise RuntimeError(f"HTTP {r.status}: no gateway answers there (a target does not "
+                                               "take joins): check that --join names a gateway's URL")
                         if r.status != 200:
                             raise RuntimeError(f"HTTP {r.status}: {text[:300]}")
                         if self.learn(json.loads(text)) or not self.joined.is_set():

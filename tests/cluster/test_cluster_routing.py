@@ -241,7 +241,7 @@ def test_a_target_joining_a_url_that_is_no_gateway_says_so(tmp_path):
         cluster.start()
         target = ServerProcess([tmp_path / "t9"], "--role", "target", "--join", cluster.targets[0].url,
                                "--cluster-secret-file", str(cluster.secret)).start()
-        until(lambda: any("no gateway answers there" in line and "--join a gateway's URL" in line
+        until(lambda: any("no gateway answers there" in line and "--join names a gateway's URL" in line
                           for line in target.output), 20, "the join's refusal explained in the target's log")
     finally:
         if target is not None:

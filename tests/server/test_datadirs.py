@@ -91,7 +91,7 @@ def test_a_data_directory_in_use_is_refused(tmp_path):
             args = [a for x in dirs for a in ("--data", str(x))]
             out = _run(*args)
             assert out.returncode == 2, out.stderr
-            assert f"data directory {d} is in use by another batchfs-server (pid {first.proc.pid})" in out.stderr
+            assert f"data directory {d} is in use by another batchfs-server (pid {first.proc.pid} on " in out.stderr
         assert httpx.get(f"{first.url}/v1/objects/b/k").content == b"still mine"
         first.proc.kill()
         first.proc.wait()
@@ -99,13 +99,11 @@ def test_a_data_directory_in_use_is_refused(tmp_path):
         assert httpx.get(f"{again.url}/v1/objects/b/k").content == b"still mine"
 
 
-ON_ROOT = os.stat("/tmp").st_dev == os.stat("/").st_dev
-
-
-@pytest.mark.skipif(not ON_ROOT, reason="the warning is about directories on the root filesystem")
 def test_a_gateways_directory_is_not_taken_for_a_missing_mount(tmp_path):
     """A new user's test: every gateway restart warned that its directory was new on the root
     filesystem — the check knew only a target's id file, not a gateway's."""
+    if tmp_path.stat().st_dev != os.stat("/").st_dev:
+        pytest.skip("the warning is about directories on the root filesystem")
     fresh, gateway, target = (tmp_path / n for n in ("fresh", "gateway", "target"))
     for d, kept in ((fresh, None), (gateway, "gateway-id"), (target, "id")):
         (d / ".batchfs").mkdir(parents=True)
@@ -124,7 +122,7 @@ def test_a_locked_directory_names_its_holder_and_nothing_is_left_half_locked(tmp
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "ok"
-        with pytest.raises(ValueError, match=rf"data directory {b} is in use by another batchfs-server \(pid {holder.pid}\)"):
+        with pytest.raises(ValueError, match=rf"data directory {b} is in use by another batchfs-server \(pid {holder.pid} on "):
             datalock.lock([a, b])
         held = len(datalock._HELD)
         datalock.lock([a])  # a was released when b failed: it can be taken
@@ -141,6 +139,18 @@ def test_one_directory_given_twice_is_refused_as_such(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
     (tmp_path / "link").symlink_to(d)
-    out = _run("--data", str(d), "--data", str(tmp_path / "link"))
-    assert out.returncode == 2, out.stderr
-    assert f"data directories {d} and {tmp_path / 'link'} are the same directory: give it once" in out.stderr
+    for again in (str(tmp_path / "link"), str(d), f"{d}/", f"{tmp_path}/./d"):
+        out = _run("--data", str(d), "--data", again)
+        assert out.returncode == 2, out.stderr
+        assert "are the same directory: give it once" in out.stderr and "in use" not in out.stderr, out.stderr
+
+
+def test_a_data_directory_that_cannot_be_locked_is_refused_in_one_line(tmp_path):
+    """A review: only "held by another" was a clean refusal; ``.batchfs`` a file (or a lock
+    file of another user, or NFS without locks) was a traceback."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / ".batchfs").write_text("not a directory")
+    out = _run("--data", str(d))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"data directory {d}: cannot lock" in out.stderr, out.stderr
