@@ -27,7 +27,7 @@ from server.api import clusterapi, rebalance
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import Gateway
-from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments
+from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import UnreadableMap
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         datalock.lock(config.data_dirs)  # before anything in them is written (or a PUT's temp file deleted)
     except ValueError as e:
         parser.error(str(e))
-    for w in warnings:
+    for w in warnings + ignored_by_role(args, config.role):
         logging.getLogger(__name__).warning("%s", w)
     if config.cluster_secret_file is not None:
         try:

@@ -45,3 +45,17 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
                    f"data faster and leaves clients less (default: {d.rebalance_objects})")
     c.add_argument("--no-spread-chunks", dest="spread_chunks", action="store_const", const=False, help="target: "
                    "keep every chunk of a large object on its holders, instead of spreading its chunks over all targets")
+
+
+# Options only some roles act on: (field, flag, the roles that do). Given to another role they
+# would be silently ignored (a new user's: --rebuild-after on a target), so the start says so.
+_ROLE_ONLY = (("rebuild_after_seconds", "--rebuild-after", ("gateway",)),
+              ("election_after_seconds", "--election-after", ("gateway",)),
+              ("rebalance_objects", "--rebalance-objects", ("target",)),
+              ("spread_chunks", "--no-spread-chunks", ("target",)))
+
+
+def ignored_by_role(args: argparse.Namespace, role: str) -> list[str]:
+    """Warnings for the options on the command line that ``role`` does nothing with."""
+    return [f"{flag} is for a {' or '.join(roles)}: this {role} ignores it"
+            for field, flag, roles in _ROLE_ONLY if getattr(args, field, None) is not None and role not in roles]

@@ -247,3 +247,12 @@ def test_a_target_joining_a_url_that_is_no_gateway_says_so(tmp_path):
         if target is not None:
             target.stop()
         cluster.stop()
+
+
+def test_an_option_the_role_does_nothing_with_is_named_at_start(tmp_path):
+    """A new user's: --rebuild-after on a target (or a node) was taken without a word."""
+    with ServerProcess([tmp_path / "d"], "--rebuild-after", "5", "--rebalance-objects", "8") as node:
+        out = "".join(node.output)
+        assert "--rebuild-after is for a gateway: this node ignores it" in out
+        assert "--rebalance-objects is for a target: this node ignores it" in out
+        assert "--election-after" not in out  # not given
