@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
 FANOUT_TIMEOUT_SECONDS = 60
-HEALTH_SECONDS = PROBE_SECONDS = 1.0  # how often every node's health is probed; one probe's timeout
+HEALTH_SECONDS = 1.0  # how often every node's health is probed
+PROBE_SECONDS = election.PROBE_SECONDS  # one probe's timeout (the same probe as an election's)
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
@@ -215,7 +216,7 @@ class Gateway(GatewayElections):
         return None
 
     async def _probe(self, t: ClusterNode) -> None:
-        self.probes.record(t, await peers.answers(self.session, self.secret, t.url, t.id, PROBE_SECONDS))
+        self.probes.record(t, await election.reachable(self.session, self.secret, t))
 
     def holder(self, bucket: str, name: str) -> ClusterNode:
         """The first target holding a copy of the object that is not down."""

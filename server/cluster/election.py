@@ -47,7 +47,7 @@ from server.cluster import peers
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap, ClusterNode
 
-PROBE_SECONDS = 1.0
+PROBE_SECONDS = 1.0  # one health probe's timeout (the gateways' health rounds use it too)
 VOTE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 VOTE_PATH = "/v1/cluster/vote"
 BALLOT_SECONDS = 5.0  # a vote given to one candidate holds this long

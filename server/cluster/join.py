@@ -126,7 +126,7 @@ class Membership:
                         text = await r.text()
                         if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
                             self._not_who.add(self.gateway_url)  # its answer to a join says who it is
-                        if r.status in (404, 405):  # a target or a single node: no join route (a new user's)
+                        if r.status in (404, 405):  # a target: no join route (a new user's; a single node answers 403)
                             raise RuntimeError(f"HTTP {r.status}: no gateway answers there (a target does not "
                                                "take joins): check that --join names a gateway's URL")
                         if r.status != 200:
