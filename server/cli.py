@@ -27,11 +27,10 @@ from server.api import clusterapi, rebalance
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import Gateway
-from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role
+from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role, size_arg as _size
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import UnreadableMap
-from batchfs.wire.units import parse_size
 from server import datalock
 from server.config import ServerConfig, load_toml
 from server.api.state import CLUSTER_SECRET, INFLIGHT, METRICS, NODE
@@ -40,13 +39,6 @@ from server.store.store import Store
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
 _BACKLOG = 4096
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8MiB, 512k, 1G)") from None
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -166,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="batchfs-server",
         usage="batchfs-server [OPTIONS]   (a node, a gateway or a target: --role)\n"
-              "       batchfs-server cluster-status URL [OPTIONS]   (or: cluster status URL; its own --help)",
+              "       batchfs-server cluster-status URL [OPTIONS]   (or: cluster status URL; its own --help)\n"
+              "       batchfs-server cluster remove URL TARGET_ID [--wait]   (its own --help)",
         description="Run one batchfs storage node: the AIStore-compatible HTTP API (objects, "
         "list, range reads, chunked objects, GetBatch at /v1/ml/moss) and an S3 subset "
         "(at /s3/ and at the root), with Prometheus metrics at /metrics.",
@@ -175,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "name without dashes or by the config field (listen = \"HOST:PORT\", data = [\"/disk1\"], "
         "chunk_size = \"8MiB\"); command-line flags win. "
         "'batchfs-server cluster-status URL' prints a cluster's nodes and rebalance progress "
-        "from a gateway (see --help there).",
+        "from a gateway; 'batchfs-server cluster remove URL TARGET_ID' moves a target's objects to "
+        "the others and then removes it (see --help there).",
     )
     p.add_argument("--listen", type=_listen, metavar="HOST:PORT",
                    help=f"address to serve on; port 0 picks a free one (default: {d.host}:{d.port})")
@@ -374,6 +368,9 @@ def _build(config: ServerConfig):
     def cluster_routes(app: web.Application) -> None:
         app[CLUSTER_SECRET] = secret
         members.append(Membership(config.join_url, secret, app[NODE_INFO]["id"], state / "cluster-map.json"))
+        # removed from the cluster (``cluster remove``, its objects moved to the others): it stops
+        # as SIGTERM stops it (requests in flight drained), exit status 0
+        members[0].on_removed.append(lambda why: os.kill(os.getpid(), signal.SIGTERM))
         clusterapi.add_routes(app, members[0])
         rebalance.add_routes(app, members[0])
 
@@ -399,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.cluster import statuscli
 
         return statuscli.main(argv[2 if argv[0] == "cluster" else 1:])
+    if argv[:2] == ["cluster", "remove"]:
+        from server.cluster import removecli
+
+        return removecli.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

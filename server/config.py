@@ -107,6 +107,8 @@ class ServerConfig:
     election_after_seconds: float = 10 * SECONDS
     # target: objects its rebalance/rebuild walk works on at once (its speed vs clients' share)
     rebalance_objects: int = 4
+    # target: bytes per second of copies its walk sends, on average (0: no limit)
+    rebalance_rate_bytes: int = 0
     # target: an object larger than one chunk keeps its chunks on every target (HRW per chunk),
     # so that one object's parallel reads are served by all of them (docs/cluster.md)
     spread_chunks: bool = True
@@ -121,7 +123,7 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
             if isinstance(default, float) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if f.name not in ("meta_cache_entries", "port", "max_connections") and value <= 0:
+            if f.name not in ("meta_cache_entries", "port", "max_connections", "rebalance_rate_bytes") and value <= 0:
                 raise ValueError(f"{f.name} must be positive, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
@@ -149,6 +151,8 @@ class ServerConfig:
         if isinstance(self.rebalance_objects, bool) or not isinstance(self.rebalance_objects, int) \
                 or not 1 <= self.rebalance_objects <= 64:
             raise ValueError(f"rebalance_objects must be an integer from 1 to 64, got {self.rebalance_objects!r}")
+        if self.rebalance_rate_bytes < 0:
+            raise ValueError(f"rebalance_rate_bytes must be >= 0 (0: no limit), got {self.rebalance_rate_bytes!r}")
         if self.metrics_auth not in ("token", "none"):
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)

@@ -97,10 +97,17 @@ def ranked_many(object_digests: Sequence[int], node_ids: Sequence[str], node_dig
     return order[:, ::-1]
 
 
+# AIStore's node flags for a target in maintenance or being decommissioned (core/meta/smap.go):
+# such a target places nothing (AIStore's HRW and the SDK's skip it)
+SNODE_MAINT, SNODE_DECOMM = 1 << 2, 1 << 3
+NOT_PLACED_FLAGS = SNODE_MAINT | SNODE_DECOMM
+
+
 def smap_targets(doc: Mapping) -> dict[str, tuple[int, str]]:
-    """The targets of an AIStore cluster map (``GET /v1/daemon?what=smap``): node id -> (id
-    digest, public URL without a trailing slash). KeyError, TypeError, ValueError or
-    AttributeError for a document that is not such a map."""
+    """The targets objects are placed on in an AIStore cluster map (``GET /v1/daemon?what=smap``):
+    node id -> (id digest, public URL without a trailing slash), without those flagged in
+    maintenance or being decommissioned, as the SDK skips them. KeyError, TypeError, ValueError
+    or AttributeError for a document that is not such a map."""
     return {node_id: (int(n["id_digest"]), n["public_net"]["direct_url"].rstrip("/"))
-            for node_id, n in (doc.get("tmap") or {}).items()}
+            for node_id, n in (doc.get("tmap") or {}).items() if not int(n.get("flags") or 0) & NOT_PLACED_FLAGS}
 

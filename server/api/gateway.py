@@ -40,7 +40,7 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
-from server.api import gateway_admin, gateway_jobs, gateway_s3
+from server.api import gateway_admin, gateway_jobs, gateway_remove, gateway_s3
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, read_json
@@ -194,6 +194,7 @@ async def moss_redirect(request: web.Request) -> web.Response:
     request[OP_KEY] = "getbatch"
     gw = gateway_of(request)
     targets = gw.targets(alive=True)
+    targets = [t for t in targets if t.id not in gw.smap.leaving] or targets  # a leaving target is on its way out
     default_bucket = request.match_info.get("bucket") or None
     counts: dict[str, int] = {}
     try:
@@ -219,6 +220,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     app[GATEWAY] = gateway
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
+    gateway.primary_rounds.append(gateway_remove.finish_leaving)
     r = app.router
     r.add_get("/v1/health", gateway_admin.health)
     r.add_get("/v1/daemon", gateway_admin.daemon_get)
@@ -236,6 +238,8 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_head("/v1/buckets/{bucket}", gateway_jobs.bucket_head)
     r.add_head(r"/v1/buckets/{bucket}/{obj:[\s\S]+}", gateway_jobs.bucket_head)  # bucket.info(prefix=...)
     r.add_get("/v1/cluster", gateway_jobs.cluster_get)
+    r.add_put("/v1/cluster", gateway_remove.cluster_action)
+    r.add_post(gateway_remove.REMOVE_PATH, gateway_remove.remove_passed_on)
     r.add_post("/v1/buckets/{bucket}", to_all)
     r.add_delete("/v1/buckets/{bucket}", to_all)
     r.add_patch("/v1/buckets/{bucket}", gateway_admin.set_props)

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from server.api.gateway_map import (PROBE_SECONDS, NotImplementedThroughGateway, Unavailable, gateway_of,
                                     passthrough)
+from server.api.gateway_remove import refuse_removed
 from server.api.state import OP_KEY, read_json
 from server.cluster import election, peers
 from server.cluster.join import ForeignCluster
@@ -52,6 +53,7 @@ async def autoreg(request: web.Request) -> web.Response:
     gw.refuse_second_hop(request)
     if not gw.primary:  # the map is the primary's: pass the join on
         return passthrough(*await gw.to_primary("POST", "/v1/cluster/autoreg", json.dumps(doc).encode()))
+    refuse_removed(gw, doc["id"])
     if doc.get("cluster", gw.smap.uuid) != gw.smap.uuid:
         raise Conflict(f"{doc['id']} belongs to cluster {doc['cluster']!r}; this is cluster {gw.smap.uuid} "
                        f"(a gateway started on an empty data directory makes a new cluster: start it on its "
@@ -116,7 +118,7 @@ async def cluster_status(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
     nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
-              "alive": gw.alive(n)} for n in gw.smap.nodes]
+              "alive": gw.alive(n), **({"leaving": True} if n.id in gw.smap.leaving else {})} for n in gw.smap.nodes]
 
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"
@@ -164,8 +166,8 @@ async def set_props(request: web.Request) -> web.Response:
             copies = gw.smap.copies
         if not isinstance(copies, int) or isinstance(copies, bool) or not 1 <= copies <= MAX_COPIES:
             raise BadRequest(f"mirror.copies must be an integer from 1 to {MAX_COPIES}, got {copies!r}")
-        if copies > len(gw.smap.targets):
-            raise BadRequest(f"mirror.copies={copies}: the cluster has {len(gw.smap.targets)} targets; "
+        if copies > len(gw.smap.placed):  # not counting targets being removed
+            raise BadRequest(f"mirror.copies={copies}: the cluster has {len(gw.smap.placed)} targets; "
                              "each copy is on a different target")
     else:
         raise BadRequest(f"PATCH /v1/buckets/{bucket}: action {action!r} (set-bprops or reset-bprops)")

@@ -98,6 +98,7 @@ class Gateway(GatewayElections):
         self._boots: dict[str, str] = {}  # each node's process, as its last join said
         self._unheld: int | None = None  # the map version last published without a majority
         self._watcher: asyncio.Task | None = None
+        self.primary_rounds: list = []  # more of a primary's work each health round: async fn(gateway)
 
     def _follow(self, primary_url: str) -> None:
         """Be a secondary of the primary at ``primary_url`` (joining it once this gateway listens)."""
@@ -166,6 +167,8 @@ class Gateway(GatewayElections):
         if self.primary:  # the map is the primary's to change
             await self._give_up_on_dead()
             await self._after_return()
+            for more in self.primary_rounds:  # removals (server.api.gateway_remove)
+                await more(self)
         else:
             await self._watch_primary()
 

@@ -129,7 +129,7 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         return False
     bucket, name = m.groups()
     path_qs = f"{object_path(bucket, name)}?gfn=1"
-    for node in smap.holders(bucket, name):
+    for node in smap.copies_at(bucket, name):
         if node.id == lacking:
             continue
         try:
@@ -263,7 +263,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         """Entry ``j`` asked of the targets of its other copies (not ``lacking``, none down), in
         HRW order: (node, its 200 sub-reply) for each that answers, counted as get from neighbour."""
         e = req.entries[j]
-        for node in smap.holders(e.bucket, e.objname):
+        for node in smap.copies_at(e.bucket, e.objname):
             if node.id == lacking or node.id in down:
                 continue
             nodes[node.id] = node
@@ -323,7 +323,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 if source[j] is not failed:
                     continue
                 e = req.entries[j]
-                ranked = smap.holders(e.bucket, e.objname)
+                ranked = smap.copies_at(e.bucket, e.objname)
                 node = next((n for n in ranked if n.id not in down), None)
                 if node is None and req.coer and j > first:  # not begun: a placeholder will do
                     source[j] = None

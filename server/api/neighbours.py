@@ -74,7 +74,7 @@ def _neighbours(app: web.Application, bucket: str, name: str) -> list:
     if member is None or member.smap is None:
         return []
     me = app[NODE_INFO]["id"]
-    return [n for n in member.smap.ranked(bucket, name) if n.id != me]
+    return [n for n in member.smap.sources(bucket, name) if n.id != me]  # leaving targets too
 
 
 async def read_from_neighbours(request: web.Request, bucket: str, name: str,

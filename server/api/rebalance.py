@@ -32,10 +32,10 @@ Invariants:
   still committed only over the version seen (``expect``), and a drop only of the version
   looked at, so a change in between refuses the step rather than losing a write.
 - One walk at a time per target, ``rebalance_objects`` (``--rebalance-objects``) objects at a
-  time (bounded work beside client traffic); a newer map stops the walk and starts it again. A
-  restart under the same map continues an unfinished walk where it stopped, then walks again up
-  to there (``server.cluster.walkcursor``); the walk is idempotent: what is in place is only
-  looked at.
+  time and at most ``--rebalance-rate`` bytes a second of copies (bounded work beside client
+  traffic); a newer map stops the walk and starts it again. A restart under the same map
+  continues an unfinished walk where it stopped, then walks again up to there
+  (``server.cluster.walkcursor``); the walk is idempotent: what is in place is only looked at.
 - Reads during a walk find objects wherever they are (``neighbours``: get from neighbour).
 
 Known limits: "before" compares the clocks of two targets (a delete and a write of the same name
@@ -83,19 +83,42 @@ class _NewMap(Exception):
     """A newer map arrived mid-walk: start over with it."""
 
 
+class Pace:
+    """At most ``rate`` bytes a second of copies on average (``--rebalance-rate``; 0: no
+    limit): each copy waits its turn, then takes ``size / rate`` seconds of the budget — a
+    large one goes at once and the next waits for it."""
+
+    def __init__(self, rate: int):
+        self.rate, self._free_at = rate, 0.0
+
+    async def take(self, size: int) -> None:
+        if self.rate <= 0 or size <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        start = max(now, self._free_at)
+        self._free_at = start + size / self.rate
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
 class Rebalancer:
     def __init__(self, app: web.Application):
         self.app = app
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._pace = Pace(0)  # set from the config at start
         self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0, "stale": 0,
                       "failed": 0, "last_error": "", "resumed_from": "",
-                      "retry_in": 0}  # retry_in: seconds to the next walk after one with failures (0: none due)
+                      "retry_in": 0,  # seconds to the next walk after one with failures (0: none due)
+                      # the map version of the last walk that ended with no failure and, on a
+                      # target being removed, nothing left stored (the primary then removes it)
+                      "clean_version": 0}
 
     def changed(self, smap: ClusterMap) -> None:
         self._wake.set()
 
     async def start(self, app: web.Application) -> None:
+        self._pace = Pace(app[CONFIG].rebalance_rate_bytes)
         self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()  # a restart walks again: an interrupted walk continues (``WalkCursor``)
 
@@ -122,6 +145,10 @@ class Rebalancer:
                 await self._walk(smap)
                 log.info("rebalance to map v%d done in %.1f s: %s", smap.version, time.monotonic() - started,
                          {k: self.state[k] for k in ("checked", "copied", "deleted", "failed")})
+                me = self.app[NODE_INFO]["id"]
+                if me in smap.leaving and self.state["failed"] == failed and await self._still_holds():
+                    # a PUT that was under way when the map changed, committed after the walk passed it
+                    self._failed_step("objects left after the walk (written meanwhile): walking again")
                 if self.state["failed"] > failed:  # copies kept or not sent: walk again, the map may not change
                     log.info("rebalance to map v%d: %d steps failed; walking again in %g s", smap.version,
                              self.state["failed"] - failed, backoff)
@@ -130,6 +157,7 @@ class Rebalancer:
                     backoff = min(2 * backoff, RETRY_MAX_SECONDS)
                 else:
                     backoff = RETRY_MIN_SECONDS
+                    self.state["clean_version"] = smap.version
             except _NewMap:
                 self._wake.set()
             except Exception as e:  # a bug must not end the task: the next map walks again
@@ -138,6 +166,20 @@ class Rebalancer:
             finally:
                 self.state["running"] = False
                 self.state["walks"] += 1
+
+    async def _still_holds(self) -> bool:
+        """Whether this target stores any object (a leaving one must not, to be removed)."""
+        node = self.app[NODE]
+
+        def any_object() -> bool:
+            for bucket in sorted(node.buckets):
+                try:
+                    if node.list_page(bucket, "", "", 1)[0]:
+                        return True
+                except NotFound:
+                    continue
+            return False
+        return await asyncio.to_thread(any_object)
 
     async def _sync_buckets(self, smap: ClusterMap) -> None:
         """Create here every bucket another target has: a target that joins after buckets were
@@ -309,11 +351,15 @@ class Rebalancer:
         self._count(what)
 
     def _failed(self, bucket: str, name: str, h: ClusterNode, e: Exception) -> None:
+        self._failed_step(f"ais://{bucket}/{name} to {h.id}: {e}")
+
+    def _failed_step(self, why: str) -> None:
         self.state["failed"] += 1
-        self.state["last_error"] = f"ais://{bucket}/{name} to {h.id}: {e}"
+        self.state["last_error"] = why
         self._count("failed")
 
     async def _copy(self, h: ClusterNode, bucket: str, name: str, meta, expect: str) -> None:
+        await self._pace.take(meta.size)
         await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)
         self.state["copied"] += 1
         self._count("copied")

@@ -333,7 +333,7 @@ async def _chunk_file(app: web.Application, meta: ObjectMeta, i: int) -> tuple[P
     c = meta.chunks[i]
     cbucket, cname = chunks_bucket(meta.bucket), chunk_name(meta.name, meta.tag, i)
     store, me = app[NODE].target_store, app[NODE_INFO]["id"]
-    ranked = app[MEMBERSHIP].smap.ranked(cbucket, cname)
+    ranked = app[MEMBERSHIP].smap.sources(cbucket, cname)  # leaving targets last: they keep what they held
     local = None
     with contextlib.suppress(NotFound):  # catalog point lookups: cheap on the loop
         meta_here = store.lookup(cbucket, cname)

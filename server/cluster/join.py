@@ -17,7 +17,9 @@ rolls the map back); a map of another cluster (another uuid) is never taken once
 one — its data is placed by its own cluster's map, and a gateway restarted on an empty data
 directory (a new cluster) must not capture it (``ForeignCluster``; the join says which cluster
 it belongs to, so such a gateway refuses it too); the loop never ends on an error, it logs and retries with backoff (a
-gateway that restarts is rejoined without operator steps).
+gateway that restarts is rejoined without operator steps). It ends when the node is removed from
+its cluster (``cluster remove``): the primary's map names it in ``removed``, or the primary
+answers its join 410; ``on_removed`` then runs (the server stops) and no map is taken.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Membership:
         self.joined = asyncio.Event()
         self.ballots = Ballots()  # this node's votes when a gateway would replace the primary
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
+        self.on_removed: list = []  # called once, with the reason, when this node is removed from its cluster
+        self.removed = ""  # why, once removed
         self._not_who: set[str] = set()  # gateway URLs whose node refused a join signed for the map's id there
 
     def learn(self, doc: dict) -> bool:
@@ -74,6 +78,9 @@ class Membership:
                 f"node to another cluster, start it on an empty data directory")
         if self.smap is not None and new.version <= self.smap.version and new.uuid == self.smap.uuid:
             return False
+        if self.node_id in new.removed and new.node(self.node_id) is None:
+            self._removed(f"cluster map v{new.version} of cluster {new.uuid} removes it")
+            return False  # its own map stays: this node is no longer placed by the cluster's
         self.smap = new
         self._not_who.clear()
         self._to_primary(new)
@@ -84,6 +91,14 @@ class Membership:
         for fn in self.on_change:
             fn(new)
         return True
+
+    def _removed(self, why: str) -> None:
+        if self.removed:
+            return
+        self.removed = why
+        log.warning("this %s (%s) was removed from its cluster: %s", self.kind, self.node_id, why)
+        for fn in self.on_removed:
+            fn(why)
 
     def _to_primary(self, smap: ClusterMap) -> None:
         leader = smap.node(smap.primary)
@@ -114,7 +129,7 @@ class Membership:
         path = "/v1/cluster/autoreg"
         delay = 0.1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            while True:
+            while not self.removed:
                 doc = {"id": self.node_id, "url": url, "kind": self.kind, "boot": self.boot}
                 if self.smap is not None:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
@@ -126,6 +141,9 @@ class Membership:
                         text = await r.text()
                         if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
                             self._not_who.add(self.gateway_url)  # its answer to a join says who it is
+                        if r.status == 410:  # removed (``cluster remove``): the primary says so, and why
+                            self._removed(text[:300])
+                            return
                         if r.status in (404, 405):  # a target: no join route (a new user's; a single node answers 403)
                             raise RuntimeError(f"HTTP {r.status}: no gateway answers there (a target does not "
                                                "take joins): check that --join names a gateway's URL")

@@ -7,10 +7,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from batchfs.wire.units import parse_size
 from server.config import ServerConfig
 
 CLUSTER_FIELDS = ("role", "join_url", "cluster_secret_file", "advertise_url", "rebuild_after_seconds",
-                  "election_after_seconds", "rebalance_objects", "spread_chunks")
+                  "election_after_seconds", "rebalance_objects", "rebalance_rate_bytes", "spread_chunks")
+
+
+def size_arg(text: str) -> int:
+    """An argparse type: bytes from '8MiB', '512k', '1G' or a plain count."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8MiB, 512k, 1G)") from None
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
@@ -43,6 +52,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
     c.add_argument("--rebalance-objects", dest="rebalance_objects", type=int, metavar="N",
                    help="target: objects its rebalance and rebuild walk works on at once, 1-64; more moves "
                    f"data faster and leaves clients less (default: {d.rebalance_objects})")
+    c.add_argument("--rebalance-rate", dest="rebalance_rate_bytes", type=size_arg, metavar="SIZE",
+                   help="target: at most this many bytes a second of object copies its rebalance and rebuild walk "
+                   "sends, on average (e.g. 100MiB; 0: no limit) — the share of disks and network left to "
+                   "clients while data moves (default: 0)")
     c.add_argument("--no-spread-chunks", dest="spread_chunks", action="store_const", const=False, help="target: "
                    "keep every chunk of a large object on its holders, instead of spreading its chunks over all targets")
 
@@ -52,6 +65,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
 _ROLE_ONLY = (("rebuild_after_seconds", "--rebuild-after", ("gateway",)),
               ("election_after_seconds", "--election-after", ("gateway",)),
               ("rebalance_objects", "--rebalance-objects", ("target",)),
+              ("rebalance_rate_bytes", "--rebalance-rate", ("target",)),
               ("spread_chunks", "--no-spread-chunks", ("target",)))
 
 

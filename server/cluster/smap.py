@@ -12,6 +12,11 @@ Invariants:
   that order; an object's ``copies`` copies are on the first ones.
 - Versions only grow; ``save`` is atomic (write, fsync, rename), so a restarted gateway
   starts from the last map it answered with.
+- A target being removed (``leaving``, AIStore's decommission) stays in ``targets`` — it still
+  serves what it holds, lists it, answers neighbours — but places nothing: ``placed`` (what
+  HRW ranks) leaves it out, and ``wire()`` flags it as AIStore does (``SNODE_DECOMM``), which
+  the SDK's own placement skips too. Once its objects are on their new holders the primary
+  ``retired`` it: out of the map, its id kept in ``removed`` (its joins are refused).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from server.cluster.spreadnames import owner_bucket
 
 PROXY, TARGET = "proxy", "target"
 COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
+REMOVED_KEPT = 1000  # ids of removed targets the map remembers (their joins are refused)
 
 
 class UnreadableMap(ValueError):
@@ -56,6 +62,8 @@ class ClusterMap:
     created: str
     # buckets whose copies are not the default: (bucket, copies) pairs, sorted (a bucket property)
     bucket_copies: tuple[tuple[str, int], ...] = ()
+    leaving: tuple[str, ...] = ()  # targets being removed: they hold data, HRW places nothing on them
+    removed: tuple[str, ...] = ()  # targets removed for good (oldest first): their joins are refused
 
     @classmethod
     def new(cls, primary: ClusterNode) -> "ClusterMap":
@@ -70,8 +78,13 @@ class ClusterMap:
         return {n.id: n for n in self.nodes if n.kind == TARGET}
 
     @functools.cached_property
+    def placed(self) -> dict[str, ClusterNode]:
+        """The targets objects are placed on: all but the ``leaving`` ones (shared: do not modify)."""
+        return {i: n for i, n in self.targets.items() if i not in self.leaving}
+
+    @functools.cached_property
     def _target_digests(self) -> dict[str, int]:
-        return {i: n.digest for i, n in self.targets.items()}
+        return {i: n.digest for i, n in self.placed.items()}
 
     @functools.cached_property
     def _copies_of(self) -> dict[str, int]:
@@ -84,13 +97,13 @@ class ClusterMap:
     @property
     def copies(self) -> int:
         """The default copies of an object: two once the cluster has two targets (one before)."""
-        return min(COPIES, len(self.targets)) or 1
+        return min(COPIES, len(self.placed)) or 1
 
     def copies_for(self, bucket: str) -> int:
         """Copies of each object of ``bucket``: its property (``with_copies``), else the default;
-        never more than there are targets."""
+        never more than there are targets to place them on."""
         wanted = self._copies_of.get(owner_bucket(bucket) or bucket, COPIES)  # a chunk: as its object
-        return min(wanted, len(self.targets)) or 1
+        return min(wanted, len(self.placed)) or 1
 
     def holders(self, bucket: str, objname: str) -> list[ClusterNode]:
         """The targets that keep the object's copies: the first ``copies_for(bucket)`` in HRW order."""
@@ -123,11 +136,29 @@ class ClusterMap:
         return dataclasses.replace(self, version=self.version + 1, nodes=nodes)
 
     def without(self, node_id: str) -> "ClusterMap":
-        """This map without the node (a target given up on: its copies get rebuilt elsewhere)."""
+        """This map without the node (a target given up on: its copies get rebuilt elsewhere).
+        A leaving target dropped so (it died while being removed) is removed for good: it was
+        to go, and its copies are rebuilt from the others like any dead target's."""
         if self.node(node_id) is None:
             return self
+        if node_id in self.leaving:
+            return self.retired(node_id)
         return dataclasses.replace(self, version=self.version + 1,
                                    nodes=tuple(n for n in self.nodes if n.id != node_id))
+
+    def with_leaving(self, node_id: str) -> "ClusterMap":
+        """This map with target ``node_id`` being removed (the same map if it is already)."""
+        if node_id in self.leaving:
+            return self
+        return dataclasses.replace(self, version=self.version + 1, leaving=tuple(sorted((*self.leaving, node_id))))
+
+    def retired(self, node_id: str) -> "ClusterMap":
+        """This map without target ``node_id``, remembered as removed (its joins are refused)."""
+        removed = tuple(i for i in self.removed if i != node_id) + (node_id,)
+        return dataclasses.replace(self, version=self.version + 1,
+                                   nodes=tuple(n for n in self.nodes if n.id != node_id),
+                                   leaving=tuple(i for i in self.leaving if i != node_id),
+                                   removed=removed[-REMOVED_KEPT:])
 
     def with_primary_url(self, url: str) -> "ClusterMap":
         me = self.node(self.primary)
@@ -135,15 +166,30 @@ class ClusterMap:
 
     # -- placement ----------------------------------------------------------------------------
     def ranked(self, bucket: str, objname: str) -> list[ClusterNode]:
-        targets = self.targets
+        """The ``placed`` targets in the object's HRW order."""
+        targets = self.placed
         if not targets:
             return []
         order = hrw.ranked(hrw.digest(hrw.uname(bucket, objname)), self._target_digests)
         return [targets[i] for i in order]
 
+    @functools.cached_property
+    def _leaving_targets(self) -> list[ClusterNode]:
+        return [self.targets[i] for i in self.leaving if i in self.targets]
+
+    def sources(self, bucket: str, objname: str) -> list[ClusterNode]:
+        """Every target that may hold a copy, in the order to ask (get from neighbour):
+        ``ranked``, then the leaving ones (until their walk moved it, they hold what they held)."""
+        return self.ranked(bucket, objname) + self._leaving_targets
+
+    def copies_at(self, bucket: str, objname: str) -> list[ClusterNode]:
+        """Where a copy is looked for when a holder lacks it: ``holders``, then the leaving
+        targets (a bucket of one copy: its only copy is there until the walk moved it)."""
+        return self.holders(bucket, objname) + self._leaving_targets
+
     def holders_many(self, objects: Sequence[tuple[str, str]]) -> list[list[ClusterNode]]:
         """``holders`` of each (bucket, objname), computed together (``hrw.ranked_many``)."""
-        targets = self.targets
+        targets = self.placed
         if not targets or not objects:
             return [[] for _ in objects]
         ids = list(targets)
@@ -170,7 +216,7 @@ class ClusterMap:
             host, _, port = hostport.rpartition(":")
             net = {"node_ip_addr": host.strip("[]"), "daemon_port": port, "direct_url": n.url}
             return {"public_net": net, "intra_data_net": net, "intra_control_net": net, "daemon_type": n.kind,
-                    "daemon_id": n.id, "flags": 0, "id_digest": n.digest}
+                    "daemon_id": n.id, "flags": hrw.SNODE_DECOMM if n.id in self.leaving else 0, "id_digest": n.digest}
 
         primary = self.node(self.primary)
         return {"pmap": {i: snode(n) for i, n in self.proxies.items()},
@@ -180,14 +226,17 @@ class ClusterMap:
 
     def to_json(self) -> dict:
         return {"version": self.version, "uuid": self.uuid, "primary": self.primary, "created": self.created,
-                "nodes": [dataclasses.asdict(n) for n in self.nodes], "bucket_copies": dict(self.bucket_copies)}
+                "nodes": [dataclasses.asdict(n) for n in self.nodes], "bucket_copies": dict(self.bucket_copies),
+                "leaving": list(self.leaving), "removed": list(self.removed)}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ClusterMap":
         return cls(int(doc["version"]), str(doc["uuid"]), str(doc["primary"]),
                    tuple(ClusterNode(str(n["id"]), str(n["url"]), str(n["kind"])) for n in doc["nodes"]),
                    str(doc["created"]),
-                   tuple(sorted((str(b), int(c)) for b, c in (doc.get("bucket_copies") or {}).items())))
+                   tuple(sorted((str(b), int(c)) for b, c in (doc.get("bucket_copies") or {}).items())),
+                   tuple(sorted(str(i) for i in doc.get("leaving") or ())),  # absent in maps of earlier versions
+                   tuple(str(i) for i in doc.get("removed") or ()))
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

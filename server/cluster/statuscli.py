@@ -2,7 +2,8 @@
 
 It reads the gateway's ``GET /v1/cluster/status`` (the map, each node's health as the gateway
 sees it, each live target's rebalance progress) and prints one line per node. Exit status: 0
-when every node is up and no rebalance is running, 3 while a rebalance runs (or is due again), 4 when a target is
+when every node is up and no rebalance is running, 3 while a rebalance runs (or is due again)
+or a target is leaving (``cluster remove``), 4 when a target is
 down, 1 when the gateway cannot be asked (the reason on stderr). A token-protected gateway takes
 the token from ``--token-file`` or ``AIS_AUTHN_TOKEN`` (as the aistore SDK does).
 """
@@ -45,6 +46,7 @@ def render(doc: dict) -> tuple[str, int]:
     for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):
         kind = "gateway" + (" (primary)" if n.get("primary") else "") if n["kind"] == "proxy" else "target"
         state = "?" if n["alive"] is None else "up" if n["alive"] else "DOWN"  # ?: a secondary does not probe gateways
+        state += ", leaving" if n.get("leaving") else ""  # cluster remove: its objects are moving to the others
         rows.append((n["id"], kind, state, n["url"], _rebalance(n.get("rebalance"))))
     widths = [max(len(r[i]) for r in rows + [("NODE", "ROLE", "STATE", "URL", "")]) for i in range(4)]
     for r in [("NODE", "ROLE", "STATE", "URL", "")] + rows:
@@ -52,23 +54,32 @@ def render(doc: dict) -> tuple[str, int]:
     targets = [n for n in doc["nodes"] if n["kind"] != "proxy"]
     code = 4 if any(not n["alive"] for n in targets) else \
         3 if any((n.get("rebalance") or {}).get("running") or (n.get("rebalance") or {}).get("retry_in")
-                 for n in targets) else 0
+                 or n.get("leaving") for n in targets) else 0
     return "\n".join(lines), code
+
+
+def add_token_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="a file holding the bearer token of a "
+                   "token-protected cluster (without it: the token itself from $AIS_AUTHN_TOKEN, if set, as the "
+                   "aistore SDK takes it)")
+
+
+def auth_headers(token_file: Path | None) -> dict:
+    token = token_file.read_text().strip() if token_file else os.environ.get("AIS_AUTHN_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
                                 "progress, as the gateway at URL sees them.",
-                                epilog="exit status: 0 every target up and no rebalance due, 3 rebalance running (or due again), 4 a target "
+                                epilog="exit status: 0 every target up and no rebalance due, 3 rebalance running (or due again) or a target "
+                                "leaving, 4 a target "
                                 "down (a gateway down shows as DOWN, or ? through a secondary, which does not probe gateways), 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
-    p.add_argument("--token-file", type=Path, metavar="FILE", help="a file holding the bearer token of a "
-                   "token-protected cluster (without it: the token itself from $AIS_AUTHN_TOKEN, if set, as the "
-                   "aistore SDK takes it)")
+    add_token_argument(p)
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     a = p.parse_args(argv)
-    token = a.token_file.read_text().strip() if a.token_file else os.environ.get("AIS_AUTHN_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = auth_headers(a.token_file)
     url = a.gateway.rstrip("/") + "/v1/cluster/status"
     try:
         r = httpx.get(url, headers=headers, timeout=10)

@@ -20,10 +20,12 @@ SECRET = "cluster-secret-for-tests-" + "0123456789abcdef" * 2
 
 
 def ranked(smap: dict, bucket: str, name: str) -> list[str]:
-    """Target ids in HRW order for an object, from a map as the SDK reads it (``what=smap``)."""
+    """Target ids in HRW order for an object, from a map as the SDK reads it (``what=smap``):
+    without targets flagged leaving (being removed), as the SDK places."""
     from batchfs.wire import hrw
 
-    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)), {i: n["id_digest"] for i, n in smap["tmap"].items()})
+    return hrw.ranked(hrw.digest(hrw.uname(bucket, name)),
+                      {i: d for i, (d, _) in hrw.smap_targets(smap).items()})
 
 
 _IDS: dict[str, str] = {}  # node URL -> id, from every map ``Cluster.smap`` read (with its token)

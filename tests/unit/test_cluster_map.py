@@ -20,3 +20,39 @@ def test_holders_many_equals_holders_one_by_one():
     assert _map(3).holders_many([]) == []
     no_targets = ClusterMap(1, "uuid", "gw1", (ClusterNode("gw1", "http://127.0.0.1:1", PROXY),), "now")
     assert no_targets.holders_many([("b", "o")]) == [[]]
+
+
+def test_a_leaving_target_places_nothing_but_is_still_asked():
+    """``with_leaving``: HRW ranks the others (as the SDK does, reading the flag from the wire
+    map); the leaving target is still a target, last among where a copy is looked for."""
+    from batchfs.wire import hrw
+
+    full = _map(4)
+    smap = full.with_leaving("t2")
+    assert smap.version == full.version + 1 and smap.with_leaving("t2") is smap
+    assert set(smap.targets) == {"t0", "t1", "t2", "t3"} and set(smap.placed) == {"t0", "t1", "t3"}
+    without = full.without("t2")
+    objects = [(b, f"k/{i}") for i in range(300) for b in ("plain", "three", "one")]
+    assert [smap.holders(b, o) for b, o in objects] == [without.holders(b, o) for b, o in objects]
+    assert smap.holders_many(objects) == without.holders_many(objects)
+    assert all(smap.sources(b, o)[-1].id == "t2" and smap.copies_at(b, o)[-1].id == "t2" for b, o in objects)
+    wire = smap.wire()
+    assert wire["tmap"]["t2"]["flags"] == hrw.SNODE_DECOMM and wire["tmap"]["t0"]["flags"] == 0
+    placed = hrw.smap_targets(wire)  # what the mount's and the SDK's placement rank
+    assert set(placed) == {"t0", "t1", "t3"}
+    for b, o in objects[:50]:
+        assert hrw.owner(hrw.digest(hrw.uname(b, o)), {i: d for i, (d, _) in placed.items()}) == smap.owner(b, o).id
+    assert ClusterMap.from_json(smap.to_json()) == smap  # kept on disk as it is
+    copies_two = _map(2).with_leaving("t1")
+    assert copies_two.copies == 1 and copies_two.copies_for("three") == 1  # never more than the placed targets
+
+
+def test_a_removed_target_is_remembered_and_a_dead_leaving_one_too():
+    smap = _map(3).with_leaving("t1")
+    gone = smap.retired("t1")
+    assert gone.node("t1") is None and gone.leaving == () and gone.removed == ("t1",)
+    assert gone.version == smap.version + 1
+    assert smap.without("t1").removed == ("t1",)  # died while leaving: removed for good
+    assert _map(3).without("t1").removed == ()  # an ordinary dead target may come back
+    old_doc = {k: v for k, v in _map(3).to_json().items() if k not in ("leaving", "removed")}
+    assert ClusterMap.from_json(old_doc) == _map(3)  # a map kept by an earlier version

@@ -1,0 +1,161 @@
+"""Removing a target for good (AIStore's decommission), through any gateway.
+
+``PUT /v1/cluster`` with ``{"action": "decommission-node", "value": {"sid": TARGET_ID}}`` —
+what ``ais cluster add-remove-nodes decommission`` sends, and ``batchfs-server cluster remove``:
+
+1. The primary marks the target leaving (``ClusterMap.with_leaving``): a new map version that
+   places nothing on it (the flag AIStore's SDK skips too), while it still serves, lists and
+   answers neighbours for what it holds.
+2. Every target walks its objects under that map (``server.api.rebalance``); the leaving one
+   sends each object to its holders and lets go of its copy once every holder has one.
+3. The primary's health round asks the leaving target about its walk (``finish_leaving``): once
+   it walked the current map without a failure and stores nothing, the primary removes it (a
+   map without it, its id in ``removed``) and pushes it that map; the target stops (exit 0).
+   A removed id's join is answered 410 (``refuse_removed``).
+
+Invariants: a target is removed only once it stores no object and its last walk found every
+holder holding its copies — nothing it held is lost; a refused request changes nothing; a
+secondary gateway passes the removal on to the primary (signed ``POST /v1/cluster/remove``).
+A target that dies while leaving is dropped after ``--rebuild-after`` like any dead target, and
+stays removed (``ClusterMap.without``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from server.api.gateway_map import (PROBE_SECONDS, PUSH_TIMEOUT, Gateway, NotImplementedThroughGateway, Unavailable,
+                                    gateway_of, passthrough)
+from server.api.state import OP_KEY, read_json
+from server.cluster import peers
+from server.cluster.smap import TARGET, ClusterMap
+from server.errors import BadRequest, Conflict, NotFound, StoreError
+
+log = logging.getLogger(__name__)
+
+DECOMMISSION = "decommission-node"  # AIStore's apc.ActDecommissionNode
+REMOVE_PATH = "/v1/cluster/remove"  # signed: a secondary gateway passes a removal on to the primary
+# AIStore's apc.ActValRmNode besides "sid": each changes what a removal does; only their defaults are served
+_RM_OPTIONS = ("skip_rebalance", "rm_user_data", "keep_initial_config", "no_shutdown")
+
+
+class Gone(StoreError):
+    status = 410
+
+
+async def cluster_action(request: web.Request) -> web.Response:
+    """``PUT /v1/cluster``: the one cluster action served is ``decommission-node``."""
+    request[OP_KEY] = "cluster"
+    msg = await read_json(request)
+    action = msg.get("action") if isinstance(msg, dict) else None
+    if action != DECOMMISSION:
+        raise NotImplementedThroughGateway(f"PUT /v1/cluster action {action!r} is not served by a batchfs cluster "
+                                           f"(served: {DECOMMISSION}); nothing was changed")
+    value = msg.get("value")
+    if not isinstance(value, dict) or not isinstance(value.get("sid"), str) or not value["sid"]:
+        raise BadRequest(f'{DECOMMISSION} wants {{"value": {{"sid": TARGET_ID}}}}; nothing was changed')
+    unknown = sorted(set(value) - {"sid", *_RM_OPTIONS})
+    if unknown:
+        raise BadRequest(f"{DECOMMISSION}: unknown field(s) {', '.join(unknown)}; nothing was changed")
+    asked = sorted(k for k in _RM_OPTIONS if value.get(k))
+    if asked:
+        raise NotImplementedThroughGateway(
+            f"{DECOMMISSION} with {', '.join(asked)} is not served: a removed target's objects always move to the "
+            "others first, its data directories are kept, and it stops; nothing was changed")
+    return await _remove(request, gateway_of(request), value["sid"])
+
+
+async def remove_passed_on(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/remove`` (signed, on the primary): ``{"sid"}``, a secondary's removal."""
+    request[OP_KEY] = "cluster"
+    gw = gateway_of(request)
+    gw.refuse_second_hop(request)
+    doc = await read_json(request)
+    if not isinstance(doc, dict) or not isinstance(doc.get("sid"), str) or not doc["sid"]:
+        raise BadRequest('the body must be {"sid": TARGET_ID}')
+    return await _remove(request, gw, doc["sid"])
+
+
+async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
+    if not gw.primary:
+        return passthrough(*await gw.to_primary("POST", REMOVE_PATH, json.dumps({"sid": sid}).encode()))
+    smap = gw.smap
+    node = smap.node(sid)
+    if node is None and sid in smap.removed:
+        return web.Response(text=f"target {sid} was removed from cluster {smap.uuid} already\n")
+    if node is None:
+        raise NotFound(f"{sid!r} is not a node of cluster {smap.uuid} (targets: {', '.join(sorted(smap.targets))})")
+    if node.kind != TARGET:
+        raise NotImplementedThroughGateway(
+            f"{sid} is a gateway: removing one is not served — stop it; the primary drops it from the map after "
+            "--rebuild-after seconds down; nothing was changed")
+    if sid in gw.down:
+        raise Unavailable(f"target {sid} is down: a removal moves its objects, which it cannot do now — start it "
+                          "again, or leave it down: after --rebuild-after seconds it is dropped and its copies are "
+                          "rebuilt from the others; nothing was changed")
+
+    def leaving(m: ClusterMap) -> ClusterMap:
+        if m.node(sid) is None or sid in m.leaving:
+            return m
+        if len(m.placed) <= 1:
+            raise Conflict(f"target {sid} is the cluster's last (not leaving) one: its objects would have nowhere "
+                           "to go; nothing was changed")
+        return m.with_leaving(sid)
+
+    new = await gw.change(leaving, f"target {sid} leaving: its objects move to the others, then it is removed")
+    return web.Response(text=f"target {sid} is leaving cluster {new.uuid} (map v{new.version}): its objects move to "
+                             "the others, then it is removed and stops; 'batchfs-server cluster status' shows the "
+                             "progress\n")
+
+
+def refuse_removed(gw: Gateway, node_id: str) -> None:
+    """Gone for the join of a target removed from this cluster (it stops when told)."""
+    if node_id in gw.smap.removed and gw.smap.node(node_id) is None:
+        raise Gone(f"target {node_id} was removed from cluster {gw.smap.uuid} (cluster remove): it does not "
+                   "join again. To add this machine again, start it on empty data directories (a new target)")
+
+
+async def finish_leaving(gw: Gateway) -> None:
+    """On the primary, each health round: remove every leaving target whose walk of the current
+    map ended clean (no failure, nothing left stored), then tell it."""
+    for sid in gw.smap.leaving:
+        node = gw.smap.node(sid)
+        if node is None or sid in gw.down:
+            continue
+        version = gw.smap.version
+        try:
+            async with peers.signed(gw.session, gw.secret, "GET", node.url, "/v1/cluster/rebalance", to=sid,
+                                    timeout=aiohttp.ClientTimeout(total=PROBE_SECONDS)) as r:
+                walk = await r.json() if r.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            continue
+        if walk.get("clean_version") != version or walk.get("running"):
+            continue
+
+        def retire(m: ClusterMap, sid=sid) -> ClusterMap:  # not if the map changed since the walk was asked
+            return m.retired(sid) if m.version == version and sid in m.leaving else m
+
+        try:
+            new = await gw.change(retire, f"target {sid} removed: everything it held is on the others")
+        except Unavailable as e:
+            log.warning("target %s has moved its objects but is not removed yet: %s", sid, e)
+            return
+        if new.node(sid) is None:
+            await _tell(gw, node, new)
+
+
+async def _tell(gw: Gateway, node, smap: ClusterMap) -> None:
+    """Push the map that removes it to the removed target (it stops); if this is lost, its next
+    join is answered 410 (``refuse_removed``) and it stops then."""
+    try:
+        async with peers.signed(gw.session, gw.secret, "POST", node.url, "/v1/cluster/map", to=node.id,
+                                body=json.dumps(smap.to_json()).encode(),
+                                headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
+            await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        log.info("target %s removed; telling it failed (%s): its next join is refused", node.id, e)

@@ -1,0 +1,157 @@
+"""Removing a target for good (``batchfs-server cluster remove``, AIStore's ``decommission-node``;
+server/api/gateway_remove.py), with real processes: the target is flagged leaving (the SDK's
+placement skips it), every object stays readable byte for byte while its objects move — those of
+a bucket of one copy too, whose only copy it held — then the primary removes it, it stops by
+itself (exit 0) holding no object, every object is on exactly its holders under the new map,
+and started again on its data directories it is refused and stops. Refused requests change
+nothing."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import subprocess
+
+import httpx
+
+from server.cluster.spreadnames import chunks_bucket
+from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, until
+from tests.support.getbatch import blob, moss, sdk_client, tar_members
+from tests.support.processes import BIN
+
+
+def _decommission(cluster: Cluster, value, action: str = "decommission-node") -> httpx.Response:
+    return httpx.put(f"{cluster.url}/v1/cluster", json={"action": action, "value": value}, timeout=30)
+
+
+def _read_all(cluster: Cluster, objs: dict[tuple[str, str], bytes]) -> None:
+    """Every object byte for byte: through the gateway, straight to its owner (the SDK's
+    ``direct=True``, by its own placement), and in one GetBatch per bucket."""
+    client = sdk_client(cluster.url)
+    for (bucket, name), data in objs.items():
+        assert client.bucket(bucket).object(name).get_reader().read_all() == data, (bucket, name)
+        assert client.bucket(bucket).object(name).get_reader(direct=True).read_all() == data, (bucket, name)
+    for bucket in {b for b, _ in objs}:
+        names = sorted(n for b, n in objs if b == bucket)
+        r = moss(cluster.url, bucket, {"in": [{"objname": n} for n in names], "mime": ".tar", "strm": True})
+        assert r.status_code == 200, r.text
+        assert tar_members(r.content) == [(f"{bucket}/{n}", objs[bucket, n]) for n in names]
+
+
+def _objects_in_catalog(data_dirs) -> int:
+    total = 0
+    for d in data_dirs:
+        db = sqlite3.connect(f"file:{d}/.batchfs/catalog.sqlite?mode=ro", uri=True)
+        try:
+            total += db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
+        finally:
+            db.close()
+    return total
+
+
+def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
+    # the walk paced (--rebalance-rate) so that reads happen while the leaving target still
+    # holds what it is to hand over; small chunks so that a small object is spread
+    cluster = Cluster(tmp_path, targets=3, target_args=("--rebalance-objects", "1", "--rebalance-rate", "256KiB",
+                                                        "--chunk-size", "256KiB"))
+    try:
+        cluster.start()
+        client = sdk_client(cluster.url)
+        for bucket in ("two", "one"):
+            client.bucket(bucket).create()
+        r = httpx.patch(f"{cluster.url}/v1/buckets/one", timeout=10,
+                        json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}})
+        assert r.status_code == 200, r.text
+        rng = random.Random(11)
+        objs = {(b, f"o/{i:03d}"): blob(f"{b}{i}", rng.choice([0, 3_000, 16_000])) for b in ("two", "one")
+                for i in range(24)}
+        objs["two", "spread"] = blob("spread", 700_000)  # three chunks, each an object on two targets
+        for (bucket, name), data in objs.items():
+            client.bucket(bucket).object(name).get_writer().put_content(data)
+        cluster.wait_rebalanced()
+        smap = cluster.smap()
+        victim, victim_proc = cluster.target_id(0), cluster.targets[0]
+        only_there = [n for b, n in objs if b == "one" and ranked(smap, "one", n)[0] == victim]
+        assert only_there  # the only copy of these is on the target to remove
+
+        version = smap["version"]
+        gateway_id = next(iter(smap["pmap"]))
+        assert _decommission(cluster, {"sid": "nosuch"}).status_code == 404
+        assert _decommission(cluster, {"sid": gateway_id}).status_code == 501
+        for option in ("skip_rebalance", "rm_user_data", "keep_initial_config", "no_shutdown"):
+            r = _decommission(cluster, {"sid": victim, option: True})
+            assert r.status_code == 501 and option in r.json()["message"], (option, r.text)
+        assert _decommission(cluster, {"sid": victim, "bogus": 1}).status_code == 400
+        assert _decommission(cluster, {"sid": victim}, action="start-maintenance").status_code == 501
+        assert _decommission(cluster, "x").status_code == 400
+        assert cluster.smap()["version"] == version  # refused: nothing changed
+
+        r = _decommission(cluster, {"sid": victim})
+        assert r.status_code == 200 and "leaving" in r.text, r.text
+        leaving = cluster.smap()
+        assert leaving["tmap"][victim]["flags"] == 1 << 3  # AIStore's decommission flag: nothing is placed there
+        # while it leaves (its walk sends 256 KiB a second, chunks first): the only copies it holds
+        # are read through their new owner (get from neighbour), directly, and in a GetBatch
+        urls = {i: n["public_net"]["direct_url"] for i, n in leaving["tmap"].items()}
+        not_moved = [n for n in reversed(only_there)
+                     if holds(victim_proc.url, "one", n) and not holds(urls[ranked(leaving, "one", n)[0]], "one", n)]
+        assert not_moved, "the walk moved everything before a read: nothing was read from the leaving target"
+        r = moss(cluster.url, "one", {"in": [{"objname": n} for n in not_moved], "mime": ".tar", "strm": True})
+        assert r.status_code == 200 and tar_members(r.content) == [(f"one/{n}", objs["one", n]) for n in not_moved]
+        for n in not_moved:
+            assert client.bucket("one").object(n).get_reader().read_all() == objs["one", n]
+            assert client.bucket("one").object(n).get_reader(direct=True).read_all() == objs["one", n]
+        _read_all(cluster, objs)
+
+        # asked again, through the CLI, which waits for the end: the same removal
+        r = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", "--wait", "--timeout", "120",
+                            cluster.url, victim], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0 and f"target {victim} removed" in r.stdout, (r.stdout, r.stderr)
+        assert victim_proc.proc.wait(timeout=30) == 0  # it stops by itself
+        assert _objects_in_catalog(victim_proc.data_dirs) == 0  # holding nothing
+        assert "removed from its cluster" in "".join(victim_proc.output)
+        st = cluster.wait_rebalanced()
+        assert victim not in {n["id"] for n in st["nodes"]} and len(st["nodes"]) == 3
+        smap, left = cluster.smap(), cluster.targets[1:]
+        urls = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+        for (bucket, name) in objs:
+            want = set(ranked(smap, bucket, name)[:1 if bucket == "one" else 2])
+            assert {i for i, u in urls.items() if holds(u, bucket, name)} == want, (bucket, name)
+        spread = chunk_names(left, "two", "spread")
+        assert len(spread) == 3
+        for c in spread:
+            assert {i for i, u in urls.items() if holds(u, chunks_bucket("two"), c)} == set(
+                ranked(smap, chunks_bucket("two"), c)[:2]), c
+        _read_all(cluster, objs)
+        assert sorted((b, e.name) for b in ("two", "one") for e in client.bucket(b).list_all_objects()) == sorted(objs)
+        assert _decommission(cluster, {"sid": victim}).status_code == 200  # removed already: said so
+        status = subprocess.run([str(BIN / "batchfs-server"), "cluster", "status", cluster.url],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and victim not in status.stdout, status.stdout
+
+        # started again on its data directories: its join is refused (410) and it stops
+        cmd = [str(BIN / "batchfs-server"), "--listen", "127.0.0.1:0"]
+        for d in victim_proc.data_dirs:
+            cmd += ["--data", str(d)]
+        again = subprocess.run(cmd + victim_proc.args, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "was removed from cluster" in again.stdout + again.stderr, again.stderr
+        assert victim not in cluster.smap()["tmap"]
+    finally:
+        cluster.stop()
+
+
+def test_the_last_target_is_not_removed(tmp_path):
+    cluster = Cluster(tmp_path, targets=1)
+    try:
+        cluster.start()
+        only = cluster.target_id(0)
+        version = cluster.smap()["version"]
+        r = _decommission(cluster, {"sid": only})
+        assert r.status_code == 409 and "last" in r.json()["message"], r.text
+        assert cluster.smap()["version"] == version and only in cluster.smap()["tmap"]
+        # the CLI says why, exit 1
+        out = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", cluster.url, only],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "HTTP 409" in out.stderr, out.stderr
+    finally:
+        cluster.stop()
