@@ -183,6 +183,8 @@ class Gateway(GatewayElections):
             if gone is None:  # it left the map meanwhile (a rejoin under another id)
                 self.probes.forget(tid)
                 continue
+            if set(self.smap.placed) == {tid} and len(self.smap.targets) > 1:  # the others are leaving
+                continue  # kept: without it nothing could be placed (it is routed around while down)
             what = (f"{gone.kind} {tid} dropped after {self.rebuild_after:.0f} s down"
                     + ("" if gone.kind == PROXY else "; its copies are rebuilt on the others"))
             try:

@@ -13,11 +13,14 @@ what ``ais cluster add-remove-nodes decommission`` sends, and ``batchfs-server c
    map without it, its id in ``removed``) and pushes it that map; the target stops (exit 0).
    A removed id's join is answered 410 (``refuse_removed``).
 
-Invariants: a target is removed only once it stores no object and its last walk found every
-holder holding its copies — nothing it held is lost; a refused request changes nothing; a
+Invariants: a target is removed only once it stores no object, writes none, and its last walk
+found every holder holding its copies — nothing it held is lost; while it leaves it takes no
+copy and redirects clients' reads and writes to the holders (``server.api.replicas``), so
+nothing lands on it after its walk passed and no stale byte is served; it is marked leaving
+only while another target objects are placed on is up. A refused request changes nothing; a
 secondary gateway passes the removal on to the primary (signed ``POST /v1/cluster/remove``).
-A target that dies while leaving is dropped after ``--rebuild-after`` like any dead target, and
-stays removed (``ClusterMap.without``).
+A target that dies while leaving is dropped after ``--rebuild-after`` like any dead target, not
+removed: back, it joins as an ordinary one (``ClusterMap.without``).
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
         if len(m.placed) <= 1:
             raise Conflict(f"target {sid} is the cluster's last (not leaving) one: its objects would have nowhere "
                            "to go; nothing was changed")
+        if not [i for i in m.placed if i != sid and i not in gw.down]:
+            raise Unavailable(f"every other target objects are placed on is down: {sid}'s objects would have "
+                              "nowhere to go; nothing was changed")
         return m.with_leaving(sid)
 
     new = await gw.change(leaving, f"target {sid} leaving: its objects move to the others, then it is removed")

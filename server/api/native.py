@@ -120,7 +120,9 @@ async def put_object(request: web.Request) -> web.Response:
     q = request.query
     if bool_param(request, "latest-ver") or bool_param(request, "synchronize"):
         raise BadRequest("latest-ver and synchronize apply to remote buckets; only ais:// buckets exist here")
-    copy_of = await _replica_write(request)
+    copy_of = await replicas.replica_write(request)
+    if copy_of is not None:
+        replicas.refuse_copy_if_leaving(request.app, bucket, name)
     if copy_of is None and replicas.SPREAD_PARAM in q:
         raise BadRequest(f"{replicas.SPREAD_PARAM}= is for copies between targets of a cluster")
     if copy_of is None and (elsewhere := replicas.misplaced(request, bucket, name)) is not None:
@@ -166,16 +168,6 @@ async def put_object(request: web.Request) -> web.Response:
     if copy_of is None:  # a copy deletes no chunks of what it replaced: it cannot tell older from newer
         meta = await spread.after_put(request, bucket, name, meta)
     return web.Response(text="", headers=object_headers(meta))
-
-
-async def _replica_write(request: web.Request) -> str | None:
-    """The checksum a copy was sent with, when this PUT or DELETE is another target's copy of
-    an object (signed, ``?replica=1``); None for a client's request."""
-    if replicas.REPLICA_PARAM not in request.query:
-        return None
-    if not await auth.cluster_signed(request):
-        raise BadRequest(f"{replicas.REPLICA_PARAM}=1 is for requests between targets of a cluster")
-    return request.query.get(replicas.CKSUM_PARAM, "")
 
 
 async def _read_body(request: web.Request, write) -> int:
@@ -279,6 +271,8 @@ async def head_object(request: web.Request) -> web.StreamResponse:
     if unknown:
         raise BadRequest(f"unknown object properties: {', '.join(sorted(unknown))}")
     gfn = await neighbours.is_gfn(request)  # a client's gfn=1: 400 whether this target holds it or not
+    if (holder := await replicas.leaving_redirect(request, bucket, name)) is not None:
+        return holder
     try:
         meta = request.app[NODE].lookup(bucket, name)
     except NotFound as e:
@@ -302,6 +296,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Ais-Blob-Download", "").lower() == "true":
         raise BadRequest("blob download applies to remote buckets; only ais:// buckets exist here")
     header = request.headers.get("Range")
+    if (holder := await replicas.leaving_redirect(request, bucket, name)) is not None:
+        return holder  # a client with a map older than this target's removal: the holder's is the newest
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).
@@ -389,7 +385,7 @@ async def send_object(request: web.Request, obj: OpenObject | spread.Streamed,
 async def delete_object(request: web.Request) -> web.Response:
     request[OP_KEY] = "delete"
     bucket, name = await _names(request)
-    copy = await _replica_write(request) is not None
+    copy = await replicas.replica_write(request) is not None
     try:
         meta = await asyncio.to_thread(request.app[NODE].delete, bucket, name, None,
                                        replicas.tombstone_time(request.app))

@@ -168,10 +168,14 @@ class Rebalancer:
                 self.state["walks"] += 1
 
     async def _still_holds(self) -> bool:
-        """Whether this target stores any object (a leaving one must not, to be removed)."""
+        """Whether this target stores any object, or is writing one (a file in a mountpath's
+        tmp: a PUT that began before it learned it is leaving) — a leaving one must not, to be
+        removed."""
         node = self.app[NODE]
 
         def any_object() -> bool:
+            if any(any(os.scandir(mp.tmp)) for mp in node.target_store.mountpaths):
+                return True
             for bucket in sorted(node.buckets):
                 try:
                     if node.list_page(bucket, "", "", 1)[0]:
@@ -296,6 +300,9 @@ class Rebalancer:
             return  # deleted meanwhile
         self.state["checked"] += 1
         holders = smap.holders(bucket, name)
+        if not holders:  # every target is leaving: nowhere to put it, so it stays (a review: it was dropped)
+            self._failed_step(f"ais://{bucket}/{name}: no target to place it on (every target is leaving)")
+            return
         others = [h for h in holders if h.id != me]
         seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its status, cksum, time
         for h in others:

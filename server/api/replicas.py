@@ -99,6 +99,16 @@ def copy_precondition(request: web.Request, writer, cksum: str):
     return check
 
 
+async def replica_write(request: web.Request) -> str | None:
+    """The checksum a copy was sent with, when this PUT or DELETE is another target's copy of
+    an object (signed, ``?replica=1``); None for a client's request."""
+    if REPLICA_PARAM not in request.query:
+        return None
+    if not await auth.cluster_signed(request):
+        raise BadRequest(f"{REPLICA_PARAM}=1 is for requests between targets of a cluster")
+    return request.query.get(CKSUM_PARAM, "")
+
+
 def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNode]:
     """The other targets that keep a copy of ``bucket/name`` (none on a single node)."""
     member = app.get(MEMBERSHIP)
@@ -107,6 +117,50 @@ def copy_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNo
     smap = member.smap
     me = app[NODE_INFO]["id"]
     return [n for n in smap.holders(bucket, name) if n.id != me]
+
+
+def delete_targets(app: web.Application, bucket: str, name: str) -> list[ClusterNode]:
+    """Where a delete must reach besides here: the other holders, then the targets being removed
+    (one may still hold the only copy of the object: its walk had not moved it yet)."""
+    member = app.get(MEMBERSHIP)
+    if member is None or member.smap is None:
+        return []
+    me = app[NODE_INFO]["id"]
+    return [n for n in member.smap.copies_at(bucket, name) if n.id != me]
+
+
+class Leaving(StoreError):
+    status = 503
+
+
+def leaving(app: web.Application) -> bool:
+    """Whether this target is being removed from its cluster (``cluster remove``)."""
+    member = app.get(MEMBERSHIP)
+    return member is not None and member.smap is not None and app[NODE_INFO]["id"] in member.smap.leaving
+
+
+def refuse_copy_if_leaving(app: web.Application, bucket: str, name: str) -> None:
+    """A target being removed takes no copy (it holds none by the map): a sender with a map
+    older than the removal would leave it one its walk had passed, lost when it is removed.
+    Refused, the sender's PUT fails (503, not acknowledged) or its walk tries again."""
+    if leaving(app):
+        raise Leaving(f"ais://{bucket}/{name}: target {app[NODE_INFO]['id']} is leaving the cluster (being "
+                      "removed): it takes no copies; ask again with the current cluster map")
+
+
+async def leaving_redirect(request: web.Request, bucket: str, name: str) -> web.Response | None:
+    """A client's GET or HEAD at a target being removed (its map is older than the removal: the
+    SDK's ``direct=True`` keeps its map until a 404): a 307 to the object's first holder, which
+    has the newest version and the tombstones — this target's copy may be older, or deleted
+    since. None for another node's request (get from neighbour, a GetBatch sender's) or when
+    this target is not leaving."""
+    if not leaving(request.app) or await auth.cluster_signed(request):
+        return None
+    member = request.app[MEMBERSHIP]
+    holders = member.smap.holders(bucket, name)
+    if not holders:
+        return None
+    return _redirect(request, holders[0])
 
 
 def misplaced(request: web.Request, bucket: str, name: str) -> web.Response | None:
@@ -121,12 +175,18 @@ def misplaced(request: web.Request, bucket: str, name: str) -> web.Response | No
     holders = member.smap.holders(bucket, name)
     if me not in member.smap.targets or any(h.id == me for h in holders):
         return None  # not in the map yet (joining), or a holder: store it
-    # as the client encoded it (yarl would requote), without a grant meant for this target
+    return _redirect(request, holders[0])
+
+
+def _redirect(request: web.Request, to: ClusterNode) -> web.Response:
+    """307 to the same request at ``to``: the path and query as the client encoded them (yarl
+    would requote), without a grant meant for this target, with one for ``to`` if tokens are on
+    (the client's library drops Authorization on the way)."""
     kept = [p for p in request.rel_url.raw_query_string.split("&") if p and not p.startswith(f"{GRANT_PARAM}=")]
     path_qs = request.rel_url.raw_path + ("?" + "&".join(kept) if kept else "")
-    if request.app[CONFIG].auth_token_digests:  # the client's library drops Authorization on the way
-        path_qs = request.app[CLUSTER_SECRET].granted(request.method, path_qs, f"pid={me}")
-    return web.Response(status=307, headers={"Location": holders[0].url + path_qs})
+    if request.app[CONFIG].auth_token_digests:
+        path_qs = request.app[CLUSTER_SECRET].granted(request.method, path_qs, f"pid={request.app[NODE_INFO]['id']}")
+    return web.Response(status=307, headers={"Location": to.url + path_qs})
 
 
 def tombstone_time(app: web.Application) -> int | None:
@@ -216,7 +276,7 @@ async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
     app = request.app
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1"
     found = 0
-    for node in copy_targets(app, bucket, name):
+    for node in delete_targets(app, bucket, name):
         try:
             async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", node.url, path_qs, to=node.id) as r:
                 if r.status == 200:

@@ -137,14 +137,14 @@ class ClusterMap:
 
     def without(self, node_id: str) -> "ClusterMap":
         """This map without the node (a target given up on: its copies get rebuilt elsewhere).
-        A leaving target dropped so (it died while being removed) is removed for good: it was
-        to go, and its copies are rebuilt from the others like any dead target's."""
+        A leaving target dropped so (it died while being removed) is not removed for good: back,
+        it joins again as an ordinary target and its walk brings back what it alone held (a
+        review: removed for good, the objects it had not handed over were lost)."""
         if self.node(node_id) is None:
             return self
-        if node_id in self.leaving:
-            return self.retired(node_id)
         return dataclasses.replace(self, version=self.version + 1,
-                                   nodes=tuple(n for n in self.nodes if n.id != node_id))
+                                   nodes=tuple(n for n in self.nodes if n.id != node_id),
+                                   leaving=tuple(i for i in self.leaving if i != node_id))
 
     def with_leaving(self, node_id: str) -> "ClusterMap":
         """This map with target ``node_id`` being removed (the same map if it is already)."""

@@ -9,13 +9,14 @@ nothing."""
 from __future__ import annotations
 
 import random
+import signal
 import sqlite3
 import subprocess
 
 import httpx
 
 from server.cluster.spreadnames import chunks_bucket
-from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, until
+from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, signed_for, until
 from tests.support.getbatch import blob, moss, sdk_client, tar_members
 from tests.support.processes import BIN
 
@@ -101,6 +102,25 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
         for n in not_moved:
             assert client.bucket("one").object(n).get_reader().read_all() == objs["one", n]
             assert client.bucket("one").object(n).get_reader(direct=True).read_all() == objs["one", n]
+        # a client whose map is older than the removal (it reads from the leaving target
+        # directly) gets the holder's bytes: an overwrite and a delete made since are seen
+        old_holder = [n for b, n in objs if b == "two" and n.startswith("o/") and victim in ranked(smap, "two", n)[:2]]
+        objs["two", old_holder[0]] = blob("rewritten", 5_000)
+        client.bucket("two").object(old_holder[0]).get_writer().put_content(objs["two", old_holder[0]])
+        direct = httpx.get(f"{victim_proc.url}/v1/objects/two/{old_holder[0]}", follow_redirects=True, timeout=10)
+        assert direct.status_code == 200 and direct.content == objs["two", old_holder[0]]
+        gone = not_moved[-1]  # its only copy is still on the leaving target: the delete reaches it there
+        assert holds(victim_proc.url, "one", gone)
+        assert httpx.delete(f"{cluster.url}/v1/objects/one/{gone}", follow_redirects=True, timeout=10).status_code == 200
+        del objs["one", gone]
+        assert httpx.get(f"{victim_proc.url}/v1/objects/one/{gone}", follow_redirects=True, timeout=10).status_code == 404
+        assert not holds(victim_proc.url, "one", gone)
+        # another target with a map older than the removal: its copy is refused (the sender's
+        # PUT fails, not acknowledged), never left on a target whose walk passed it
+        path_qs = "/v1/objects/two/late?replica=1&cksum=x"
+        r = httpx.put(victim_proc.url + path_qs, content=b"late", timeout=10,
+                      headers=signed_for(victim_proc.url, "PUT", path_qs))
+        assert r.status_code == 503 and "leaving" in r.text, r.text
         _read_all(cluster, objs)
 
         # asked again, through the CLI, which waits for the end: the same removal
@@ -124,6 +144,7 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
                 ranked(smap, chunks_bucket("two"), c)[:2]), c
         _read_all(cluster, objs)
         assert sorted((b, e.name) for b in ("two", "one") for e in client.bucket(b).list_all_objects()) == sorted(objs)
+        assert not any(holds(u, "one", gone) for u in urls.values())
         assert _decommission(cluster, {"sid": victim}).status_code == 200  # removed already: said so
         status = subprocess.run([str(BIN / "batchfs-server"), "cluster", "status", cluster.url],
                                 capture_output=True, text=True, timeout=60)
@@ -153,5 +174,59 @@ def test_the_last_target_is_not_removed(tmp_path):
         out = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", cluster.url, only],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "HTTP 409" in out.stderr, out.stderr
+    finally:
+        cluster.stop()
+
+
+def test_no_removal_while_the_other_targets_are_down(tmp_path):
+    cluster = Cluster(tmp_path, targets=2, gateway_args=("--rebuild-after", "300"))
+    try:
+        cluster.start()
+        keep, other = cluster.target_id(0), cluster.target_id(1)
+        cluster.targets[1].proc.kill()
+        cluster.targets[1].proc.wait()
+        until(lambda: not next(n for n in cluster.status()["nodes"] if n["id"] == other)["alive"], 30,
+              "the killed target seen down")
+        version = cluster.smap()["version"]
+        r = _decommission(cluster, {"sid": keep})  # its objects would have nowhere to go
+        assert r.status_code == 503 and "nowhere" in r.json()["message"], r.text
+        assert _decommission(cluster, {"sid": other}).status_code == 503  # down: it cannot hand anything over
+        assert cluster.smap()["version"] == version and not cluster.smap()["tmap"][keep]["flags"]
+    finally:
+        cluster.stop()
+
+
+def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp_path):
+    """Down for --rebuild-after while leaving, it is dropped like any dead target — not removed
+    for good: back, it joins as an ordinary target and what it alone held is read again (a
+    review: it was removed for good, and the objects it had not handed over were lost)."""
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"),
+                      target_args=("--rebalance-objects", "1", "--rebalance-rate", "8KiB"))
+    try:
+        cluster.start()
+        client = sdk_client(cluster.url)
+        client.bucket("one").create()
+        r = httpx.patch(f"{cluster.url}/v1/buckets/one", timeout=10,
+                        json={"action": "set-bprops", "value": {"mirror": {"copies": 1}}})
+        assert r.status_code == 200, r.text
+        objs = {f"o/{i:02d}": blob(f"one{i}", 8_000) for i in range(12)}
+        for name, data in objs.items():
+            client.bucket("one").object(name).get_writer().put_content(data)
+        cluster.wait_rebalanced()
+        victim, proc = cluster.target_id(0), cluster.targets[0]
+        assert any(ranked(cluster.smap(), "one", n)[0] == victim for n in objs)
+        assert _decommission(cluster, {"sid": victim}).status_code == 200
+        proc.proc.send_signal(signal.SIGSTOP)  # its walk sends one 8 KB object a second: most are still there
+        try:
+            until(lambda: victim not in cluster.smap()["tmap"], 30, "the stopped leaving target dropped")
+        finally:
+            proc.proc.send_signal(signal.SIGCONT)
+        until(lambda: victim in cluster.smap()["tmap"], 30, "the target back")
+        smap = cluster.smap()
+        assert smap["tmap"][victim]["flags"] == 0  # an ordinary target again: the removal is to be asked again
+        cluster.wait_rebalanced(timeout=90)
+        assert proc.proc.poll() is None  # running: not told it was removed
+        for name, data in objs.items():
+            assert client.bucket("one").object(name).get_reader().read_all() == data, name
     finally:
         cluster.stop()
