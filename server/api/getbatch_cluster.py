@@ -261,10 +261,15 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
 
     async def other_copies(j: int, lacking: str):
         """Entry ``j`` asked of the targets of its other copies (not ``lacking``, none down), in
-        HRW order: (node, its 200 sub-reply) for each that answers, counted as get from neighbour."""
+        HRW order: (node, its 200 sub-reply) for each that answers, counted as get from neighbour.
+        While a target is leaving, ``lacking`` is asked again last: the leaving one may have
+        handed the entry over to it (and let go of its copy) since it answered."""
         e = req.entries[j]
-        for node in smap.copies_at(e.bucket, e.objname):
-            if node.id == lacking or node.id in down:
+        ask = [n for n in smap.copies_at(e.bucket, e.objname) if n.id != lacking]
+        if smap.leaving and smap.node(lacking) is not None:
+            ask.append(smap.node(lacking))
+        for node in ask:
+            if node.id in down:
                 continue
             nodes[node.id] = node
             try:

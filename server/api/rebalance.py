@@ -147,9 +147,12 @@ class Rebalancer:
                          {k: self.state[k] for k in ("checked", "copied", "deleted", "failed")})
                 me = self.app[NODE_INFO]["id"]
                 if me in smap.leaving and self.state["failed"] == failed and await self._still_holds():
-                    # a PUT that was under way when the map changed, committed after the walk passed it
-                    self._failed_step("objects left after the walk (written meanwhile): walking again")
-                if self.state["failed"] > failed:  # copies kept or not sent: walk again, the map may not change
+                    # a PUT that was under way when the map changed: walk again soon (not a failure)
+                    log.info("rebalance to map v%d: objects left (written meanwhile); walking again in %g s",
+                             smap.version, RETRY_MIN_SECONDS)
+                    retry = asyncio.get_running_loop().call_later(RETRY_MIN_SECONDS, self._wake.set)
+                    self.state["retry_in"] = RETRY_MIN_SECONDS
+                elif self.state["failed"] > failed:  # copies kept or not sent: walk again, the map may not change
                     log.info("rebalance to map v%d: %d steps failed; walking again in %g s", smap.version,
                              self.state["failed"] - failed, backoff)
                     retry = asyncio.get_running_loop().call_later(backoff, self._wake.set)
@@ -174,8 +177,10 @@ class Rebalancer:
         node = self.app[NODE]
 
         def any_object() -> bool:
-            if any(any(os.scandir(mp.tmp)) for mp in node.target_store.mountpaths):
-                return True
+            for mp in node.target_store.mountpaths:  # "chunk-*": a copy fetched for a read, not a write
+                with os.scandir(mp.tmp) as entries:
+                    if any(not e.name.startswith("chunk-") for e in entries):
+                        return True
             for bucket in sorted(node.buckets):
                 try:
                     if node.list_page(bucket, "", "", 1)[0]:

@@ -1,6 +1,6 @@
 """Two gateways: a secondary gateway (``--role gateway --join PRIMARY``) joins the primary, gets
 every new map, and serves clients as the primary does — the SDK's calls, GetBatch, bucket copies
-sent on to the primary, a target joining through it. It survives its own restart (its id and
+sent on to the primary, a target joining through it and removed through it. It survives its own restart (its id and
 map are kept) and keeps serving reads while the primary is down; only the primary changes the
 map."""
 
@@ -58,6 +58,21 @@ def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
         for n, d in objs.items():
             assert b.object(n).get_reader().read_all() == d
             assert ranked(smap, "two", n)[0] in smap["tmap"]
+        # a removal through the secondary is made by the primary (passed on, signed); one copy
+        # of each object: what the removed target held moved first
+        joiner_id = next(i for i, t in smap["tmap"].items() if t["public_net"]["direct_url"] == joiner.url)
+        decommission = lambda sid: httpx.put(f"{second.url}/v1/cluster", timeout=30,  # noqa: E731
+                                             json={"action": "decommission-node", "value": {"sid": sid}})
+        assert decommission("nosuch").status_code == 404  # the primary's refusal, passed back
+        r = decommission(joiner_id)
+        assert r.status_code == 200 and "leaving" in r.text, r.text
+        until(lambda: joiner_id not in cluster.smap()["tmap"] and joiner_id not in smap2()["tmap"], 60, "the removal")
+        assert joiner.proc.wait(timeout=30) == 0
+        cluster.targets.remove(joiner)
+        cluster.wait_rebalanced()
+        for n, d in objs.items():
+            assert b.object(n).get_reader().read_all() == d
+        smap = cluster.smap()
         # the secondary restarts: same id, same map, serving at once
         version = smap2()["version"]
         second.stop()
