@@ -43,7 +43,7 @@ async def error_boundary(request: web.Request, handler):
     started = time.perf_counter()
     status = 500
     inflight = request.app[INFLIGHT]
-    inflight.enter()
+    inflight.enter(request.method)
     try:
         resp = await handler(request)
         status = resp.status
@@ -75,7 +75,7 @@ async def error_boundary(request: web.Request, handler):
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(request, 500, "internal server error")
     finally:
-        inflight.leave()
+        inflight.leave(request.method)
         metrics: Metrics = request.app[METRICS]
         metrics.observe_request(request.get(OP_KEY, "other"), status, time.perf_counter() - started)
 

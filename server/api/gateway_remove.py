@@ -140,8 +140,8 @@ async def finish_leaving(gw: Gateway) -> None:
                 walk = await r.json() if r.status == 200 else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             continue
-        if walk.get("clean_version") != version or walk.get("running"):
-            continue
+        if walk.get("clean_version") != version or walk.get("running") or walk.get("holds") is not False:
+            continue  # "holds": asked now, not when the walk ended (a write may have come since)
 
         def retire(m: ClusterMap, sid=sid) -> ClusterMap:  # not if the map changed since the walk was asked
             return m.retired(sid) if m.version == version and sid in m.leaving else m

@@ -59,7 +59,7 @@ from aiohttp import web
 from server.api import replicas
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
-from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, PEERS
+from server.api.state import CLUSTER_SECRET, CONFIG, INFLIGHT, MEMBERSHIP, METRICS, NODE, PEERS
 from server.cluster import peers
 from server.cluster.smap import ClusterMap, ClusterNode
 from server.cluster.walkcursor import FILE_NAME as CURSOR_FILE, WalkCursor
@@ -146,7 +146,7 @@ class Rebalancer:
                 log.info("rebalance to map v%d done in %.1f s: %s", smap.version, time.monotonic() - started,
                          {k: self.state[k] for k in ("checked", "copied", "deleted", "failed")})
                 me = self.app[NODE_INFO]["id"]
-                if me in smap.leaving and self.state["failed"] == failed and await self._still_holds():
+                if me in smap.leaving and self.state["failed"] == failed and await self.still_holds():
                     # a PUT that was under way when the map changed: walk again soon (not a failure)
                     log.info("rebalance to map v%d: objects left (written meanwhile); walking again in %g s",
                              smap.version, RETRY_MIN_SECONDS)
@@ -170,17 +170,16 @@ class Rebalancer:
                 self.state["running"] = False
                 self.state["walks"] += 1
 
-    async def _still_holds(self) -> bool:
-        """Whether this target stores any object, or is writing one (a file in a mountpath's
-        tmp: a PUT that began before it learned it is leaving) — a leaving one must not, to be
-        removed."""
+    async def still_holds(self) -> bool:
+        """Whether this target stores any object, or may be writing one (a write request in
+        flight: a PUT that began before it learned it is leaving) — a leaving one must not, to
+        be removed. (Not files in tmp: an append session nobody can flush any more, its
+        client sent elsewhere, would keep it forever — a review.)"""
         node = self.app[NODE]
+        if self.app[INFLIGHT].writes:
+            return True
 
         def any_object() -> bool:
-            for mp in node.target_store.mountpaths:  # "chunk-*": a copy fetched for a read, not a write
-                with os.scandir(mp.tmp) as entries:
-                    if any(not e.name.startswith("chunk-") for e in entries):
-                        return True
             for bucket in sorted(node.buckets):
                 try:
                     if node.list_page(bucket, "", "", 1)[0]:
@@ -419,8 +418,10 @@ async def rebalance_status(request: web.Request) -> web.Response:
     node = request.app[NODE]
     capacity = await asyncio.to_thread(_capacity, [mp.root for mp in node.target_store.mountpaths])
     owed = await asyncio.to_thread(node.target_store.deferred.count)
+    # a leaving target: whether it holds anything now (the primary removes it only if not)
+    holds = await request.app[REBALANCER].still_holds() if replicas.leaving(request.app) else None
     return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(node.buckets), "capacity": capacity,
-                                                              "owed_deletes": owed})
+                                                              "owed_deletes": owed, "holds": holds})
 
 
 def _capacity(roots: list) -> dict:

@@ -23,18 +23,23 @@ class InFlight:
     draining, responses carry ``Connection: close`` so keep-alive clients move on.
     """
 
+    WRITES = frozenset({"PUT", "POST", "DELETE", "PATCH"})
+
     def __init__(self) -> None:
         self.count = 0
+        self.writes = 0  # of them, requests that may write (a target being removed waits for none)
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def enter(self) -> None:
+    def enter(self, method: str = "GET") -> None:
         self.count += 1
+        self.writes += method in self.WRITES
         self._idle.clear()
 
-    def leave(self) -> None:
+    def leave(self, method: str = "GET") -> None:
         self.count -= 1
+        self.writes -= method in self.WRITES
         if self.count == 0:
             self._idle.set()
 

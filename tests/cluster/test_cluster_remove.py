@@ -12,6 +12,7 @@ import random
 import signal
 import sqlite3
 import subprocess
+import time
 
 import httpx
 
@@ -77,7 +78,13 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
         only_there = [n for b, n in objs if b == "one" and ranked(smap, "one", n)[0] == victim]
         assert only_there  # the only copy of these is on the target to remove
 
-        version = smap["version"]
+        # an append session on it that nobody flushes (its work file stays in tmp): not a write
+        # in flight, it does not hold the removal up (a review: it did, for ever)
+        appended = next(f"append/{i}" for i in range(1000) if ranked(smap, "one", f"append/{i}")[0] == victim)
+        r = httpx.put(f"{cluster.url}/v1/objects/one/{appended}", params={"append_type": "append"},
+                      content=b"never flushed", follow_redirects=True, timeout=10)
+        assert r.status_code == 200 and r.headers.get("Ais-Append-Handle"), r.text
+        version = cluster.smap()["version"]
         gateway_id = next(iter(smap["pmap"]))
         assert _decommission(cluster, {"sid": "nosuch"}).status_code == 404
         assert _decommission(cluster, {"sid": gateway_id}).status_code == 501
@@ -222,6 +229,12 @@ def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp
         assert _decommission(cluster, {"sid": victim}).status_code == 200
         proc.proc.send_signal(signal.SIGSTOP)  # its walk sends one 8 KB object a second: most are still there
         try:
+            # a delete meanwhile is not held up (or failed) by the leaving target that does not answer
+            deleted = next(n for n in objs if ranked(cluster.smap(), "one", n)[0] != victim)
+            started = time.monotonic()
+            r = httpx.delete(f"{cluster.url}/v1/objects/one/{deleted}", follow_redirects=True, timeout=30)
+            assert r.status_code == 200 and time.monotonic() - started < 8, (r.status_code, r.text)
+            del objs[deleted]
             until(lambda: victim not in cluster.smap()["tmap"], 30, "the stopped leaving target dropped")
         finally:
             proc.proc.send_signal(signal.SIGCONT)
