@@ -46,6 +46,8 @@ Invariants:
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 
 from aiohttp import web
 
@@ -57,6 +59,10 @@ from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
 from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
 from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, PROOF_HEADER
+
+log = logging.getLogger(__name__)
+REFUSAL_LOG_SECONDS = 10.0  # at most one line per this long about refused cluster requests (a flood stays quiet)
+_last_refusal = [0.0, 0]  # when the last line was written, refusals since
 
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
@@ -215,8 +221,22 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
                         me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST")
     if why:
+        _log_refusal(request, why)
         raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "
                         "for one node, once, with the shared --cluster-secret-file)")
+
+
+def _log_refusal(request: web.Request, why: str) -> None:
+    """The refusing node says so too (before, only the refused one did: a target started with
+    another secret file retried its join for ever, and the gateway's log showed nothing)."""
+    now, (last, quiet) = time.monotonic(), _last_refusal
+    if now - last < REFUSAL_LOG_SECONDS:
+        _last_refusal[1] = quiet + 1
+        return
+    _last_refusal[:] = [now, 0]
+    log.warning("refused %s %s from %s: cluster request %s (another --cluster-secret-file, or another cluster's "
+                "node?)%s", request.method, request.path, request.remote, why,
+                f"; {quiet} more refused in the last {REFUSAL_LOG_SECONDS:g} s" if quiet else "")
 
 
 def _own_id(app: web.Application) -> str:

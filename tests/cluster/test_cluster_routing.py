@@ -173,6 +173,9 @@ def test_cluster_requests_need_the_secret(cluster, tmp_path):
             time.sleep(0.05)
         assert "HTTP 403" in "".join(other.output)
         assert len(cluster.smap()["tmap"]) == 3
+    # the gateway says so too (before, only the refused node's log did), a line at most every 10 s
+    logged = [line for line in cluster.gateway.output if "refused POST /v1/cluster/autoreg from 127.0.0.1" in line]
+    assert logged and "another --cluster-secret-file" in logged[0], logged
 
 
 def test_a_recorded_cluster_request_is_refused_again_and_by_another_node(cluster):
