@@ -38,7 +38,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="with --wait: give up waiting after this long (the removal goes on; default: 3600)")
     a = p.parse_args(argv)
-    headers = auth_headers(a.token_file)
+    try:
+        headers = auth_headers(a.token_file)
+    except ValueError as e:
+        print(f"batchfs-server cluster remove: {e}", file=sys.stderr)
+        return 1
     base = a.gateway.rstrip("/")
     body = {"action": "decommission-node", "value": {"sid": a.target}}
     try:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from server.tokens import read_private_file
+
 
 def _rebalance(r: dict | None) -> str:
     if not r:
@@ -65,7 +67,16 @@ def add_token_argument(p: argparse.ArgumentParser) -> None:
 
 
 def auth_headers(token_file: Path | None) -> dict:
-    token = token_file.read_text().strip() if token_file else os.environ.get("AIS_AUTHN_TOKEN")
+    """The bearer header for ``--token-file`` (its first token line) or ``$AIS_AUTHN_TOKEN``.
+    ValueError for a token file other users may read or write (refused as the server refuses
+    its own), a missing one, or one without a token."""
+    if token_file is None:
+        token = os.environ.get("AIS_AUTHN_TOKEN")
+    else:
+        text = read_private_file(token_file, "token file")
+        token = next((t for t in (line.strip() for line in text.splitlines()) if t and not t.startswith("#")), "")
+        if not token:
+            raise ValueError(f"token file {token_file}: no token in it")
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -79,7 +90,11 @@ def main(argv: list[str]) -> int:
     add_token_argument(p)
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     a = p.parse_args(argv)
-    headers = auth_headers(a.token_file)
+    try:
+        headers = auth_headers(a.token_file)
+    except ValueError as e:
+        print(f"batchfs-server cluster status: {e}", file=sys.stderr)
+        return 1
     url = a.gateway.rstrip("/") + "/v1/cluster/status"
     try:
         r = httpx.get(url, headers=headers, timeout=10)

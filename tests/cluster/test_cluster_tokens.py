@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import io
@@ -172,3 +173,25 @@ def test_batchfs_put_and_a_join_on_a_token_protected_cluster(tcluster, tmp_path)
     finally:
         tcluster.targets.remove(joiner)
         joiner.stop()
+
+
+def test_the_operator_commands_take_a_private_token_file(tcluster, tmp_path):
+    """``cluster status`` and ``cluster remove`` with ``--token-file``: the file's first token
+    is sent; a file other users may read is refused (as the server refuses its own); without
+    the token the gateway refuses them."""
+    tok = token_file(tmp_path / "tok", TOKEN)
+    cmd = [str(BIN / "batchfs-server"), "cluster"]
+    r = subprocess.run(cmd + ["status", "--token-file", str(tok), tcluster.url], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode in (0, 3) and "target" in r.stdout, (r.stdout, r.stderr)
+    r = subprocess.run(cmd + ["remove", "--token-file", str(tok), tcluster.url, "nosuch"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "HTTP 404" in r.stderr, r.stderr  # past the token check: no such target
+    r = subprocess.run(cmd + ["remove", tcluster.url, "nosuch"], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "AIS_AUTHN_TOKEN"})
+    assert r.returncode == 1 and "HTTP 401" in r.stderr, r.stderr
+    open_to_all = token_file(tmp_path / "open", TOKEN, mode=0o644)
+    for sub in (["status"], ["remove"]):
+        args = sub + ["--token-file", str(open_to_all), tcluster.url] + (["nosuch"] if sub == ["remove"] else [])
+        r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "accessible by other users" in r.stderr, (sub, r.stderr)
