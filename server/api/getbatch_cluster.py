@@ -129,9 +129,10 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         return False
     bucket, name = m.groups()
     path_qs = f"{object_path(bucket, name)}?gfn=1"
-    for node in smap.copies_at(bucket, name):
-        if node.id == lacking:
-            continue
+    ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking]
+    if smap.leaving and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
+        ask.append(smap.node(lacking))
+    for node in ask:
         try:
             async with peers.signed(session, secret, "HEAD", node.url, path_qs, to=node.id,
                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
