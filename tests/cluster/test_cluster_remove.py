@@ -226,11 +226,12 @@ def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp
         cluster.wait_rebalanced()
         victim, proc = cluster.target_id(0), cluster.targets[0]
         assert any(ranked(cluster.smap(), "one", n)[0] == victim for n in objs)
+        before = cluster.smap()
         assert _decommission(cluster, {"sid": victim}).status_code == 200
         proc.proc.send_signal(signal.SIGSTOP)  # its walk sends one 8 KB object a second: most are still there
         try:
             # a delete meanwhile is not held up (or failed) by the leaving target that does not answer
-            deleted = next(n for n in objs if ranked(cluster.smap(), "one", n)[0] != victim)
+            deleted = next(n for n in objs if ranked(before, "one", n)[0] != victim)  # never on the victim
             started = time.monotonic()
             r = httpx.delete(f"{cluster.url}/v1/objects/one/{deleted}", follow_redirects=True, timeout=30)
             assert r.status_code == 200 and time.monotonic() - started < 8, (r.status_code, r.text)
