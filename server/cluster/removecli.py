@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from server.cluster.statuscli import add_token_argument, auth_headers
+from server.cluster.statuscli import add_token_argument, headers_or_none
 
 POLL_SECONDS = 1.0
 
@@ -38,10 +38,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="with --wait: give up waiting after this long (the removal goes on; default: 3600)")
     a = p.parse_args(argv)
-    try:
-        headers = auth_headers(a.token_file)
-    except ValueError as e:
-        print(f"batchfs-server cluster remove: {e}", file=sys.stderr)
+    headers = headers_or_none(a.token_file, "cluster remove")
+    if headers is None:
         return 1
     base = a.gateway.rstrip("/")
     body = {"action": "decommission-node", "value": {"sid": a.target}}

@@ -80,6 +80,15 @@ def auth_headers(token_file: Path | None) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def headers_or_none(token_file: Path | None, command: str) -> dict | None:
+    """``auth_headers``, or None after saying on stderr why the token file is refused."""
+    try:
+        return auth_headers(token_file)
+    except ValueError as e:
+        print(f"batchfs-server {command}: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
                                 "progress, as the gateway at URL sees them.",
@@ -90,10 +99,8 @@ def main(argv: list[str]) -> int:
     add_token_argument(p)
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
     a = p.parse_args(argv)
-    try:
-        headers = auth_headers(a.token_file)
-    except ValueError as e:
-        print(f"batchfs-server cluster status: {e}", file=sys.stderr)
+    headers = headers_or_none(a.token_file, "cluster status")
+    if headers is None:
         return 1
     url = a.gateway.rstrip("/") + "/v1/cluster/status"
     try:
