@@ -234,9 +234,20 @@ def _log_refusal(request: web.Request, why: str) -> None:
         _last_refusal[1] = quiet + 1
         return
     _last_refusal[:] = [now, 0]
-    log.warning("refused %s %s from %s: cluster request %s (another --cluster-secret-file, or another cluster's "
-                "node?)%s", request.method, request.path, request.remote, why,
+    log.warning("refused %s %s from %s: cluster request %s (%s)%s", request.method, request.path, request.remote, why,
+                _likely_cause(why),
                 f"; {quiet} more refused in the last {REFUSAL_LOG_SECONDS:g} s" if quiet else "")
+
+
+def _likely_cause(why: str) -> str:
+    """What most often makes a node send a request so refused (secret.verify's reasons)."""
+    if why.startswith("signed for node"):
+        return "a node whose cluster map is older, sending to an address now another node's"
+    if why.startswith("signed more than"):  # checked before the signature: it may be both
+        return "the two machines' clocks are apart: synchronise them (NTP) — or another --cluster-secret-file"
+    if why.startswith("already received"):
+        return "a retried request, or one captured and sent again"
+    return "another --cluster-secret-file, or a client that is not a node of this cluster"
 
 
 def _own_id(app: web.Application) -> str:
