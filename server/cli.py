@@ -23,7 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from server.api import connlimits, listener
-from server.api import clusterapi, rebalance
+from server.api import clusterapi, rebalance, rebalance_answers
 from server.api.app import build_app, build_gateway_app
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import Gateway
@@ -373,6 +373,7 @@ def _build(config: ServerConfig):
         members[0].on_removed.append(lambda why: os.kill(os.getpid(), signal.SIGTERM))
         clusterapi.add_routes(app, members[0])
         rebalance.add_routes(app, members[0])
+        rebalance_answers.add_routes(app)
 
     app = build_app(config, add_routes=cluster_routes)
     return app, lambda url: asyncio.get_running_loop().create_task(members[0].run(url))
@@ -390,6 +391,13 @@ async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> 
     log.info("orphan scan: %s", report)
 
 
+def _as_flag(parser: argparse.ArgumentParser, message: str) -> str:
+    """A config check names the field ("rebalance_objects must be ..."): name the flag too."""
+    field = message.split(" ", 1)[0]
+    flag = next((a.option_strings[-1] for a in parser._actions if a.dest == field and a.option_strings), None)
+    return f"{message} (option {flag})" if flag else message
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["cluster-status"] or argv[:2] == ["cluster", "status"]:  # an operator's command
@@ -405,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except (OSError, ValueError, TypeError) as e:
-        parser.error(str(e))
+        parser.error(_as_flag(parser, str(e)))
     if not config.data_dirs:
         parser.error("at least one --data DIR is required")
     if bool(config.s3_access_key) != bool(config.s3_secret_key):

@@ -31,6 +31,9 @@ Invariants:
 - What a holder answered for a page may be a moment old when an object's turn comes: a copy is
   still committed only over the version seen (``expect``), and a drop only of the version
   looked at, so a change in between refuses the step rather than losing a write.
+- Two targets whose maps disagree never both let go of an object: a drop happens only while no
+  newer map is known here or at a peer that asked, and a name being dropped is answered "busy"
+  (``server.cluster.handover``).
 - One walk at a time per target, ``rebalance_objects`` (``--rebalance-objects``) objects at a
   time and at most ``--rebalance-rate`` bytes a second of copies (bounded work beside client
   traffic); a newer map stops the walk and starts it again. A restart under the same map
@@ -47,10 +50,9 @@ kept may bring deleted objects back; until its walk reaches an object, a returni
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-import os
-import shutil
 import time
 
 import aiohttp
@@ -61,9 +63,10 @@ from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, INFLIGHT, MEMBERSHIP, METRICS, NODE, PEERS
 from server.cluster import peers
+from server.cluster.handover import DropFence, NewerMap, Pace
 from server.cluster.smap import ClusterMap, ClusterNode
 from server.cluster.walkcursor import FILE_NAME as CURSOR_FILE, WalkCursor
-from server.errors import BadRequest, Conflict, NotFound, StoreError
+from server.errors import Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -83,30 +86,13 @@ class _NewMap(Exception):
     """A newer map arrived mid-walk: start over with it."""
 
 
-class Pace:
-    """At most ``rate`` bytes a second of copies on average (``--rebalance-rate``; 0: no
-    limit): each copy waits its turn, then takes ``size / rate`` seconds of the budget — a
-    large one goes at once and the next waits for it."""
-
-    def __init__(self, rate: int):
-        self.rate, self._free_at = rate, 0.0
-
-    async def take(self, size: int) -> None:
-        if self.rate <= 0 or size <= 0:
-            return
-        now = asyncio.get_running_loop().time()
-        start = max(now, self._free_at)
-        self._free_at = start + size / self.rate
-        if start > now:
-            await asyncio.sleep(start - now)
-
-
 class Rebalancer:
     def __init__(self, app: web.Application):
         self.app = app
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._pace = Pace(0)  # set from the config at start
+        self.fence = DropFence()  # no two targets with different maps both let go of a copy
         self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0, "stale": 0,
                       "failed": 0, "last_error": "", "resumed_from": "",
                       "retry_in": 0,  # seconds to the next walk after one with failures (0: none due)
@@ -277,7 +263,8 @@ class Rebalancer:
         seen: dict[tuple[str, str], tuple | Exception] = {}
 
         async def ask(holder: str, batch: list[str]) -> None:
-            body = json.dumps({"bucket": bucket, "names": batch}).encode()
+            body = json.dumps({"bucket": bucket, "names": batch, "map_version": smap.version,
+                               "map_digest": smap.identity[1]}).encode()
             try:
                 async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", nodes[holder].url, CHECK_PATH, to=nodes[holder].id,
                                         body=body, headers={"Content-Type": "application/json"},
@@ -341,9 +328,9 @@ class Rebalancer:
             except (StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self._failed(bucket, name, h, e)
         if me not in {h.id for h in holders} and confirmed == len(holders):
-            await self._drop(bucket, name, meta, None)
+            await self._drop(bucket, name, meta, None, smap.identity)
 
-    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None) -> None:
+    async def _drop(self, bucket: str, name: str, meta, deleted_ns: int | None, walk: tuple | None = None) -> None:
         """Remove the local copy if it is still ``meta``'s version: it has moved to its holders
         (``deleted_ns`` None), or it was deleted while this target was away (kept as a
         tombstone here, so the delete outlives this copy too). A spread version's chunks stay:
@@ -353,9 +340,18 @@ class Rebalancer:
         def same_version(current) -> None:
             if current.cksum != meta.cksum or current.version != meta.version:
                 raise replicas.CopyRefused("rewritten here meanwhile")
+        delete = functools.partial(self.app[NODE].delete, bucket, name, same_version, deleted_ns)
         try:
-            await asyncio.to_thread(self.app[NODE].delete, bucket, name, same_version, deleted_ns)
+            if walk is not None:  # handed over: only while no other map is known (server.cluster.handover)
+                member = self.app[MEMBERSHIP]
+                current = member.smap.identity if member.joined.is_set() and member.smap else None
+                await self.fence.let_go(bucket, name, walk, current, delete)
+            else:
+                await asyncio.to_thread(delete)
         except (NotFound, replicas.CopyRefused):
+            return
+        except NewerMap as e:
+            self._failed_step(f"ais://{bucket}/{name}: {e}")
             return
         what = "deleted" if deleted_ns is None else "stale"
         self.state[what] += 1
@@ -370,71 +366,18 @@ class Rebalancer:
         self._count("failed")
 
     async def _copy(self, h: ClusterNode, bucket: str, name: str, meta, expect: str) -> None:
-        await self._pace.take(meta.size)
-        await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)
+        # the bytes sent: a spread object's copy is its manifest (its chunks are objects of
+        # their own, each paid for when the walk copies it)
+        sent = 0 if meta.spread else meta.size  # a copy refused or cut short was sent too
+        try:
+            sent = await replicas.put_copy(self.app, h, bucket, name, meta, expect=expect)
+        finally:
+            await self._pace.paid(sent)
         self.state["copied"] += 1
         self._count("copied")
 
     def _count(self, what: str) -> None:
         self.app[METRICS].rebalance.labels(what).inc()
-
-
-async def check_names(request: web.Request) -> web.Response:
-    """``POST /v1/cluster/rebalance`` (signed), body ``{"bucket": B, "names": [...]}`` (at most
-    ``PAGE``): for each name what this target holds — ``[200, checksum, write time]``, or
-    ``[404, "", time of its tombstone or 0]`` — in order. The walk's question about a page of
-    objects, asked once per holder instead of a HEAD per object."""
-    try:
-        body = await request.json()
-        bucket, names = body["bucket"], body["names"]
-    except (ValueError, KeyError, TypeError):
-        raise BadRequest('the body must be {"bucket": NAME, "names": [NAME, ...]}') from None
-    if not isinstance(bucket, str) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise BadRequest("bucket and names must be strings")
-    if len(names) > PAGE:
-        raise BadRequest(f"at most {PAGE} names at a time")
-    node = request.app[NODE]
-
-    def answer() -> list:
-        out = []
-        for name in names:
-            try:
-                meta = node.lookup(bucket, name)
-                out.append([200, meta.cksum, meta.atime_ns])
-            except NotFound:
-                try:
-                    deleted = node.deleted_ns(bucket, name)
-                except StoreError:
-                    deleted = None
-                out.append([404, "", deleted or 0])
-        return out
-    return web.json_response({"objects": await asyncio.to_thread(answer)})
-
-
-async def rebalance_status(request: web.Request) -> web.Response:
-    """``GET /v1/cluster/rebalance`` (signed): this target's walk (counts since it started), its
-    buckets (a joining target creates the ones it lacks), its capacity and the chunk deletes it
-    owes targets that were down (``server.api.spread_deletes``)."""
-    node = request.app[NODE]
-    capacity = await asyncio.to_thread(_capacity, [mp.root for mp in node.target_store.mountpaths])
-    owed = await asyncio.to_thread(node.target_store.deferred.count)
-    # a leaving target: whether it holds anything now (the primary removes it only if not)
-    holds = await request.app[REBALANCER].still_holds() if replicas.leaving(request.app) else None
-    return web.json_response(request.app[REBALANCER].state | {"buckets": sorted(node.buckets), "capacity": capacity,
-                                                              "owed_deletes": owed, "holds": holds})
-
-
-def _capacity(roots: list) -> dict:
-    """Bytes in total and free over the data directories, each filesystem counted once."""
-    seen, total, free = set(), 0, 0
-    for root in roots:
-        st = os.stat(root)
-        if st.st_dev in seen:
-            continue
-        seen.add(st.st_dev)
-        usage = shutil.disk_usage(root)
-        total, free = total + usage.total, free + usage.free
-    return {"total_bytes": total, "free_bytes": free, "mountpaths": len(roots)}
 
 
 def add_routes(app: web.Application, membership) -> None:
@@ -443,5 +386,3 @@ def add_routes(app: web.Application, membership) -> None:
     membership.on_change.append(r.changed)
     app.on_startup.append(r.start)
     app.on_cleanup.insert(0, r.stop)  # before the peer session closes
-    app.router.add_get(CHECK_PATH, rebalance_status)
-    app.router.add_post(CHECK_PATH, check_names)

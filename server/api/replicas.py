@@ -207,20 +207,22 @@ async def require_gateway(request: web.Request, what: str) -> None:
 
 
 async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,
-                   expect: str | None = None) -> None:
+                   expect: str | None = None) -> int:
     """Send this target's committed ``meta`` version to ``node``; with ``expect`` (a rebalance
     copy) it replaces only that version there ("none": only if absent) — CopyRefused if not.
-    A spread version (its chunks on other targets) is sent as its manifest, not its bytes."""
+    A spread version (its chunks on other targets) is sent as its manifest, not its bytes.
+    Returns the bytes of the body sent."""
     extra = "" if expect is None else f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"
     if meta.spread:
         body = await asyncio.to_thread(manifest, app[NODE].target_store, meta)
         await _send(app, node, bucket, name, f"&{SPREAD_PARAM}=1" + extra, meta.cksum, body, len(body))
-        return
+        return len(body)
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
     try:
         await send_bytes(app, node, bucket, name, meta.size, meta.cksum, obj.pread, extra)
     finally:
         obj.close()  # the body was sent (or failed): no reader is left
+    return meta.size
 
 
 async def send_bytes(app: web.Application, node: ClusterNode, bucket: str, name: str, size: int, cksum: str,

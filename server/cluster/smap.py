@@ -30,6 +30,8 @@ import uuid as uuidlib
 from collections.abc import Sequence
 from pathlib import Path
 
+import xxhash
+
 from batchfs.wire import hrw
 from server.cluster.spreadnames import owner_bucket
 
@@ -72,6 +74,14 @@ class ClusterMap:
 
     # A map never changes (``dataclasses.replace`` makes a new one), so what is derived from it is
     # computed once: a GetBatch of 10,000 entries asks for their holders several times each.
+    @functools.cached_property
+    def identity(self) -> tuple[int, str]:
+        """(version, digest of what places objects): two maps of one version made by two
+        primaries (a deposed one's, ``server.cluster.election``) differ in the digest."""
+        what = [self.uuid, self.primary, sorted((n.id, n.url, n.kind) for n in self.nodes),
+                sorted(self.bucket_copies), sorted(self.leaving)]
+        return self.version, xxhash.xxh64_hexdigest(json.dumps(what).encode())
+
     @functools.cached_property
     def targets(self) -> dict[str, ClusterNode]:
         """Targets by id (shared: do not modify)."""

@@ -94,7 +94,7 @@ def test_options_from_a_toml_config_file(tmp_path):
 @pytest.mark.parametrize("content,message", [
     ('bogus_option = 1\n', "unknown option 'bogus_option'"),
     ('chunk_size = "lots"\n', "not a size"),
-    ('chunk_size = 0\n', "chunk_size_bytes must be positive"),
+    ('chunk_size = 0\n', "chunk_size_bytes must be positive, got 0 (option --chunk-size)"),
     ('getbatch_workers = "8"\n', "must be an integer"),
     ('listen = "nowhere"\n', "expected HOST:PORT"),
     ('data = [\n', "server.toml"),

@@ -56,3 +56,14 @@ def test_a_removed_target_is_remembered_and_a_dead_leaving_one_is_not():
     assert dropped.node("t1") is None and dropped.removed == () and dropped.leaving == ()
     old_doc = {k: v for k, v in _map(3).to_json().items() if k not in ("leaving", "removed")}
     assert ClusterMap.from_json(old_doc) == _map(3)  # a map kept by an earlier version
+
+
+def test_a_maps_identity_survives_the_wire_and_tells_two_primaries_apart():
+    import dataclasses
+
+    m = _map(3).with_copies("b", 1)
+    back = ClusterMap.from_json(m.to_json())  # as a target keeps the map the primary pushed
+    assert back.identity == m.identity and back.identity[0] == m.version
+    other = dataclasses.replace(m, primary="p-other")  # the same version made by another primary
+    assert other.identity[0] == m.identity[0] and other.identity != m.identity
+    assert m.with_leaving(sorted(m.targets)[0]).identity != m.identity
