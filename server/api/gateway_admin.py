@@ -132,6 +132,8 @@ async def cluster_status(request: web.Request) -> web.Response:
     await asyncio.gather(*(rebalance(e) for e in nodes if e["kind"] == TARGET and e["alive"]))
     return web.json_response({"uuid": gw.smap.uuid, "version": gw.smap.version, "copies": gw.smap.copies,
                               "bucket_copies": dict(gw.smap.bucket_copies),
+                              # targets taken out by 'cluster remove' (not ones dropped for being down)
+                              "removed": list(gw.smap.removed),
                               "nodes": nodes})
 
 

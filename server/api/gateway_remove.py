@@ -36,7 +36,7 @@ from server.api.gateway_map import (PROBE_SECONDS, PUSH_TIMEOUT, Gateway, NotImp
                                     gateway_of, passthrough)
 from server.api.state import OP_KEY, read_json
 from server.cluster import peers
-from server.cluster.smap import TARGET, ClusterMap
+from server.cluster.smap import COPIES, TARGET, ClusterMap
 from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,22 @@ async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
     new = await gw.change(leaving, f"target {sid} leaving: its objects move to the others, then it is removed")
     return web.Response(text=f"target {sid} is leaving cluster {new.uuid} (map v{new.version}): its objects move to "
                              "the others, then it is removed and stops; 'batchfs-server cluster status' shows the "
-                             "progress\n")
+                             "progress\n" + _fewer_copies(new))
+
+
+def _fewer_copies(smap: ClusterMap) -> str:
+    """A warning when the targets left are fewer than the copies some objects want: those then
+    keep only as many copies as there are targets left (better learnt now than from a lost disk)."""
+    left = len(smap.placed)
+    wanted = [("buckets without a copies property", COPIES)] if COPIES > left else []
+    wanted += [(f"bucket {b}", c) for b, c in smap.bucket_copies if c > left]
+    if not wanted:
+        return ""
+    text = (f"warning: {left} target(s) will be left to place objects on, fewer than the copies wanted by "
+            + ", ".join(f"{b} ({c})" for b, c in wanted)
+            + f": those objects keep {left} copies until targets join\n")
+    log.warning("%s", text.strip())
+    return text
 
 
 def refuse_removed(gw: Gateway, node_id: str) -> None:

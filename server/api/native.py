@@ -416,7 +416,9 @@ def _refuse(what: str):
             msg = await read_json(request, required=False)
             if isinstance(msg, dict) and isinstance(msg.get("action"), str):
                 action = f" (action {msg['action']!r})"
-        raise BadRequest(f"{request.method} {request.path}{action}: {what} not supported by this node")
+        where = ("a target of a cluster: send it to a gateway" if request.app.get(MEMBERSHIP) is not None
+                 and request.path == "/v1/cluster" and action == " (action 'decommission-node')" else "this node")
+        raise BadRequest(f"{request.method} {request.path}{action}: {what} not supported by {where}")
 
     return refuse
 

@@ -138,6 +138,7 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
         r = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", "--wait", "--timeout", "120",
                             cluster.url, victim], capture_output=True, text=True, timeout=180)
         assert r.returncode == 0 and f"target {victim} removed" in r.stdout, (r.stdout, r.stderr)
+        assert victim in cluster.status()["removed"]  # what tells --wait a removal from a drop
         assert victim_proc.proc.wait(timeout=30) == 0  # it stops by itself
         assert _objects_in_catalog(victim_proc.data_dirs) == 0  # holding nothing
         assert "removed from its cluster" in "".join(victim_proc.output)
@@ -185,6 +186,11 @@ def test_the_last_target_is_not_removed(tmp_path):
         out = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", cluster.url, only],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "HTTP 409" in out.stderr, out.stderr
+        # given the target's URL instead of a gateway's: refused, and told where to send it
+        out = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", cluster.targets[0].url, only],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "send it to a gateway" in out.stderr, out.stderr
+        assert cluster.smap()["version"] == version
     finally:
         cluster.stop()
 
@@ -210,7 +216,12 @@ def test_no_removal_while_the_other_targets_are_down(tmp_path):
 def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp_path):
     """Down for --rebuild-after while leaving, it is dropped like any dead target — not removed
     for good: back, it joins as an ordinary target and what it alone held is read again (a
-    review: it was removed for good, and the objects it had not handed over were lost)."""
+    review: it was removed for good, and the objects it had not handed over were lost). Stopped
+    between handing an object over and letting go of it, it came back as the object's owner: the
+    other target let go of the copy it had been given (its newer map names the returned target),
+    and the returned one, still on its older map, let go too — lost; now neither lets go while a
+    newer map is known to it or to a peer that asked (server.cluster.handover). With --wait, the
+    CLI says the target was dropped, not removed (exit 1)."""
     cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"),
                       target_args=("--rebalance-objects", "1", "--rebalance-rate", "8KiB"))
     try:
@@ -226,8 +237,14 @@ def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp
         cluster.wait_rebalanced()
         victim, proc = cluster.target_id(0), cluster.targets[0]
         assert any(ranked(cluster.smap(), "one", n)[0] == victim for n in objs)
+        client.bucket("three").create()
+        r = httpx.patch(f"{cluster.url}/v1/buckets/three", timeout=10,
+                        json={"action": "set-bprops", "value": {"mirror": {"copies": 3}}})
+        assert r.status_code == 200, r.text
         before = cluster.smap()
-        assert _decommission(cluster, {"sid": victim}).status_code == 200
+        waiting = subprocess.Popen([str(BIN / "batchfs-server"), "cluster", "remove", "--wait", "--timeout", "120",
+                                    cluster.url, victim], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        until(lambda: cluster.smap()["tmap"][victim]["flags"], 30, "the target flagged leaving")
         proc.proc.send_signal(signal.SIGSTOP)  # its walk sends one 8 KB object a second: most are still there
         try:
             # a delete meanwhile is not held up (or failed) by the leaving target that does not answer
@@ -237,7 +254,15 @@ def test_a_leaving_target_that_dies_is_dropped_not_removed_and_loses_nothing(tmp
             assert r.status_code == 200 and time.monotonic() - started < 8, (r.status_code, r.text)
             del objs[deleted]
             until(lambda: victim not in cluster.smap()["tmap"], 30, "the stopped leaving target dropped")
+            # --wait tells the drop from a removal: the target's disks may hold the only copies
+            out, err = waiting.communicate(timeout=30)
+            assert waiting.returncode == 1 and "WITHOUT being removed" in err and "removed (" not in out, (out, err)
+            # two targets left for a bucket that wants three copies: the answer said so
+            assert "warning: 2 target(s) will be left" in out and "bucket three (3)" in out, out
         finally:
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.communicate()
             proc.proc.send_signal(signal.SIGCONT)
         until(lambda: victim in cluster.smap()["tmap"], 30, "the target back")
         smap = cluster.smap()
