@@ -153,13 +153,16 @@ _TUNABLES = [
 ]
 
 
+CLUSTER_USAGE = ("       batchfs-server cluster status URL [--json] [--token-file FILE]   (or: cluster-status; its own "
+                 "--help)\n       batchfs-server cluster remove URL TARGET_ID [--wait [--timeout SECONDS]] "
+                 "[--token-file FILE]   (its own --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = _DEFAULTS
     p = argparse.ArgumentParser(
         prog="batchfs-server",
-        usage="batchfs-server [OPTIONS]   (a node, a gateway or a target: --role)\n"
-              "       batchfs-server cluster-status URL [OPTIONS]   (or: cluster status URL; its own --help)\n"
-              "       batchfs-server cluster remove URL TARGET_ID [--wait]   (its own --help)",
+        usage="batchfs-server [OPTIONS]   (a node, a gateway or a target: --role)\n" + CLUSTER_USAGE,
         description="Run one batchfs storage node: the AIStore-compatible HTTP API (objects, "
         "list, range reads, chunked objects, GetBatch at /v1/ml/moss) and an S3 subset "
         "(at /s3/ and at the root), with Prometheus metrics at /metrics.",
@@ -408,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         from server.cluster import removecli
 
         return removecli.main(argv[2:])
+    if argv[:1] == ["cluster"]:  # neither status nor remove: say which there are
+        print("usage:" + CLUSTER_USAGE[6:], file=sys.stdout if argv[1:2] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

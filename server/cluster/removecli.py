@@ -38,9 +38,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("target", metavar="TARGET_ID", help="the target's id, as 'batchfs-server cluster status' lists it")
     add_token_argument(p)
     p.add_argument("--wait", action="store_true", help="wait until the target is removed, printing its progress")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="with --wait: give up waiting after this long (the removal goes on; default: 3600)")
     a = p.parse_args(argv)
+    if a.timeout is not None and not a.wait:
+        p.error("--timeout goes with --wait (without --wait the command returns once the removal has started)")
     headers = headers_or_none(a.token_file, "cluster remove")
     if headers is None:
         return 1
@@ -59,7 +61,8 @@ def main(argv: list[str]) -> int:
         return 1
     print(r.text.strip())
     flagged = re.search(r"\(map v(\d+)\)", r.text)  # the map version that flags it leaving
-    return _wait(base, a.target, headers, a.timeout, int(flagged.group(1)) if flagged else None) if a.wait else 0
+    timeout = 3600.0 if a.timeout is None else a.timeout
+    return _wait(base, a.target, headers, timeout, int(flagged.group(1)) if flagged else None) if a.wait else 0
 
 
 def _wait(base: str, target: str, headers: dict, timeout: float, flagged: int | None) -> int:
@@ -119,6 +122,16 @@ def _progress(node: dict) -> str:
             f"since it started: checked {walk.get('checked', 0)}, handed over {walk.get('copied', 0)}, "
             f"let go {walk.get('deleted', 0)}, failed {walk.get('failed', 0)}"
             + (f" (last error: {walk['last_error']})" if walk.get("failed") else ""))
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+_seconds.__name__ = "seconds"  # argparse's "invalid seconds value: '0'"
 
 
 def _message(r: httpx.Response) -> str:

@@ -148,3 +148,18 @@ def test_port_in_use_exits_1(tmp_path):
                               "--data", str(tmp_path / "d")], capture_output=True, text=True, timeout=30,
                              cwd=ROOT)
     assert out.returncode == 1 and "address" in out.stderr.lower(), out.stderr
+
+
+def test_the_cluster_commands_say_how_they_are_used():
+    run = lambda *args: subprocess.run([str(BIN / "batchfs-server"), *args], capture_output=True, text=True,  # noqa: E731
+                                       timeout=30)
+    for args in (("cluster",), ("cluster", "frob")):  # no such command: the ones there are
+        out = run(*args)
+        assert out.returncode == 2 and "cluster status URL" in out.stderr and "cluster remove URL" in out.stderr, out
+    out = run("cluster", "--help")
+    assert out.returncode == 0 and "cluster remove URL TARGET_ID" in out.stdout, out
+    # --timeout without --wait would be ignored: refused instead, before anything is sent
+    out = run("cluster", "remove", "http://127.0.0.1:9", "t1", "--timeout", "5")
+    assert out.returncode == 2 and "--timeout goes with --wait" in out.stderr, out
+    out = run("cluster", "remove", "http://127.0.0.1:9", "t1", "--wait", "--timeout", "0")
+    assert out.returncode == 2 and "invalid seconds value" in out.stderr, out
