@@ -21,7 +21,8 @@ Invariants:
   the walk runs again (after ``RETRY_MIN_SECONDS``, doubling) until a walk has no failure, or
   the next map change walks again.
 - A copy never overwrites a newer write: it is committed only over the version the sender saw
-  (``expect``, checked in the receiver's catalog transaction, 412 otherwise), and "newer" is the
+  or over nothing (``expect``, checked in the receiver's catalog transaction, 412 otherwise:
+  counted as "it has a copy"), and "newer" is the
   later write time of two different versions.
 - A copy never brings back a deleted object: targets of a cluster keep a tombstone per delete
   (``Store.delete``) for ``TOMBSTONE_KEEP_SECONDS``; a copy whose version was written before the
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 256  # names listed at a time, and asked of each holder in one request
 CHECK_PATH = "/v1/cluster/rebalance"
+FENCE_FILE = "rebalance-fence.json"
 # How long a target remembers a delete: one away longer may bring deleted objects back
 TOMBSTONE_KEEP_SECONDS = 14 * 24 * 3600
 REBALANCER = web.AppKey("rebalancer", object)
@@ -92,7 +94,8 @@ class Rebalancer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._pace = Pace(0)  # set from the config at start
-        self.fence = DropFence()  # no two targets with different maps both let go of a copy
+        # no two targets with different maps both let go of a copy; kept beside the walk cursor
+        self.fence = DropFence(app[MEMBERSHIP].map_path.with_name(FENCE_FILE))
         self.state = {"map_version": 0, "running": False, "walks": 0, "checked": 0, "copied": 0, "deleted": 0, "stale": 0,
                       "failed": 0, "last_error": "", "resumed_from": "",
                       "retry_in": 0,  # seconds to the next walk after one with failures (0: none due)

@@ -41,7 +41,11 @@ async def check_names(request: web.Request) -> web.Response:
     if len(names) > PAGE:
         raise BadRequest(f"at most {PAGE} names at a time")
     node, fence = request.app[NODE], request.app[REBALANCER].fence
-    fence.asked(version, digest[:64])  # before any answer is read: a drop from now on sees it
+    if fence.asked(version, digest[:64]):  # before any answer is read: a drop from now on sees it,
+        try:  # and after a restart too
+            await asyncio.to_thread(fence.save)
+        except OSError as e:
+            raise StoreError(f"cannot keep the rebalance fence in {fence.path}: {e}; not answered") from None
 
     def answer() -> list:
         out = []

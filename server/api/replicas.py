@@ -94,7 +94,10 @@ def copy_precondition(request: web.Request, writer, cksum: str):
                               deleted)
         if expect == "none" and current is not None:
             raise CopyRefused(f"{where}: exists here already (rebalance copy not needed)")
-        if expect != "none" and (current is None or current.cksum != expect):
+        # gone since the sender looked (and not deleted after its version: that is above) is
+        # taken: refused, the sender counted the 412 as "it has a copy" and could drop its own,
+        # the last copy of that version (a review)
+        if expect != "none" and current is not None and current.cksum != expect:
             raise CopyRefused(f"{where}: changed here since the sender looked; its copy is not taken")
     return check
 
@@ -209,7 +212,7 @@ async def require_gateway(request: web.Request, what: str) -> None:
 async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: str, meta: ObjectMeta,
                    expect: str | None = None) -> int:
     """Send this target's committed ``meta`` version to ``node``; with ``expect`` (a rebalance
-    copy) it replaces only that version there ("none": only if absent) — CopyRefused if not.
+    copy) it replaces only that version there, or nothing ("none": only if absent) — CopyRefused if not.
     A spread version (its chunks on other targets) is sent as its manifest, not its bytes.
     Returns the bytes of the body sent."""
     extra = "" if expect is None else f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"

@@ -23,7 +23,8 @@ either the question came first, and the other's drop is refused, or the other's 
 first, and the answer is "busy" or "absent" (then the asker copies its own back), never "held".
 Askers that send no version (nodes of an earlier release) set no fence, as before.
 
-Invariants: ``asked`` and ``let_go``'s check and mark run on the event loop, with no await
+Invariants: who asked is on disk before the answer goes (``save``), so a restart does not
+forget it; ``asked`` and ``let_go``'s check and mark run on the event loop, with no await
 between them; ``busy`` may be read from a worker thread (a dict lookup); a name is marked until
 its delete has returned.
 """
@@ -32,6 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class Pace:
@@ -60,19 +69,54 @@ KEPT_VERSIONS = 16  # the newest map versions whose askers' digests are remember
 
 
 class DropFence:
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path  # where who asked is kept: a restart must not forget it (a review)
         self.newest_asked = 0  # the newest map version of a peer that asked what this target holds
         self._asked: dict[int, set[str]] = {}  # version -> digests askers had (the newest KEPT_VERSIONS)
         self._going: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._saving = threading.Lock()
+        if path is not None:
+            self._load(path)
 
-    def asked(self, version: int, digest: str = "") -> None:
+    def asked(self, version: int, digest: str = "") -> bool:
         """A peer walking map ``version`` (``digest``: "" from a node of an earlier release)
-        asks what this target holds."""
+        asks what this target holds. True if that is news: ``save`` before answering."""
+        news = version > self.newest_asked or bool(digest) and digest not in self._asked.get(version, ())
         self.newest_asked = max(self.newest_asked, version)
         if digest:
             self._asked.setdefault(version, set()).add(digest)
             for old in sorted(self._asked)[:-KEPT_VERSIONS]:
                 del self._asked[old]
+        return news
+
+    def save(self) -> None:
+        """Keep who asked on disk (blocking: in a thread). Written aside, fsync'd and renamed;
+        one save at a time, each writing what is known when it starts."""
+        if self.path is None:
+            return
+        with self._saving:
+            doc = {"newest_asked": self.newest_asked, "asked": {str(v): sorted(d) for v, d in dict(self._asked).items()}}
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            doc = json.loads(path.read_text())
+            self.newest_asked = int(doc["newest_asked"])
+            self._asked = {int(v): {str(x) for x in d} for v, d in doc["asked"].items()}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # never torn (renamed whole): a damaged disk. Drops still wait until this target has
+            # joined and walks the primary's map, which is as new as any asker's but a deposed
+            # primary's; the file is set aside for a look
+            log.error("%s unreadable (%s): starting with an empty drop fence; kept as %s.unreadable", path, e, path.name)
+            with contextlib.suppress(OSError):
+                os.replace(path, path.with_name(path.name + ".unreadable"))
 
     def busy(self, bucket: str, name: str) -> bool:
         return self._going[bucket, name] > 0

@@ -1,12 +1,15 @@
 """The walk's drop fence (server/cluster/handover.py) in real processes: a target that a newer
-map's walk asked what it holds lets go of no copy until that map reaches it, and every walk's
-questions carry its map (so each target asked knows the newest map its peers walk)."""
+map's walk asked what it holds lets go of no copy until that map reaches it — restarted too —
+and every walk's questions carry its map (so each target asked knows the newest map its peers
+walk)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
+import xxhash
 
 from tests.cluster.conftest import Cluster, holds, ranked, signed_for, until
 from tests.support.getbatch import blob, sdk_client
@@ -39,6 +42,11 @@ def test_a_target_asked_under_a_newer_map_lets_go_of_nothing_until_it_has_it(tmp
                        headers={**signed_for(u0, "POST", CHECK, body, to=t0), "Content-Type": "application/json"})
         assert r.status_code == 200 and r.json()["objects"][0][0] == 200, r.text
         assert _status(u0, t0)["asked_map_version"] == version + 100
+        # restarted, it still knows (a restart forgot it, and could drop what the asker relied on)
+        cluster.targets[0].stop()
+        cluster.bring_back(0)
+        u0 = cluster.targets[0].url
+        assert cluster.target_id(0) == t0 and _status(u0, t0)["asked_map_version"] == version + 100
 
         # one copy each from now on: every object's second holder lets go of its copy — but t0
         # keeps its own (a newer map is known to it), while t1 lets go of the ones t0 is first for
@@ -55,5 +63,13 @@ def test_a_target_asked_under_a_newer_map_lets_go_of_nothing_until_it_has_it(tmp
         assert _status(u1, t1)["asked_map_version"] == int(smap["version"])
         for n in names:  # every object still reads back
             assert client.bucket("b").object(n).get_reader().read_all() == blob(n, 3000)
+
+        # a walk's copy meant to replace a version the receiver no longer has is taken: a 412
+        # there counted as "it has a copy", and the sender could drop the last copy (a review)
+        data = blob("gone", 2000)
+        path_qs = (f"/v1/objects/b/gone?replica=1&cksum={xxhash.xxh64(data).hexdigest()}"
+                   f"&expect={'0' * 16}&written={time.time_ns()}")
+        r = httpx.put(u1 + path_qs, content=data, timeout=10, headers=signed_for(u1, "PUT", path_qs, to=t1))
+        assert r.status_code == 200 and holds(u1, "b", "gone"), (r.status_code, r.text)
     finally:
         cluster.stop()

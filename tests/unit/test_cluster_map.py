@@ -66,4 +66,8 @@ def test_a_maps_identity_survives_the_wire_and_tells_two_primaries_apart():
     assert back.identity == m.identity and back.identity[0] == m.version
     other = dataclasses.replace(m, primary="p-other")  # the same version made by another primary
     assert other.identity[0] == m.identity[0] and other.identity != m.identity
-    assert m.with_leaving(sorted(m.targets)[0]).identity != m.identity
+    # every part that places objects changes it, the version kept
+    first = sorted(m.targets)[0]
+    for changed in (dataclasses.replace(m, nodes=m.nodes[:-1]), dataclasses.replace(m, bucket_copies=()),
+                    dataclasses.replace(m, leaving=(first,)), dataclasses.replace(m, uuid="other")):
+        assert changed.identity[0] == m.version and changed.identity != m.identity

@@ -120,3 +120,19 @@ def test_a_bad_value_names_its_flag(tmp_path, capsys):
         cli.main(args + ["--rebalance-objects", "100"])
     assert "error: rebalance_objects must be an integer from 1 to 64, got 100 (option --rebalance-objects)" \
         in capsys.readouterr().err
+
+
+def test_who_asked_is_kept_across_a_restart(tmp_path):
+    path = tmp_path / "fence.json"
+    fence = DropFence(path)
+    assert fence.asked(9, "dd") and not fence.asked(9, "dd") and not fence.asked(3)  # news only once
+    assert fence.asked(9, "ee")  # another map of the same version is news
+    fence.save()
+    again = DropFence(path)  # the target restarted
+    assert again.newest_asked == 9
+    with pytest.raises(NewerMap, match="v9"):
+        _let_go(again, (8, "x"), (8, "x"))
+    with pytest.raises(NewerMap, match="another map v9"):
+        _let_go(again, (9, "dd"), (9, "dd"))
+    path.write_text("{torn")  # a damaged disk: set aside, started empty (drops then wait for the join)
+    assert DropFence(path).newest_asked == 0 and (tmp_path / "fence.json.unreadable").exists()
