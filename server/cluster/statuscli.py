@@ -41,7 +41,10 @@ def _gib(n) -> str:
 
 def render(doc: dict) -> tuple[str, int]:
     """The table for a status document, and the exit status it calls for."""
-    per_bucket = ", ".join(f"{b}: {c}" for b, c in sorted((doc.get("bucket_copies") or {}).items()))
+    placed = sum(1 for n in doc["nodes"] if n["kind"] != "proxy" and not n.get("leaving"))
+    # a bucket wanting more copies than there are targets keeps one a target (say so)
+    per_bucket = ", ".join(f"{b}: {c}" + (f" wanted, {placed} kept" if c > placed else "")
+                           for b, c in sorted((doc.get("bucket_copies") or {}).items()))
     lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} copies of each object"
              + (f" ({per_bucket})" if per_bucket else "")]
     rows = []
