@@ -178,8 +178,8 @@ def main() -> int:
         sets[f"t100-{r}"] = (100, 10 * KiB)
         for size, n in sizes.items():
             for side in sides:
-                if side not in ("local", "floor"):  # floor re-reads the plans set, local is local
-                    sets[f"l{size // KiB}k-{side}{r}"] = (n, size)
+                if side != "local":  # local is local; floor re-reads the plans set (loaded for it alone too)
+                    sets[f"l{size // KiB}k-{'plans' if side == 'floor' else side}{r}"] = (n, size)
     sets["t10000"] = (10_000, 10 * KiB)
     t = time.perf_counter()
     load(work / "data", sets)
