@@ -36,7 +36,7 @@ from server.api.gateway_map import (PROBE_SECONDS, PUSH_TIMEOUT, Gateway, NotImp
                                     gateway_of, passthrough)
 from server.api.state import OP_KEY, read_json
 from server.cluster import peers
-from server.cluster.smap import COPIES, TARGET, ClusterMap
+from server.cluster.smap import COPIES, MAP_VERSION_HEADER, TARGET, ClusterMap
 from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
     new = await gw.change(leaving, f"target {sid} leaving: its objects move to the others, then it is removed")
     return web.Response(text=f"target {sid} is leaving cluster {new.uuid} (map v{new.version}): its objects move to "
                              "the others, then it is removed and stops; 'batchfs-server cluster status' shows the "
-                             "progress\n" + _fewer_copies(new))
+                             "progress\n" + _fewer_copies(new),
+                        headers={MAP_VERSION_HEADER: str(new.version)})
 
 
 def _fewer_copies(smap: ClusterMap) -> str:

@@ -12,12 +12,12 @@ dropped: its disks may hold the only copies), 3 still leaving when ``--timeout``
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
 import httpx
 
+from server.cluster.smap import MAP_VERSION_HEADER
 from server.cluster.statuscli import add_token_argument, headers_or_none
 
 POLL_SECONDS = 1.0
@@ -60,9 +60,9 @@ def main(argv: list[str]) -> int:
         print(f"batchfs-server cluster remove: HTTP {r.status_code}: {_message(r)}{hint}", file=sys.stderr)
         return 1
     print(r.text.strip())
-    flagged = re.search(r"\(map v(\d+)\)", r.text)  # the map version that flags it leaving
+    flagged = r.headers.get(MAP_VERSION_HEADER, "")  # the map version that flags it leaving
     timeout = 3600.0 if a.timeout is None else a.timeout
-    return _wait(base, a.target, headers, timeout, int(flagged.group(1)) if flagged else None) if a.wait else 0
+    return _wait(base, a.target, headers, timeout, int(flagged) if flagged.isdigit() else None) if a.wait else 0
 
 
 def _wait(base: str, target: str, headers: dict, timeout: float, flagged: int | None) -> int:

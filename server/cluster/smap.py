@@ -38,6 +38,9 @@ from server.cluster.spreadnames import owner_bucket
 PROXY, TARGET = "proxy", "target"
 COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
 REMOVED_KEPT = 1000  # ids of removed targets the map remembers (their joins are refused)
+# on a decommission's answer: the version of the map that flags the target leaving (what
+# ``cluster remove --wait`` compares later maps with; the answer's text is for people)
+MAP_VERSION_HEADER = "Batchfs-Map-Version"
 
 
 class UnreadableMap(ValueError):

@@ -100,6 +100,7 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
         assert r.status_code == 200 and "leaving" in r.text, r.text
         leaving = cluster.smap()
         assert leaving["tmap"][victim]["flags"] == 1 << 3  # AIStore's decommission flag: nothing is placed there
+        assert r.headers["Batchfs-Map-Version"] == str(leaving["version"])  # what --wait compares with
         text, code = render(cluster.status())  # what ``cluster status`` prints, and its exit status
         assert code == 3 and "up, leaving" in text, text
         # while it leaves (its walk sends 32 KiB a second, chunks first): the only copies it holds
