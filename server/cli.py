@@ -23,17 +23,13 @@ from pathlib import Path
 from aiohttp import web
 
 from server.api import connlimits, listener
-from server.api import clusterapi, rebalance, rebalance_answers
-from server.api.app import build_app, build_gateway_app
-from server.api.daemon_api import NODE_INFO
-from server.api.gateway_map import Gateway
-from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role, size_arg as _size
-from server.cluster.join import Membership
+from server.api.roles import build_for_role
 from server.cluster.secret import ClusterSecret
+from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role, size_arg as _size
 from server.cluster.smap import UnreadableMap
 from server import datalock
 from server.config import ServerConfig, load_toml
-from server.api.state import CLUSTER_SECRET, INFLIGHT, METRICS, NODE
+from server.api.state import INFLIGHT, METRICS, NODE
 from server.store.store import Store
 
 _DEFAULTS = ServerConfig()
@@ -297,7 +293,7 @@ async def serve(config: ServerConfig) -> None:
     # scan may judge them; anything this process writes is younger.
     started_ns = time.time_ns()
     log = logging.getLogger(__name__)
-    app, on_bound = _build(config)
+    app, on_bound = build_for_role(config)
     # Requests get config.shutdown_timeout_seconds in drain() below; the runner's own timeout
     # is only the final cut for connections still busy after that. aiohttp's keep-alive timer
     # is our idle timeout; connlimits adds the header and body timeouts and the counts.
@@ -352,34 +348,6 @@ async def serve(config: ServerConfig) -> None:
         guard.restricted.pre_shutdown()
         await guard.restricted.shutdown(_FINAL_CUT_SECONDS)
     await runner.cleanup()
-
-
-def _build(config: ServerConfig):
-    """The application for the node's role, and what to do once it listens at a URL."""
-    if config.role == "node":
-        return build_app(config), lambda url: None
-    secret = ClusterSecret.load(Path(config.cluster_secret_file))
-    state = Path(config.data_dirs[0]) / ".batchfs"
-    state.mkdir(parents=True, exist_ok=True)
-    if config.role == "gateway":
-        gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds,
-                          primary_url=config.join_url, election_after=config.election_after_seconds)
-        app = build_gateway_app(config, gateway, secret)
-        return app, lambda url: gateway.bound(url)
-    members: list[Membership] = []
-
-    def cluster_routes(app: web.Application) -> None:
-        app[CLUSTER_SECRET] = secret
-        members.append(Membership(config.join_url, secret, app[NODE_INFO]["id"], state / "cluster-map.json"))
-        # removed from the cluster (``cluster remove``, its objects moved to the others): it stops
-        # as SIGTERM stops it (requests in flight drained), exit status 0
-        members[0].on_removed.append(lambda why: os.kill(os.getpid(), signal.SIGTERM))
-        clusterapi.add_routes(app, members[0])
-        rebalance.add_routes(app, members[0])
-        rebalance_answers.add_routes(app)
-
-    app = build_app(config, add_routes=cluster_routes)
-    return app, lambda url: asyncio.get_running_loop().create_task(members[0].run(url))
 
 
 async def _orphan_scan(store: Store, started_ns: int, stop: threading.Event) -> None:

@@ -53,7 +53,7 @@ class Gateway(GatewayElections):
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
     def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
-                 primary_url: str | None = None, election_after: float = 10.0):
+                 primary_url: str | None = None, election_after: float = 10.0, on_removed=None):
         """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none); a
         target down for ``rebuild_after`` seconds is dropped from it (its copies get rebuilt).
 
@@ -62,7 +62,9 @@ class Gateway(GatewayElections):
         the primary gives it, sends map changes to the primary, and may replace a primary
         unreachable for ``election_after`` seconds (``server.cluster.election``). The map kept
         beside the id decides over the flags: a gateway elected primary stays primary after a
-        restart; a primary that was replaced restarts as a secondary of the one its map names."""
+        restart; a primary that was replaced restarts as a secondary of the one its map names.
+        ``on_removed(why)`` runs once a secondary learns it was removed (``cluster remove``)."""
+        self.on_removed = on_removed
         self.map_path, self.secret, self.rebuild_after = map_path, secret, rebuild_after
         self.election_after = election_after
         self.member: Membership | None = None
@@ -99,12 +101,15 @@ class Gateway(GatewayElections):
         self._unheld: int | None = None  # the map version last published without a majority
         self._watcher: asyncio.Task | None = None
         self.primary_rounds: list = []  # more of a primary's work each health round: async fn(gateway)
+        self._tasks: set[asyncio.Task] = set()  # one-off work after an answer (spawn), cancelled at stop
 
     def _follow(self, primary_url: str) -> None:
         """Be a secondary of the primary at ``primary_url`` (joining it once this gateway listens)."""
         self.member = Membership(primary_url, self.secret, self.id, self.map_path, kind=PROXY,
                                  fallback_urls=[self.join_url] if self.join_url else [])
         self.member.on_change.append(self._take)
+        if self.on_removed is not None:
+            self.member.on_removed.append(self.on_removed)
         if self.url:
             self._member_task = asyncio.get_running_loop().create_task(self.member.run(self.url))
 
@@ -137,8 +142,14 @@ class Gateway(GatewayElections):
             asyncio.get_running_loop().create_task(self._start_primary())
         self._watcher = asyncio.get_running_loop().create_task(self.watch())
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` beside the requests, owned by this gateway (cancelled at ``stop``)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def stop(self, app: web.Application) -> None:
-        for task in (self._watcher, self._member_task):
+        for task in (self._watcher, self._member_task, *self._tasks):
             if task is not None:
                 task.cancel()
         if self.session is not None:

@@ -42,6 +42,7 @@ from server.errors import BadRequest, Conflict, NotFound, StoreError
 log = logging.getLogger(__name__)
 
 DECOMMISSION = "decommission-node"  # AIStore's apc.ActDecommissionNode
+REMOVED_TELL_SECONDS = 0.5  # a removed gateway is told this long after the answer has gone
 REMOVE_PATH = "/v1/cluster/remove"  # signed: a secondary gateway passes a removal on to the primary
 # AIStore's apc.ActValRmNode besides "sid": each changes what a removal does; only their defaults are served
 _RM_OPTIONS = ("skip_rebalance", "rm_user_data", "keep_initial_config", "no_shutdown")
@@ -90,13 +91,12 @@ async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
     smap = gw.smap
     node = smap.node(sid)
     if node is None and sid in smap.removed:
-        return web.Response(text=f"target {sid} was removed from cluster {smap.uuid} already\n")
+        return web.Response(text=f"node {sid} was removed from cluster {smap.uuid} already\n")
     if node is None:
-        raise NotFound(f"{sid!r} is not a node of cluster {smap.uuid} (targets: {', '.join(sorted(smap.targets))})")
+        raise NotFound(f"{sid!r} is not a node of cluster {smap.uuid} (targets: {', '.join(sorted(smap.targets))}; "
+                       f"gateways: {', '.join(sorted(smap.proxies))})")
     if node.kind != TARGET:
-        raise NotImplementedThroughGateway(
-            f"{sid} is a gateway: removing one is not served — stop it; the primary drops it from the map after "
-            "--rebuild-after seconds down; nothing was changed")
+        return await _remove_gateway(gw, node)
     if sid in gw.down:
         raise Unavailable(f"target {sid} is down: a removal moves its objects, which it cannot do now — start it "
                           "again, or leave it down: after --rebuild-after seconds it is dropped and its copies are "
@@ -120,6 +120,29 @@ async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
                         headers={MAP_VERSION_HEADER: str(new.version)})
 
 
+async def _remove_gateway(gw: Gateway, node) -> web.Response:
+    """A secondary gateway holds no data: it leaves the map at once (its id kept as removed, so
+    it no longer counts in elections and its joins are refused), up or down. The primary is
+    not removed: its map is the cluster's."""
+    sid = node.id
+    if sid == gw.smap.primary:
+        raise Conflict(f"gateway {sid} is the primary: it cannot remove itself. Stop it — the other gateways "
+                       "elect a new primary, which drops it after --rebuild-after seconds down, or remove it "
+                       "through the new primary; nothing was changed")
+
+    def retire(m: ClusterMap) -> ClusterMap:
+        n = m.node(sid)
+        return m.retired(sid) if n is not None and n.kind != TARGET and sid != m.primary else m
+
+    new = await gw.change(retire, f"gateway {sid} removed")
+    # told after this answer (the removal may have come through that very gateway, which
+    # passes the answer on); if telling fails, its next join is answered 410 and it stops then
+    gw.spawn(_tell(gw, node, new, after=REMOVED_TELL_SECONDS))
+    return web.Response(text=f"gateway {sid} removed from cluster {new.uuid} (map v{new.version}); it stops "
+                             "when told (at the latest at its next keepalive, within 10 s)\n",
+                        headers={MAP_VERSION_HEADER: str(new.version)})
+
+
 def _fewer_copies(smap: ClusterMap) -> str:
     """A warning when the targets left are fewer than the copies some objects want: those then
     keep only as many copies as there are targets left (better learnt now than from a lost disk)."""
@@ -136,10 +159,10 @@ def _fewer_copies(smap: ClusterMap) -> str:
 
 
 def refuse_removed(gw: Gateway, node_id: str) -> None:
-    """Gone for the join of a target removed from this cluster (it stops when told)."""
+    """Gone for the join of a node removed from this cluster (it stops when told)."""
     if node_id in gw.smap.removed and gw.smap.node(node_id) is None:
-        raise Gone(f"target {node_id} was removed from cluster {gw.smap.uuid} (cluster remove): it does not "
-                   "join again. To add this machine again, start it on empty data directories (a new target)")
+        raise Gone(f"node {node_id} was removed from cluster {gw.smap.uuid} (cluster remove): it does not "
+                   "join again. To add this machine again, start it on empty data directories (a new node)")
 
 
 async def finish_leaving(gw: Gateway) -> None:
@@ -171,13 +194,14 @@ async def finish_leaving(gw: Gateway) -> None:
             await _tell(gw, node, new)
 
 
-async def _tell(gw: Gateway, node, smap: ClusterMap) -> None:
-    """Push the map that removes it to the removed target (it stops); if this is lost, its next
-    join is answered 410 (``refuse_removed``) and it stops then."""
+async def _tell(gw: Gateway, node, smap: ClusterMap, after: float = 0.0) -> None:
+    """Push the map that removes it to the removed node, ``after`` seconds from now (it stops);
+    if this is lost, its next join is answered 410 (``refuse_removed``) and it stops then."""
+    await asyncio.sleep(after)
     try:
         async with peers.signed(gw.session, gw.secret, "POST", node.url, "/v1/cluster/map", to=node.id,
                                 body=json.dumps(smap.to_json()).encode(),
                                 headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
             await r.read()
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        log.info("target %s removed; telling it failed (%s): its next join is refused", node.id, e)
+        log.info("%s %s removed; telling it failed (%s): its next join is refused", node.kind, node.id, e)

@@ -29,13 +29,15 @@ def main(argv: list[str]) -> int:
         description="Remove a target from a cluster for good: its objects move to the other targets (every copy "
         "kept), then the primary gateway removes it from the cluster map and it stops (exit 0). While it leaves it "
         "still serves what it holds; new objects are placed on the others. Its data directories are kept; to "
-        "add the machine again, start it on empty ones. The same request as AIStore's 'ais cluster "
-        "add-remove-nodes decommission'.",
+        "add the machine again, start it on empty ones. A secondary gateway (it holds no data) is removed at once, "
+        "up or down, and stops when told; the primary gateway cannot be removed. The same request as AIStore's "
+        "'ais cluster add-remove-nodes decommission'.",
         epilog="exit status: 0 removal started (with --wait: the target is removed), 1 refused or no answer, or "
         "(--wait) the target died while leaving and was dropped from the map without being removed — its disks "
         "may hold the only copies of some objects, 3 --wait ran out of --timeout with the target still leaving")
     p.add_argument("gateway", metavar="URL", help="a gateway of the cluster, e.g. http://10.0.0.1:8080")
-    p.add_argument("target", metavar="TARGET_ID", help="the target's id, as 'batchfs-server cluster status' lists it")
+    p.add_argument("target", metavar="NODE_ID",
+                   help="the target's or secondary gateway's id, as 'batchfs-server cluster status' lists it")
     add_token_argument(p)
     p.add_argument("--wait", action="store_true", help="wait until the target is removed, printing its progress")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
@@ -84,7 +86,7 @@ def _wait(base: str, target: str, headers: dict, timeout: float, flagged: int | 
             continue
         node = next((n for n in st.get("nodes", []) if n.get("id") == target), None)
         if node is None and target in (st.get("removed") or ()):
-            print(f"target {target} removed (cluster map v{st.get('version')})")
+            print(f"{target} removed (cluster map v{st.get('version')})")
             return 0
         if node is None:
             print(f"batchfs-server cluster remove: target {target} left the map WITHOUT being removed: it was down "

@@ -1,0 +1,79 @@
+"""Removing a secondary gateway (AIStore's ``decommission-node`` naming a proxy): it holds no
+data, so it leaves the map at once — its id kept as removed, so it no longer counts in
+elections — and stops when told; started again, its join is refused and it stops. The primary
+cannot be removed (409, nothing changed). A gateway that is down can be removed too."""
+
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+
+from tests.cluster.conftest import Cluster, free_port, until
+from tests.support.getbatch import blob, sdk_client
+from tests.support.processes import BIN, ServerProcess
+
+
+def _secondary(cluster: Cluster, data) -> ServerProcess:
+    return ServerProcess([data], "--role", "gateway", "--listen", f"127.0.0.1:{free_port()}",
+                         "--join", f"http://127.0.0.1:{cluster.gw_port}", "--cluster-secret-file", str(cluster.secret))
+
+
+def _decommission(url: str, sid: str) -> httpx.Response:
+    return httpx.put(f"{url}/v1/cluster", json={"action": "decommission-node", "value": {"sid": sid}}, timeout=30)
+
+
+def test_a_secondary_gateway_is_removed_at_once_and_stops(tmp_path):
+    cluster = Cluster(tmp_path, targets=1)
+    first, second = _secondary(cluster, tmp_path / "gw2"), _secondary(cluster, tmp_path / "gw3")
+    try:
+        cluster.start()
+        first.start()
+        second.start()
+        until(lambda: len(cluster.smap()["pmap"]) == 3, 30, "both secondaries in the map")
+        smap = cluster.smap()
+        by_url = {n["public_net"]["direct_url"]: i for i, n in smap["pmap"].items()}
+        primary, first_id, second_id = smap["proxy_si"]["daemon_id"], by_url[first.url], by_url[second.url]
+        b = sdk_client(cluster.url).bucket("b")
+        b.create()
+        b.object("o").get_writer().put_content(blob("o", 5000))
+
+        # the primary cannot be removed: refused, nothing changed
+        r = _decommission(first.url, primary)  # passed on to the primary, its answer passed back
+        assert r.status_code == 409 and "is the primary" in r.text, r.text
+        assert cluster.smap()["version"] == smap["version"]
+
+        # a secondary removed through itself: the answer comes back before it stops
+        r = _decommission(first.url, first_id)
+        assert r.status_code == 200 and "removed" in r.text, r.text
+        version = int(r.headers["Batchfs-Map-Version"])
+        smap = cluster.smap()
+        assert int(smap["version"]) == version and first_id not in smap["pmap"]
+        assert first_id in cluster.status()["removed"]
+        assert first.proc.wait(timeout=30) == 0  # told, it stops as SIGTERM stops it
+        assert "removed from its cluster" in "".join(first.output)
+        # the other secondary learns the map without it; the cluster goes on serving
+        until(lambda: first_id not in httpx.get(f"{second.url}/v1/daemon?what=smap", timeout=10).json()["pmap"],
+              20, "the other secondary's map")
+        assert sdk_client(second.url).bucket("b").object("o").get_reader().read_all() == blob("o", 5000)
+        assert _decommission(cluster.url, first_id).text.startswith(f"node {first_id} was removed")  # said so
+
+        # started again on its data: its join is refused (410) and it stops
+        again = subprocess.run(first.command(), capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "was removed from cluster" in again.stdout + again.stderr, again.stderr
+        assert first_id not in cluster.smap()["pmap"]
+
+        # a secondary that is down is removed too (it would count in every election), through
+        # the CLI, which waits for the map to list it as removed
+        second.stop()
+        out = subprocess.run([str(BIN / "batchfs-server"), "cluster", "remove", "--wait", "--timeout", "60",
+                              cluster.url, second_id], capture_output=True, text=True, timeout=90)
+        assert out.returncode == 0 and f"{second_id} removed" in out.stdout, (out.stdout, out.stderr)
+        assert list(cluster.smap()["pmap"]) == [primary]
+        assert b.object("o").get_reader().read_all() == blob("o", 5000)
+        again = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "was removed from cluster" in again.stdout + again.stderr, again.stderr
+    finally:
+        for p in (first, second):
+            p.stop()
+        cluster.stop()
