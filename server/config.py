@@ -113,6 +113,12 @@ class ServerConfig:
     # so that one object's parallel reads are served by all of them (docs/cluster.md)
     spread_chunks: bool = True
 
+    @property
+    def join_urls(self) -> list[str]:
+        """``join_url`` as a list: a node may be given several gateways to join (comma-separated),
+        the first asked first, the next ones while it gets no answer."""
+        return _split_urls(self.join_url)
+
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
         for f in dataclasses.fields(self):
@@ -141,8 +147,11 @@ class ServerConfig:
             raise ValueError("a target needs the gateway to join: --join http://GATEWAY:PORT")
         if self.role == "node" and self.join_url:
             raise ValueError("--join is for targets and secondary gateways (--role target|gateway)")
-        if self.join_url and not _is_base_url(self.join_url):
-            raise ValueError(f"--join wants a gateway's URL, http://HOST:PORT, got {self.join_url!r}")
+        if self.join_url:
+            bad = [u for u in self.join_urls if not _is_base_url(u)]
+            if bad or not self.join_urls:
+                raise ValueError(f"--join wants gateways' URLs, http://HOST:PORT (several: comma-separated), got "
+                                 f"{bad[0] if bad else self.join_url!r}")
         if self.role != "node" and self.cluster_secret_file is None:
             raise ValueError(f"a {self.role} needs --cluster-secret-file FILE (the same file on every gateway "
                              "and target; make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")
@@ -157,6 +166,10 @@ class ServerConfig:
             raise ValueError(f"metrics_auth must be token or none, got {self.metrics_auth!r}")
         if self.auth_token_file is not None:  # (again on dataclasses.replace: the file wins)
             object.__setattr__(self, "auth_token_digests", load_token_file(Path(self.auth_token_file)))
+
+
+def _split_urls(text: str | None) -> list[str]:
+    return [u.strip() for u in text.split(",") if u.strip()] if isinstance(text, str) else []
 
 
 def _is_base_url(url: str) -> bool:

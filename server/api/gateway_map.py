@@ -53,11 +53,12 @@ class Gateway(GatewayElections):
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
     def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
-                 primary_url: str | None = None, election_after: float = 10.0, on_removed=None):
+                 join_urls: list[str] = (), election_after: float = 10.0, on_removed=None):
         """The map at ``map_path`` (a new cluster, with a new gateway id, if there is none); a
         target down for ``rebuild_after`` seconds is dropped from it (its copies get rebuilt).
 
-        With ``primary_url`` this is a secondary gateway: it joins the primary like a target
+        With ``join_urls`` (the primary's, or any gateways' of the cluster, asked in turn) this is
+        a secondary gateway: it joins the primary like a target
         (``Membership``, kind proxy; its id kept beside the map), serves clients with the map
         the primary gives it, sends map changes to the primary, and may replace a primary
         unreachable for ``election_after`` seconds (``server.cluster.election``). The map kept
@@ -72,7 +73,8 @@ class Gateway(GatewayElections):
         self._primary_lost: float | None = None  # since when a secondary cannot reach the primary
         self._replaced_checked = time.monotonic()  # a primary's last check whether it was replaced
         self.url = ""
-        self.join_url = primary_url
+        self.join_urls = [u.rstrip("/") for u in join_urls]
+        primary_url = self.join_urls[0] if self.join_urls else None
         self.ballots = election.Ballots()  # this gateway's votes in elections
         saved = ClusterMap.load(map_path)
         # what this gateway knew when it started: a map naming another primary that is newer
@@ -85,7 +87,7 @@ class Gateway(GatewayElections):
             # always kept the file): with a map and no file, this is that primary — unless it is
             # told to join the very URL the map gives that primary (then it is not it)
             leader = saved.node(saved.primary) if saved is not None else None
-            was_primary = leader is not None and (primary_url is None or leader.url.rstrip("/") != primary_url.rstrip("/"))
+            was_primary = leader is not None and leader.url.rstrip("/") not in self.join_urls
             self.id = saved.primary if was_primary else f"gw{uuid.uuid4().hex[:8]}"
             id_path.write_text(self.id + "\n")
         leader = saved.node(saved.primary) if saved is not None else None
@@ -106,7 +108,7 @@ class Gateway(GatewayElections):
     def _follow(self, primary_url: str) -> None:
         """Be a secondary of the primary at ``primary_url`` (joining it once this gateway listens)."""
         self.member = Membership(primary_url, self.secret, self.id, self.map_path, kind=PROXY,
-                                 fallback_urls=[self.join_url] if self.join_url else [])
+                                 fallback_urls=self.join_urls)
         self.member.on_change.append(self._take)
         if self.on_removed is not None:
             self.member.on_removed.append(self.on_removed)

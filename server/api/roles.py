@@ -40,7 +40,7 @@ def build_for_role(config: ServerConfig):
     state.mkdir(parents=True, exist_ok=True)
     if config.role == "gateway":
         gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds,
-                          primary_url=config.join_url, election_after=config.election_after_seconds,
+                          join_urls=config.join_urls, election_after=config.election_after_seconds,
                           on_removed=_stop)
         app = build_gateway_app(config, gateway, secret)
         return app, lambda url: gateway.bound(url)
@@ -48,7 +48,8 @@ def build_for_role(config: ServerConfig):
 
     def cluster_routes(app: web.Application) -> None:
         app[CLUSTER_SECRET] = secret
-        members.append(Membership(config.join_url, secret, app[NODE_INFO]["id"], state / "cluster-map.json"))
+        first, *more = config.join_urls
+        members.append(Membership(first, secret, app[NODE_INFO]["id"], state / "cluster-map.json", fallback_urls=more))
         members[0].on_removed.append(_stop)
         clusterapi.add_routes(app, members[0])
         rebalance.add_routes(app, members[0])

@@ -28,10 +28,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser, d: ServerConfig) -> None:
                    help="node: gateway and target in one process; gateway: routes clients to targets and "
                    "owns the cluster map (kept in its --data directory, no objects); target: stores "
                    f"objects and joins a gateway (default: {d.role})")
-    c.add_argument("--join", dest="join_url", metavar="URL",
+    c.add_argument("--join", dest="join_url", metavar="URL[,URL...]",
                    help="the primary gateway, e.g. http://10.0.0.1:8080: a target joins it (required with --role "
                    "target); a gateway given --join is a secondary gateway — it serves clients with the map the "
-                   "primary gives it, and sends joins and bucket-copy changes to the primary")
+                   "primary gives it, and sends joins and bucket-copy changes to the primary. Several gateways, "
+                   "comma-separated: while one does not answer, the next is asked (a secondary passes the join "
+                   "on to the primary)")
     c.add_argument("--cluster-secret-file", dest="cluster_secret_file", type=Path, metavar="FILE",
                    help="the secret every gateway and target of the cluster shares (at least 32 characters, "
                    "mode 0600: openssl rand -hex 32 > FILE); requests between nodes are signed with it; required "

@@ -89,3 +89,29 @@ def test_a_secondary_gateway_serves_like_the_primary(tmp_path):
         joiner.stop()
         second.stop()
         cluster.stop()
+
+
+def test_a_node_given_several_gateways_joins_through_one_that_answers(tmp_path):
+    """``--join DEAD,LIVE``: the first gateway does not answer; the node asks the next one. A
+    target and a secondary gateway (it then follows the primary the map names)."""
+    cluster = Cluster(tmp_path, targets=1)
+    dead = f"http://127.0.0.1:{free_port()}"
+    target = ServerProcess([tmp_path / "t9" / "d1"], "--role", "target", "--join",
+                           f"{dead},http://127.0.0.1:{cluster.gw_port}", "--cluster-secret-file", str(cluster.secret))
+    second = ServerProcess([tmp_path / "gw2"], "--role", "gateway", "--join",
+                           f"{dead}/,http://127.0.0.1:{cluster.gw_port}", "--cluster-secret-file", str(cluster.secret))
+    try:
+        cluster.start()
+        target.start()
+        second.start()
+        until(lambda: len(cluster.smap()["tmap"]) == 2 and len(cluster.smap()["pmap"]) == 2, 30,
+              "both joined through the second URL")
+        cluster.targets.append(target)
+        assert any(f"joining {dead}" in line for line in target.output)  # asked first, then the next
+        c = sdk_client(second.url).bucket("b")
+        c.create()
+        c.object("o").get_writer().put_content(blob("o", 3000))
+        assert sdk_client(cluster.url).bucket("b").object("o").get_reader().read_all() == blob("o", 3000)
+    finally:
+        second.stop()
+        cluster.stop()

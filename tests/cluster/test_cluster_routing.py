@@ -226,9 +226,13 @@ def test_secret_files_and_roles_are_checked_before_starting(tmp_path):
                       (["--join", "http://x"], "--join is for targets and secondary gateways"),
                       # a new user's: a URL without its scheme was taken, and the join retried for ever
                       (["--role", "target", "--cluster-secret-file", str(good), "--join", "127.0.0.1:18090"],
-                       "--join wants a gateway's URL, http://HOST:PORT, got '127.0.0.1:18090'"),
+                       "--join wants gateways' URLs, http://HOST:PORT (several: comma-separated), got '127.0.0.1:18090'"),
+                      (["--role", "target", "--cluster-secret-file", str(good), "--join", "http://a:1,b:2"],
+                       "got 'b:2'"),
+                      (["--role", "target", "--cluster-secret-file", str(good), "--join", " , "],
+                       "--join wants gateways' URLs"),
                       (["--role", "gateway", "--cluster-secret-file", str(good), "--join", "http://gw:1/v1"],
-                       "--join wants a gateway's URL")):
+                       "--join wants gateways' URLs")):
         p = ServerProcess([tmp_path / "d"], *args)
         with pytest.raises(RuntimeError, match="exited with 2"):
             p.start(timeout=10)
