@@ -339,25 +339,31 @@ class Gateway(GatewayElections):
             await self._publish(self.smap)
         async with self._lock:
             self._still_primary()
-            new = update(self.smap)
-            if new is not self.smap:
+            before = self.smap
+            new = update(before)
+            if new is not before:
                 new.save(self.map_path)
                 self.smap = new
                 log.info("cluster map v%d: %s", new.version, what)
-        await self._publish(new)
+        await self._publish(new, before)
         return self.smap
 
-    async def _publish(self, new: ClusterMap) -> None:
+    async def _publish(self, new: ClusterMap, before: ClusterMap | None = None) -> None:
         """Push a change (outside the lock); answer it once a majority of the map's nodes hold it
         (this one included): an election's majority includes one of them and takes the newest
         map its voters hold, so the change outlives this primary. Fewer: a 503 (may be lost),
         and ``_unheld`` until a push is held. With no other gateway, no election can take the
-        map away: kept here is enough."""
+        map away: kept here is enough — in the map ``before`` the change too: a gateway removed
+        by it still holds that map, where it is a candidate (a review: the last secondary's
+        removal was answered once the primary alone held it, and the removed one, with a
+        target's vote, was then elected). The majority is of the larger of the two node sets."""
         pushed = self.smap.version  # what push_map sends (it reads the map before its first await)
         held = await self.push_map()
-        if 2 * held <= len(new.nodes) and len(new.proxies) > 1:
+        nodes = max(len(new.nodes), len(before.nodes) if before is not None else 0)
+        gateways = max(len(new.proxies), len(before.proxies) if before is not None else 0)
+        if 2 * held <= nodes and gateways > 1:
             self._unheld = max(self._unheld or 0, pushed)
-            raise Unavailable(f"cluster map v{new.version}: only {held} of its {len(new.nodes)} nodes confirmed it, "
+            raise Unavailable(f"cluster map v{new.version}: only {held} of {nodes} nodes confirmed it, "
                               "not a majority — the change may not outlive this primary; send it again")
         if self._unheld is not None and self._unheld <= pushed:  # a later version may have failed meanwhile
             self._unheld = None

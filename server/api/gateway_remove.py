@@ -36,7 +36,7 @@ from server.api.gateway_map import (PROBE_SECONDS, PUSH_TIMEOUT, Gateway, NotImp
                                     gateway_of, passthrough)
 from server.api.state import OP_KEY, read_json
 from server.cluster import peers
-from server.cluster.smap import COPIES, MAP_VERSION_HEADER, TARGET, ClusterMap
+from server.cluster.smap import COPIES, MAP_VERSION_HEADER, REMOVED_HEADER, TARGET, ClusterMap
 from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ async def _remove_gateway(gw: Gateway, node) -> web.Response:
     gw.spawn(_tell(gw, node, new, after=REMOVED_TELL_SECONDS))
     return web.Response(text=f"gateway {sid} removed from cluster {new.uuid} (map v{new.version}); it stops "
                              "when told (at the latest at its next keepalive, within 10 s)\n",
-                        headers={MAP_VERSION_HEADER: str(new.version)})
+                        headers={MAP_VERSION_HEADER: str(new.version), REMOVED_HEADER: sid})
 
 
 def _fewer_copies(smap: ClusterMap) -> str:
@@ -198,10 +198,18 @@ async def _tell(gw: Gateway, node, smap: ClusterMap, after: float = 0.0) -> None
     """Push the map that removes it to the removed node, ``after`` seconds from now (it stops);
     if this is lost, its next join is answered 410 (``refuse_removed``) and it stops then."""
     await asyncio.sleep(after)
+    failed = ""
     try:
         async with peers.signed(gw.session, gw.secret, "POST", node.url, "/v1/cluster/map", to=node.id,
                                 body=json.dumps(smap.to_json()).encode(),
                                 headers={"Content-Type": "application/json"}, timeout=PUSH_TIMEOUT) as r:
-            await r.read()
+            text = await r.text()
+            if r.status != 200:
+                failed = f"HTTP {r.status}: {text[:200]}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        log.info("%s %s removed; telling it failed (%s): its next join is refused", node.kind, node.id, e)
+        failed = str(e) or type(e).__name__
+    except Exception:  # in a spawned task nobody awaits: logged here, not lost
+        log.exception("telling removed %s %s", node.kind, node.id)
+        return
+    if failed:
+        log.warning("%s %s removed; telling it failed (%s): its next join is refused", node.kind, node.id, failed)

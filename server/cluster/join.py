@@ -126,6 +126,11 @@ class Membership:
 
     async def run(self, url: str) -> None:
         self.url = url
+        held = self.smap
+        if held is not None and self.node_id in held.removed and held.node(self.node_id) is None:
+            # a map it took otherwise (a primary stepping down, then restarted) says it was removed
+            self._removed(f"cluster map v{held.version} of cluster {held.uuid} removes it")
+            return
         path = "/v1/cluster/autoreg"
         delay = 0.1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from server.cluster.smap import MAP_VERSION_HEADER
+from server.cluster.smap import MAP_VERSION_HEADER, REMOVED_HEADER
 from server.cluster.statuscli import add_token_argument, headers_or_none
 
 POLL_SECONDS = 1.0
@@ -32,14 +32,16 @@ def main(argv: list[str]) -> int:
         "add the machine again, start it on empty ones. A secondary gateway (it holds no data) is removed at once, "
         "up or down, and stops when told; the primary gateway cannot be removed. The same request as AIStore's "
         "'ais cluster add-remove-nodes decommission'.",
-        epilog="exit status: 0 removal started (with --wait: the target is removed), 1 refused or no answer, or "
+        epilog="exit status: 0 removal started (with --wait: the target is removed; a gateway: removed), 1 refused "
+        "or no answer, or "
         "(--wait) the target died while leaving and was dropped from the map without being removed — its disks "
         "may hold the only copies of some objects, 3 --wait ran out of --timeout with the target still leaving")
     p.add_argument("gateway", metavar="URL", help="a gateway of the cluster, e.g. http://10.0.0.1:8080")
     p.add_argument("target", metavar="NODE_ID",
                    help="the target's or secondary gateway's id, as 'batchfs-server cluster status' lists it")
     add_token_argument(p)
-    p.add_argument("--wait", action="store_true", help="wait until the target is removed, printing its progress")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until the target is removed, printing its progress (a gateway is removed at once)")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="with --wait: give up waiting after this long (the removal goes on; default: 3600)")
     a = p.parse_args(argv)
@@ -62,6 +64,8 @@ def main(argv: list[str]) -> int:
         print(f"batchfs-server cluster remove: HTTP {r.status_code}: {_message(r)}{hint}", file=sys.stderr)
         return 1
     print(r.text.strip())
+    if r.headers.get(REMOVED_HEADER) == a.target:  # out of the map already (a gateway): nothing to wait for
+        return 0
     flagged = r.headers.get(MAP_VERSION_HEADER, "")  # the map version that flags it leaving
     timeout = 3600.0 if a.timeout is None else a.timeout
     return _wait(base, a.target, headers, timeout, int(flagged) if flagged.isdigit() else None) if a.wait else 0

@@ -37,10 +37,13 @@ from server.cluster.spreadnames import owner_bucket
 
 PROXY, TARGET = "proxy", "target"
 COPIES = 2  # copies of each object on the first HRW targets (docs/cluster.md)
-REMOVED_KEPT = 1000  # ids of removed targets the map remembers (their joins are refused)
+REMOVED_KEPT = 1000  # ids of removed nodes the map remembers (their joins are refused)
 # on a decommission's answer: the version of the map that flags the target leaving (what
 # ``cluster remove --wait`` compares later maps with; the answer's text is for people)
 MAP_VERSION_HEADER = "Batchfs-Map-Version"
+# on a decommission's answer when the node is out of the map already (a gateway: it holds no
+# data, so its removal is done at once): ``cluster remove --wait`` has nothing to wait for
+REMOVED_HEADER = "Batchfs-Removed"
 
 
 class UnreadableMap(ValueError):
@@ -166,7 +169,8 @@ class ClusterMap:
         return dataclasses.replace(self, version=self.version + 1, leaving=tuple(sorted((*self.leaving, node_id))))
 
     def retired(self, node_id: str) -> "ClusterMap":
-        """This map without target ``node_id``, remembered as removed (its joins are refused)."""
+        """This map without node ``node_id`` (a target whose objects moved, or a secondary
+        gateway), remembered as removed (its joins are refused)."""
         removed = tuple(i for i in self.removed if i != node_id) + (node_id,)
         return dataclasses.replace(self, version=self.version + 1,
                                    nodes=tuple(n for n in self.nodes if n.id != node_id),
