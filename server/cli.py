@@ -150,7 +150,7 @@ _TUNABLES = [
 
 
 CLUSTER_USAGE = ("       batchfs-server cluster status URL [--json] [--token-file FILE]   (or: cluster-status; its own "
-                 "--help)\n       batchfs-server cluster remove URL TARGET_ID [--wait [--timeout SECONDS]] "
+                 "--help)\n       batchfs-server cluster remove URL NODE_ID [--wait [--timeout SECONDS]] "
                  "[--token-file FILE]   (its own --help)")
 
 
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "name without dashes or by the config field (listen = \"HOST:PORT\", data = [\"/disk1\"], "
         "chunk_size = \"8MiB\"); command-line flags win. "
         "'batchfs-server cluster-status URL' prints a cluster's nodes and rebalance progress "
-        "from a gateway; 'batchfs-server cluster remove URL TARGET_ID' moves a target's objects to "
-        "the others and then removes it (see --help there).",
+        "from a gateway; 'batchfs-server cluster remove URL NODE_ID' moves a target's objects to "
+        "the others and then removes it, or removes a secondary gateway (see --help there).",
     )
     p.add_argument("--listen", type=_listen, metavar="HOST:PORT",
                    help=f"address to serve on; port 0 picks a free one (default: {d.host}:{d.port})")

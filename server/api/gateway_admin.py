@@ -51,9 +51,11 @@ async def autoreg(request: web.Request) -> web.Response:
         raise BadRequest(f"autoreg: kind {kind!r} (target or proxy)")
     gw = gateway_of(request)
     gw.refuse_second_hop(request)
+    # a removal is for good: a secondary whose map says so answers at once (a removed gateway
+    # restarted while the primary is down stops at its first join, not after an election)
+    refuse_removed(gw, doc["id"])
     if not gw.primary:  # the map is the primary's: pass the join on
         return passthrough(*await gw.to_primary("POST", "/v1/cluster/autoreg", json.dumps(doc).encode()))
-    refuse_removed(gw, doc["id"])
     if doc.get("cluster", gw.smap.uuid) != gw.smap.uuid:
         raise Conflict(f"{doc['id']} belongs to cluster {doc['cluster']!r}; this is cluster {gw.smap.uuid} "
                        f"(a gateway started on an empty data directory makes a new cluster: start it on its "

@@ -70,7 +70,7 @@ async def cluster_action(request: web.Request) -> web.Response:
     if asked:
         raise NotImplementedThroughGateway(
             f"{DECOMMISSION} with {', '.join(asked)} is not served: a removed target's objects always move to the "
-            "others first, its data directories are kept, and it stops; nothing was changed")
+            "others first, a removed node's data directories are kept, and it stops; nothing was changed")
     return await _remove(request, gateway_of(request), value["sid"])
 
 
@@ -138,8 +138,10 @@ async def _remove_gateway(gw: Gateway, node) -> web.Response:
     # told after this answer (the removal may have come through that very gateway, which
     # passes the answer on); if telling fails, its next join is answered 410 and it stops then
     gw.spawn(_tell(gw, node, new, after=REMOVED_TELL_SECONDS))
-    return web.Response(text=f"gateway {sid} removed from cluster {new.uuid} (map v{new.version}); it stops "
-                             "when told (at the latest at its next keepalive, within 10 s)\n",
+    then = ("it is down: started again, its join is refused and it stops" if sid in gw.probes.any_down() else
+            "it stops when told (at the latest at its next keepalive, within 10 s); its clients should use "
+            "another gateway")
+    return web.Response(text=f"gateway {sid} removed from cluster {new.uuid} (map v{new.version}); {then}\n",
                         headers={MAP_VERSION_HEADER: str(new.version), REMOVED_HEADER: sid})
 
 

@@ -6,6 +6,7 @@ cannot be removed (409, nothing changed). A gateway that is down can be removed 
 from __future__ import annotations
 
 import subprocess
+import time
 
 import httpx
 
@@ -26,11 +27,13 @@ def _decommission(url: str, sid: str) -> httpx.Response:
 def test_a_secondary_gateway_is_removed_at_once_and_stops(tmp_path):
     cluster = Cluster(tmp_path, targets=1)
     first, second = _secondary(cluster, tmp_path / "gw2"), _secondary(cluster, tmp_path / "gw3")
+    third = _secondary(cluster, tmp_path / "gw4")  # stays
     try:
         cluster.start()
         first.start()
         second.start()
-        until(lambda: len(cluster.smap()["pmap"]) == 3, 30, "both secondaries in the map")
+        third.start()
+        until(lambda: len(cluster.smap()["pmap"]) == 4, 30, "the secondaries in the map")
         smap = cluster.smap()
         by_url = {n["public_net"]["direct_url"]: i for i, n in smap["pmap"].items()}
         primary, first_id, second_id = smap["proxy_si"]["daemon_id"], by_url[first.url], by_url[second.url]
@@ -69,11 +72,20 @@ def test_a_secondary_gateway_is_removed_at_once_and_stops(tmp_path):
         r = _decommission(cluster.url, second_id)
         assert r.status_code == 200 and r.headers["Batchfs-Removed"] == second_id, r.text
         assert int(r.headers["Batchfs-Map-Version"]) == int(cluster.smap()["version"])
-        assert list(cluster.smap()["pmap"]) == [primary]
+        assert sorted(cluster.smap()["pmap"]) == sorted([primary, by_url[third.url]])
         assert b.object("o").get_reader().read_all() == blob("o", 5000)
+        until(lambda: second_id in httpx.get(f"{third.url}/v1/cluster/status", timeout=10).json()["removed"], 20,
+              "the remaining secondary's map")
+
+        # started again while the primary is down: the remaining secondary's map says it was
+        # removed, so its first join there is refused — no waiting for an election (10 s)
+        cluster.gateway.proc.kill()
+        cluster.gateway.proc.wait()
+        started = time.monotonic()
         again = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "was removed from cluster" in again.stdout + again.stderr, again.stderr
+        assert time.monotonic() - started < 8, again.stderr[-2000:]
     finally:
-        for p in (first, second):
+        for p in (first, second, third):
             p.stop()
         cluster.stop()

@@ -157,7 +157,7 @@ def test_the_cluster_commands_say_how_they_are_used():
         out = run(*args)
         assert out.returncode == 2 and "cluster status URL" in out.stderr and "cluster remove URL" in out.stderr, out
     out = run("cluster", "--help")
-    assert out.returncode == 0 and "cluster remove URL TARGET_ID" in out.stdout, out
+    assert out.returncode == 0 and "cluster remove URL NODE_ID" in out.stdout, out
     # --timeout without --wait would be ignored: refused instead, before anything is sent
     out = run("cluster", "remove", "http://127.0.0.1:9", "t1", "--timeout", "5")
     assert out.returncode == 2 and "--timeout goes with --wait" in out.stderr, out
