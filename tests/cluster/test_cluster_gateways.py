@@ -106,12 +106,12 @@ def test_a_node_given_several_gateways_joins_through_one_that_answers(tmp_path):
         second.start()
         until(lambda: len(cluster.smap()["tmap"]) == 2 and len(cluster.smap()["pmap"]) == 2, 30,
               "both joined through the second URL")
-        cluster.targets.append(target)
         assert any(f"joining {dead}" in line for line in target.output)  # asked first, then the next
         c = sdk_client(second.url).bucket("b")
         c.create()
         c.object("o").get_writer().put_content(blob("o", 3000))
         assert sdk_client(cluster.url).bucket("b").object("o").get_reader().read_all() == blob("o", 3000)
-    finally:
+    finally:  # stopped here whether or not it joined (a failed join must not leave it running)
+        target.stop()
         second.stop()
         cluster.stop()
