@@ -151,7 +151,10 @@ _TUNABLES = [
 
 CLUSTER_USAGE = ("       batchfs-server cluster status URL [--json] [--token-file FILE]   (or: cluster-status; its own "
                  "--help)\n       batchfs-server cluster remove URL NODE_ID [--wait [--timeout SECONDS]] "
-                 "[--token-file FILE]   (its own --help)")
+                 "[--token-file FILE]   (its own --help)\n"
+                 "       batchfs-server cluster start-maintenance URL TARGET_ID [--wait [--timeout SECONDS]] "
+                 "[--token-file FILE]\n"
+                 "       batchfs-server cluster stop-maintenance URL TARGET_ID [--token-file FILE]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk_size = \"8MiB\"); command-line flags win. "
         "'batchfs-server cluster-status URL' prints a cluster's nodes and rebalance progress "
         "from a gateway; 'batchfs-server cluster remove URL NODE_ID' moves a target's objects to "
-        "the others and then removes it, or removes a secondary gateway (see --help there).",
+        "the others and then removes it, or removes a secondary gateway; 'cluster start-maintenance' "
+        "empties a target so it may be shut down for a while, 'cluster stop-maintenance' brings it back "
+        "(see --help there).",
     )
     p.add_argument("--listen", type=_listen, metavar="HOST:PORT",
                    help=f"address to serve on; port 0 picks a free one (default: {d.host}:{d.port})")
@@ -379,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         from server.cluster import removecli
 
         return removecli.main(argv[2:])
-    if argv[:1] == ["cluster"]:  # neither status nor remove: say which there are
+    if argv[:2] in (["cluster", "start-maintenance"], ["cluster", "stop-maintenance"]):
+        from server.cluster import maintenancecli
+
+        return maintenancecli.main(argv[2:], argv[1])
+    if argv[:1] == ["cluster"]:  # none of those: say which there are
         print("usage:" + CLUSTER_USAGE[6:], file=sys.stdout if argv[1:2] in (["-h"], ["--help"]) else sys.stderr)
         return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
     parser = build_parser()

@@ -100,6 +100,7 @@ def ranked_many(object_digests: Sequence[int], node_ids: Sequence[str], node_dig
 # AIStore's node flags for a target in maintenance or being decommissioned (core/meta/smap.go):
 # such a target places nothing (AIStore's HRW and the SDK's skip it)
 SNODE_MAINT, SNODE_DECOMM = 1 << 2, 1 << 3
+SNODE_MAINT_POST_REB = 1 << 4  # in maintenance and its objects have moved: it holds none
 NOT_PLACED_FLAGS = SNODE_MAINT | SNODE_DECOMM
 
 

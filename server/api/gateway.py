@@ -40,7 +40,7 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
-from server.api import gateway_admin, gateway_jobs, gateway_remove, gateway_s3
+from server.api import cluster_actions, gateway_admin, gateway_jobs, gateway_remove, gateway_s3
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, read_json
@@ -136,8 +136,8 @@ async def list_objects(request: web.Request) -> web.Response:
         if one.id in gw.down:
             raise Unavailable(f"target {one.id} is down")
         live = [one]
-    elif len(gw.smap.targets) - len(live) >= copies:
-        raise Unavailable(f"{len(gw.smap.targets) - len(live)} targets are down ({', '.join(sorted(gw.down))}): with "
+    elif len(gw.missing()) >= copies:
+        raise Unavailable(f"{len(gw.missing())} targets are down ({', '.join(sorted(gw.missing()))}): with "
                           f"{copies} copies of each object of ais://{bucket}, a listing would miss objects")
     pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in live))
     merged: dict[str, dict] = {}
@@ -238,8 +238,8 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_head("/v1/buckets/{bucket}", gateway_jobs.bucket_head)
     r.add_head(r"/v1/buckets/{bucket}/{obj:[\s\S]+}", gateway_jobs.bucket_head)  # bucket.info(prefix=...)
     r.add_get("/v1/cluster", gateway_jobs.cluster_get)
-    r.add_put("/v1/cluster", gateway_remove.cluster_action)
-    r.add_post(gateway_remove.REMOVE_PATH, gateway_remove.remove_passed_on)
+    r.add_put("/v1/cluster", cluster_actions.cluster_action)
+    r.add_post(cluster_actions.PASS_ON_PATH, cluster_actions.passed_on)
     r.add_post("/v1/buckets/{bucket}", to_all)
     r.add_delete("/v1/buckets/{bucket}", to_all)
     r.add_patch("/v1/buckets/{bucket}", gateway_admin.set_props)

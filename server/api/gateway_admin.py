@@ -120,7 +120,7 @@ async def cluster_status(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     gw = gateway_of(request)
     nodes = [{"id": n.id, "url": n.url, "kind": n.kind, "primary": n.id == gw.smap.primary,
-              "alive": gw.alive(n), **({"leaving": True} if n.id in gw.smap.leaving else {})} for n in gw.smap.nodes]
+              "alive": gw.alive(n), **_flags(gw.smap, n.id)} for n in gw.smap.nodes]
 
     async def rebalance(entry: dict) -> None:  # each live target's walk (server.api.rebalance)
         path = "/v1/cluster/rebalance"
@@ -140,6 +140,13 @@ async def cluster_status(request: web.Request) -> web.Response:
 
 
 MAX_COPIES = 8
+
+
+def _flags(smap, node_id: str) -> dict:
+    """A node's states besides up/down: leaving (being removed, or in maintenance), maintenance,
+    parked (in maintenance, holding nothing: it may be shut down)."""
+    return {k: True for k, ids in (("leaving", smap.leaving), ("maintenance", smap.maintenance),
+                                   ("parked", smap.parked)) if node_id in ids}
 
 
 async def set_props(request: web.Request) -> web.Response:

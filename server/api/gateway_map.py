@@ -124,6 +124,11 @@ class Gateway(GatewayElections):
         """The targets this gateway's probes find down (routing skips them)."""
         return self.probes.down
 
+    def missing(self) -> set[str]:
+        """The targets down that may hold objects: all down but the parked ones (in maintenance,
+        their objects moved: they hold none, so a listing misses nothing without them)."""
+        return self.down - set(self.smap.parked)
+
     def _take(self, smap: ClusterMap) -> None:
         self.smap = smap  # a secondary: the primary's newer map
 
@@ -198,6 +203,8 @@ class Gateway(GatewayElections):
                 continue
             if set(self.smap.placed) == {tid} and len(self.smap.targets) > 1:  # the others are leaving
                 continue  # kept: without it nothing could be placed (it is routed around while down)
+            if tid in self.smap.parked:  # in maintenance, shut down as asked: it holds nothing to rebuild
+                continue
             what = (f"{gone.kind} {tid} dropped after {self.rebuild_after:.0f} s down"
                     + ("" if gone.kind == PROXY else "; its copies are rebuilt on the others"))
             try:

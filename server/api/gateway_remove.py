@@ -1,7 +1,8 @@
-"""Removing a target for good (AIStore's decommission), through any gateway.
+"""Removing a node for good (AIStore's decommission), through any gateway.
 
 ``PUT /v1/cluster`` with ``{"action": "decommission-node", "value": {"sid": TARGET_ID}}`` —
-what ``ais cluster add-remove-nodes decommission`` sends, and ``batchfs-server cluster remove``:
+what ``ais cluster add-remove-nodes decommission`` sends, and ``batchfs-server cluster remove``
+(parsed in ``server.api.cluster_actions``):
 
 1. The primary marks the target leaving (``ClusterMap.with_leaving``): a new map version that
    places nothing on it (the flag AIStore's SDK skips too), while it still serves, lists and
@@ -20,7 +21,8 @@ nothing lands on it after its walk passed and no stale byte is served; it is mar
 only while another target objects are placed on is up. A refused request changes nothing; a
 secondary gateway passes the removal on to the primary (signed ``POST /v1/cluster/remove``).
 A target that dies while leaving is dropped after ``--rebuild-after`` like any dead target, not
-removed: back, it joins as an ordinary one (``ClusterMap.without``).
+removed: back, it joins as an ordinary one (``ClusterMap.without``). A secondary gateway, or a
+target parked in maintenance, holds no data: it is removed at once, up or down (``_retire_now``).
 """
 
 from __future__ import annotations
@@ -32,91 +34,65 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from server.api.gateway_map import (PROBE_SECONDS, PUSH_TIMEOUT, Gateway, NotImplementedThroughGateway, Unavailable,
-                                    gateway_of, passthrough)
-from server.api.state import OP_KEY, read_json
+from server.api.gateway_map import PROBE_SECONDS, PUSH_TIMEOUT, Gateway, Unavailable
 from server.cluster import peers
-from server.cluster.smap import COPIES, MAP_VERSION_HEADER, REMOVED_HEADER, TARGET, ClusterMap
-from server.errors import BadRequest, Conflict, NotFound, StoreError
+from server.cluster.smap import COPIES, MAP_VERSION_HEADER, REMOVED_HEADER, TARGET, ClusterMap, ClusterNode
+from server.errors import Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
-DECOMMISSION = "decommission-node"  # AIStore's apc.ActDecommissionNode
 REMOVED_TELL_SECONDS = 0.5  # a removed gateway is told this long after the answer has gone
-REMOVE_PATH = "/v1/cluster/remove"  # signed: a secondary gateway passes a removal on to the primary
-# AIStore's apc.ActValRmNode besides "sid": each changes what a removal does; only their defaults are served
-_RM_OPTIONS = ("skip_rebalance", "rm_user_data", "keep_initial_config", "no_shutdown")
 
 
 class Gone(StoreError):
     status = 410
 
 
-async def cluster_action(request: web.Request) -> web.Response:
-    """``PUT /v1/cluster``: the one cluster action served is ``decommission-node``."""
-    request[OP_KEY] = "cluster"
-    msg = await read_json(request)
-    action = msg.get("action") if isinstance(msg, dict) else None
-    if action != DECOMMISSION:
-        raise NotImplementedThroughGateway(f"PUT /v1/cluster action {action!r} is not served by a batchfs cluster "
-                                           f"(served: {DECOMMISSION}); nothing was changed")
-    value = msg.get("value")
-    if not isinstance(value, dict) or not isinstance(value.get("sid"), str) or not value["sid"]:
-        raise BadRequest(f'{DECOMMISSION} wants {{"value": {{"sid": TARGET_ID}}}}; nothing was changed')
-    unknown = sorted(set(value) - {"sid", *_RM_OPTIONS})
-    if unknown:
-        raise BadRequest(f"{DECOMMISSION}: unknown field(s) {', '.join(unknown)}; nothing was changed")
-    asked = sorted(k for k in _RM_OPTIONS if value.get(k))
-    if asked:
-        raise NotImplementedThroughGateway(
-            f"{DECOMMISSION} with {', '.join(asked)} is not served: a removed target's objects always move to the "
-            "others first, a removed node's data directories are kept, and it stops; nothing was changed")
-    return await _remove(request, gateway_of(request), value["sid"])
-
-
-async def remove_passed_on(request: web.Request) -> web.Response:
-    """``POST /v1/cluster/remove`` (signed, on the primary): ``{"sid"}``, a secondary's removal."""
-    request[OP_KEY] = "cluster"
-    gw = gateway_of(request)
-    gw.refuse_second_hop(request)
-    doc = await read_json(request)
-    if not isinstance(doc, dict) or not isinstance(doc.get("sid"), str) or not doc["sid"]:
-        raise BadRequest('the body must be {"sid": TARGET_ID}')
-    return await _remove(request, gw, doc["sid"])
-
-
-async def _remove(request: web.Request, gw: Gateway, sid: str) -> web.Response:
-    if not gw.primary:
-        return passthrough(*await gw.to_primary("POST", REMOVE_PATH, json.dumps({"sid": sid}).encode()))
+def known_node(gw: Gateway, sid: str) -> ClusterNode:
+    """The node ``sid`` of the primary's map; NotFound naming the nodes there are."""
     smap = gw.smap
     node = smap.node(sid)
-    if node is None and sid in smap.removed:
-        return web.Response(text=f"node {sid} was removed from cluster {smap.uuid} already\n")
     if node is None:
         raise NotFound(f"{sid!r} is not a node of cluster {smap.uuid} (targets: {', '.join(sorted(smap.targets))}; "
                        f"gateways: {', '.join(sorted(smap.proxies))})")
+    return node
+
+
+def others_take(gw: Gateway, m: ClusterMap, sid: str) -> None:
+    """Refuse to make target ``sid`` leave unless another placed target is up to take its objects."""
+    if len(m.placed) <= 1:
+        raise Conflict(f"target {sid} is the cluster's last (not leaving) one: its objects would have nowhere "
+                       "to go; nothing was changed")
+    if not [i for i in m.placed if i != sid and i not in gw.down]:
+        raise Unavailable(f"every other target objects are placed on is down: {sid}'s objects would have "
+                          "nowhere to go; nothing was changed")
+
+
+async def remove(gw: Gateway, sid: str) -> web.Response:
+    """On the primary: ``decommission-node`` of ``sid``."""
+    smap = gw.smap
+    if smap.node(sid) is None and sid in smap.removed:
+        return web.Response(text=f"node {sid} was removed from cluster {smap.uuid} already\n")
+    node = known_node(gw, sid)
     if node.kind != TARGET:
         return await _remove_gateway(gw, node)
+    if sid in smap.parked:  # in maintenance, its objects moved: it holds nothing, up or down
+        return await _retire_now(gw, node, f"target {sid} (in maintenance, holding nothing) removed")
     if sid in gw.down:
         raise Unavailable(f"target {sid} is down: a removal moves its objects, which it cannot do now — start it "
                           "again, or leave it down: after --rebuild-after seconds it is dropped and its copies are "
                           "rebuilt from the others; nothing was changed")
 
     def leaving(m: ClusterMap) -> ClusterMap:
-        if m.node(sid) is None or sid in m.leaving:
+        if m.node(sid) is None or (sid in m.leaving and sid not in m.maintenance):
             return m
-        if len(m.placed) <= 1:
-            raise Conflict(f"target {sid} is the cluster's last (not leaving) one: its objects would have nowhere "
-                           "to go; nothing was changed")
-        if not [i for i in m.placed if i != sid and i not in gw.down]:
-            raise Unavailable(f"every other target objects are placed on is down: {sid}'s objects would have "
-                              "nowhere to go; nothing was changed")
+        others_take(gw, m, sid)
         return m.with_leaving(sid)
 
     new = await gw.change(leaving, f"target {sid} leaving: its objects move to the others, then it is removed")
     return web.Response(text=f"target {sid} is leaving cluster {new.uuid} (map v{new.version}): its objects move to "
                              "the others, then it is removed and stops; 'batchfs-server cluster status' shows the "
-                             "progress\n" + _fewer_copies(new),
+                             "progress\n" + fewer_copies(new),
                         headers={MAP_VERSION_HEADER: str(new.version)})
 
 
@@ -129,23 +105,32 @@ async def _remove_gateway(gw: Gateway, node) -> web.Response:
         raise Conflict(f"gateway {sid} is the primary: it cannot remove itself. Stop it — the other gateways "
                        "elect a new primary, which drops it after --rebuild-after seconds down, or remove it "
                        "through the new primary; nothing was changed")
+    return await _retire_now(gw, node, f"gateway {sid} removed")
+
+
+async def _retire_now(gw: Gateway, node: ClusterNode, what: str) -> web.Response:
+    """Out of the map at once (a secondary gateway, or a parked target: neither holds data),
+    answered, then told (it stops)."""
+    sid = node.id
 
     def retire(m: ClusterMap) -> ClusterMap:
         n = m.node(sid)
-        return m.retired(sid) if n is not None and n.kind != TARGET and sid != m.primary else m
+        return m.retired(sid) if n is not None and sid != m.primary and (n.kind != TARGET or sid in m.parked) else m
 
-    new = await gw.change(retire, f"gateway {sid} removed")
-    # told after this answer (the removal may have come through that very gateway, which
+    new = await gw.change(retire, what)
+    if new.node(sid) is not None:  # the map changed under the request (a stop-maintenance meanwhile)
+        raise Conflict(f"{node.kind} {sid} changed state meanwhile: ask again; nothing was changed")
+    # told after this answer (the removal may have come through that very node's gateway, which
     # passes the answer on); if telling fails, its next join is answered 410 and it stops then
     gw.spawn(_tell(gw, node, new, after=REMOVED_TELL_SECONDS))
     then = ("it is down: started again, its join is refused and it stops" if sid in gw.probes.any_down() else
-            "it stops when told (at the latest at its next keepalive, within 10 s); its clients should use "
-            "another gateway")
-    return web.Response(text=f"gateway {sid} removed from cluster {new.uuid} (map v{new.version}); {then}\n",
+            "it stops when told (at the latest at its next keepalive, within 10 s)"
+            + ("; its clients should use another gateway" if node.kind != TARGET else ""))
+    return web.Response(text=f"{what} from cluster {new.uuid} (map v{new.version}); {then}\n",
                         headers={MAP_VERSION_HEADER: str(new.version), REMOVED_HEADER: sid})
 
 
-def _fewer_copies(smap: ClusterMap) -> str:
+def fewer_copies(smap: ClusterMap) -> str:
     """A warning when the targets left are fewer than the copies some objects want: those then
     keep only as many copies as there are targets left (better learnt now than from a lost disk)."""
     left = len(smap.placed)
@@ -168,11 +153,12 @@ def refuse_removed(gw: Gateway, node_id: str) -> None:
 
 
 async def finish_leaving(gw: Gateway) -> None:
-    """On the primary, each health round: remove every leaving target whose walk of the current
-    map ended clean (no failure, nothing left stored), then tell it."""
+    """On the primary, each health round: each leaving target whose walk of the current map
+    ended clean (no failure, nothing left stored) is removed, then told — or, in maintenance,
+    parked (``server.api.gateway_maintenance``: it may be shut down now)."""
     for sid in gw.smap.leaving:
         node = gw.smap.node(sid)
-        if node is None or sid in gw.down:
+        if node is None or sid in gw.down or sid in gw.smap.parked:
             continue
         version = gw.smap.version
         try:
@@ -183,14 +169,20 @@ async def finish_leaving(gw: Gateway) -> None:
             continue
         if walk.get("clean_version") != version or walk.get("running") or walk.get("holds") is not False:
             continue  # "holds": asked now, not when the walk ended (a write may have come since)
+        parking = sid in gw.smap.maintenance
 
-        def retire(m: ClusterMap, sid=sid) -> ClusterMap:  # not if the map changed since the walk was asked
-            return m.retired(sid) if m.version == version and sid in m.leaving else m
+        def step(m: ClusterMap, sid=sid) -> ClusterMap:  # not if the map changed since the walk was asked
+            if m.version != version or sid not in m.leaving:
+                return m
+            return m.with_parked(sid) if sid in m.maintenance else m.retired(sid)
 
+        what = (f"target {sid} in maintenance holds nothing now: it may be shut down" if parking else
+                f"target {sid} removed: everything it held is on the others")
         try:
-            new = await gw.change(retire, f"target {sid} removed: everything it held is on the others")
+            new = await gw.change(step, what)
         except Unavailable as e:
-            log.warning("target %s has moved its objects but is not removed yet: %s", sid, e)
+            log.warning("target %s has moved its objects but is not %s yet: %s", sid,
+                        "parked" if parking else "removed", e)
             return
         if new.node(sid) is None:
             await _tell(gw, node, new)

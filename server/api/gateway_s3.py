@@ -184,8 +184,8 @@ def _enough_up(gw, bucket: str) -> list[ClusterNode]:
     copies); a target that is down deletes its stale copies when it returns (tombstones)."""
     live = gw.targets(alive=True)
     copies = gw.smap.copies_for(bucket)
-    if len(gw.smap.targets) - len(live) >= copies:
-        raise S3Error(503, "ServiceUnavailable", f"targets {', '.join(sorted(gw.down))} are down: with "
+    if len(gw.missing()) >= copies:  # (a parked target holds nothing: not missed)
+        raise S3Error(503, "ServiceUnavailable", f"targets {', '.join(sorted(gw.missing()))} are down: with "
                       f"{copies} copies of each object of {bucket}, some objects are on none of the others")
     return live
 

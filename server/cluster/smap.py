@@ -17,6 +17,10 @@ Invariants:
   HRW ranks) leaves it out, and ``wire()`` flags it as AIStore does (``SNODE_DECOMM``), which
   the SDK's own placement skips too. Once its objects are on their new holders the primary
   ``retired`` it: out of the map, its id kept in ``removed`` (its joins are refused).
+- A target in ``maintenance`` (AIStore's start-maintenance) is a leaving one that is not
+  removed: its objects move to the others, then the primary marks it ``parked`` (AIStore's
+  ``SnodeMaintPostReb``: it holds nothing now and takes nothing) and it may be shut down;
+  ``out_of_maintenance`` places objects on it again. ``parked`` ⊆ ``maintenance`` ⊆ ``leaving``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class ClusterMap:
     bucket_copies: tuple[tuple[str, int], ...] = ()
     leaving: tuple[str, ...] = ()  # targets being removed: they hold data, HRW places nothing on them
     removed: tuple[str, ...] = ()  # targets removed for good (oldest first): their joins are refused
+    maintenance: tuple[str, ...] = ()  # leaving targets that stay in the map once empty (sorted)
+    parked: tuple[str, ...] = ()  # maintenance targets whose objects all moved: they hold none (sorted)
 
     @classmethod
     def new(cls, primary: ClusterNode) -> "ClusterMap":
@@ -86,6 +92,8 @@ class ClusterMap:
         primaries (a deposed one's, ``server.cluster.election``) differ in the digest."""
         what = [self.uuid, self.primary, sorted((n.id, n.url, n.kind) for n in self.nodes),
                 sorted(self.bucket_copies), sorted(self.leaving)]
+        if self.maintenance:  # (absent otherwise: a map without any keeps the identity it had before)
+            what += [sorted(self.maintenance), sorted(self.parked)]
         return self.version, xxhash.xxh64_hexdigest(json.dumps(what).encode())
 
     @functools.cached_property
@@ -160,13 +168,39 @@ class ClusterMap:
             return self
         return dataclasses.replace(self, version=self.version + 1,
                                    nodes=tuple(n for n in self.nodes if n.id != node_id),
-                                   leaving=tuple(i for i in self.leaving if i != node_id))
+                                   **self._unflagged(node_id))
+
+    def _unflagged(self, node_id: str, *sets: str) -> dict[str, tuple[str, ...]]:
+        """``node_id`` taken out of the named sets (all three by default), for ``replace``."""
+        return {k: tuple(i for i in getattr(self, k) if i != node_id)
+                for k in sets or ("leaving", "maintenance", "parked")}
 
     def with_leaving(self, node_id: str) -> "ClusterMap":
-        """This map with target ``node_id`` being removed (the same map if it is already)."""
-        if node_id in self.leaving:
+        """This map with target ``node_id`` being removed (the same map if it is already); one
+        in maintenance is removed now instead (once its walk is clean: ``retired``)."""
+        if node_id in self.leaving and node_id not in self.maintenance:
             return self
-        return dataclasses.replace(self, version=self.version + 1, leaving=tuple(sorted((*self.leaving, node_id))))
+        return dataclasses.replace(self, version=self.version + 1, leaving=tuple(sorted({*self.leaving, node_id})),
+                                   **self._unflagged(node_id, "maintenance", "parked"))
+
+    def with_maintenance(self, node_id: str) -> "ClusterMap":
+        """This map with target ``node_id`` in maintenance: leaving, but kept once empty."""
+        if node_id in self.maintenance:
+            return self
+        return dataclasses.replace(self, version=self.version + 1, leaving=tuple(sorted({*self.leaving, node_id})),
+                                   maintenance=tuple(sorted((*self.maintenance, node_id))))
+
+    def with_parked(self, node_id: str) -> "ClusterMap":
+        """This map with maintenance target ``node_id`` known to hold nothing (safe to shut down)."""
+        if node_id not in self.maintenance or node_id in self.parked:
+            return self
+        return dataclasses.replace(self, version=self.version + 1, parked=tuple(sorted((*self.parked, node_id))))
+
+    def out_of_maintenance(self, node_id: str) -> "ClusterMap":
+        """This map with ``node_id`` back to an ordinary target: objects are placed on it again."""
+        if node_id not in self.maintenance:
+            return self
+        return dataclasses.replace(self, version=self.version + 1, **self._unflagged(node_id))
 
     def retired(self, node_id: str) -> "ClusterMap":
         """This map without node ``node_id`` (a target whose objects moved, or a secondary
@@ -174,8 +208,7 @@ class ClusterMap:
         removed = tuple(i for i in self.removed if i != node_id) + (node_id,)
         return dataclasses.replace(self, version=self.version + 1,
                                    nodes=tuple(n for n in self.nodes if n.id != node_id),
-                                   leaving=tuple(i for i in self.leaving if i != node_id),
-                                   removed=removed[-REMOVED_KEPT:])
+                                   removed=removed[-REMOVED_KEPT:], **self._unflagged(node_id))
 
     def with_primary_url(self, url: str) -> "ClusterMap":
         me = self.node(self.primary)
@@ -191,8 +224,8 @@ class ClusterMap:
         return [targets[i] for i in order]
 
     @functools.cached_property
-    def _leaving_targets(self) -> list[ClusterNode]:
-        return [self.targets[i] for i in self.leaving if i in self.targets]
+    def _leaving_targets(self) -> list[ClusterNode]:  # (not the parked ones: they hold nothing)
+        return [self.targets[i] for i in self.leaving if i in self.targets and i not in self.parked]
 
     def sources(self, bucket: str, objname: str) -> list[ClusterNode]:
         """Every target that may hold a copy, in the order to ask (get from neighbour):
@@ -233,7 +266,7 @@ class ClusterMap:
             host, _, port = hostport.rpartition(":")
             net = {"node_ip_addr": host.strip("[]"), "daemon_port": port, "direct_url": n.url}
             return {"public_net": net, "intra_data_net": net, "intra_control_net": net, "daemon_type": n.kind,
-                    "daemon_id": n.id, "flags": hrw.SNODE_DECOMM if n.id in self.leaving else 0, "id_digest": n.digest}
+                    "daemon_id": n.id, "flags": self._flags(n.id), "id_digest": n.digest}
 
         primary = self.node(self.primary)
         return {"pmap": {i: snode(n) for i, n in self.proxies.items()},
@@ -241,10 +274,17 @@ class ClusterMap:
                 "proxy_si": snode(primary) if primary else None, "uuid": self.uuid,
                 "creation_time": self.created, "version": str(self.version)}
 
+    def _flags(self, node_id: str) -> int:
+        """AIStore's node flags (``core/meta/smap.go``): the SDK places nothing on MAINT or DECOMM."""
+        if node_id in self.maintenance:
+            return hrw.SNODE_MAINT | (hrw.SNODE_MAINT_POST_REB if node_id in self.parked else 0)
+        return hrw.SNODE_DECOMM if node_id in self.leaving else 0
+
     def to_json(self) -> dict:
         return {"version": self.version, "uuid": self.uuid, "primary": self.primary, "created": self.created,
                 "nodes": [dataclasses.asdict(n) for n in self.nodes], "bucket_copies": dict(self.bucket_copies),
-                "leaving": list(self.leaving), "removed": list(self.removed)}
+                "leaving": list(self.leaving), "removed": list(self.removed),
+                **({"maintenance": list(self.maintenance), "parked": list(self.parked)} if self.maintenance else {})}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ClusterMap":
@@ -253,7 +293,9 @@ class ClusterMap:
                    str(doc["created"]),
                    tuple(sorted((str(b), int(c)) for b, c in (doc.get("bucket_copies") or {}).items())),
                    tuple(sorted(str(i) for i in doc.get("leaving") or ())),  # absent in maps of earlier versions
-                   tuple(str(i) for i in doc.get("removed") or ()))
+                   tuple(str(i) for i in doc.get("removed") or ()),
+                   tuple(sorted(str(i) for i in doc.get("maintenance") or ())),
+                   tuple(sorted(str(i) for i in doc.get("parked") or ())))
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

@@ -3,8 +3,8 @@
 It reads the gateway's ``GET /v1/cluster/status`` (the map, each node's health as the gateway
 sees it, each live target's rebalance progress) and prints one line per node. Exit status: 0
 when every node is up and no rebalance is running, 3 while a rebalance runs (or is due again)
-or a target is leaving (``cluster remove``), 4 when a target is
-down, 1 when the gateway cannot be asked (the reason on stderr). A token-protected gateway takes
+or a target is leaving (``cluster remove``, or maintenance until parked), 4 when a target is
+down (not one parked in maintenance), 1 when the gateway cannot be asked (the reason on stderr). A token-protected gateway takes
 the token from ``--token-file`` or ``AIS_AUTHN_TOKEN`` (as the aistore SDK does).
 """
 
@@ -51,16 +51,25 @@ def render(doc: dict) -> tuple[str, int]:
     for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):
         kind = "gateway" + (" (primary)" if n.get("primary") else "") if n["kind"] == "proxy" else "target"
         state = "?" if n["alive"] is None else "up" if n["alive"] else "DOWN"  # ?: a secondary does not probe gateways
-        state += ", leaving" if n.get("leaving") else ""  # cluster remove: its objects are moving to the others
+        state += _leaving_state(n)
         rows.append((n["id"], kind, state, n["url"], _rebalance(n.get("rebalance"))))
     widths = [max(len(r[i]) for r in rows + [("NODE", "ROLE", "STATE", "URL", "")]) for i in range(4)]
     for r in [("NODE", "ROLE", "STATE", "URL", "")] + rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
     targets = [n for n in doc["nodes"] if n["kind"] != "proxy"]
-    code = 4 if any(not n["alive"] for n in targets) else \
+    # a parked target is in maintenance and holds nothing: down or still, it is as the operator wants
+    code = 4 if any(not n["alive"] and not n.get("parked") for n in targets) else \
         3 if any((n.get("rebalance") or {}).get("running") or (n.get("rebalance") or {}).get("retry_in")
-                 or n.get("leaving") for n in targets) else 0
+                 or (n.get("leaving") and not n.get("parked")) for n in targets) else 0
     return "\n".join(lines), code
+
+
+def _leaving_state(n: dict) -> str:
+    if n.get("parked"):
+        return ", maintenance (parked: holds nothing, may be shut down)"
+    if n.get("maintenance"):
+        return ", maintenance (its objects are moving to the others)"
+    return ", leaving" if n.get("leaving") else ""  # cluster remove: its objects are moving to the others
 
 
 def add_token_argument(p: argparse.ArgumentParser) -> None:
@@ -95,8 +104,8 @@ def headers_or_none(token_file: Path | None, command: str) -> dict | None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="batchfs-server cluster-status", description="Print a cluster's nodes (id, role, up or DOWN, URL) and each target's rebalance "
                                 "progress, as the gateway at URL sees them.",
-                                epilog="exit status: 0 every target up and no rebalance due, 3 rebalance running (or due again) or a target "
-                                "leaving, 4 a target "
+                                epilog="exit status: 0 every target up (or parked in maintenance) and no rebalance due, 3 rebalance "
+                                "running (or due again) or a target leaving (or in maintenance, not yet parked), 4 a target "
                                 "down (a gateway down shows as DOWN, or ? through a secondary, which does not probe gateways), 1 no answer")
     p.add_argument("gateway", metavar="URL", help="a gateway, e.g. http://10.0.0.1:8080")
     add_token_argument(p)

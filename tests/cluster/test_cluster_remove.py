@@ -92,7 +92,7 @@ def test_a_removed_target_hands_everything_over_then_stops(tmp_path):
             r = _decommission(cluster, {"sid": victim, option: True})
             assert r.status_code == 501 and option in r.json()["message"], (option, r.text)
         assert _decommission(cluster, {"sid": victim, "bogus": 1}).status_code == 400
-        assert _decommission(cluster, {"sid": victim}, action="start-maintenance").status_code == 501
+        assert _decommission(cluster, {"sid": victim}, action="shutdown-node").status_code == 501
         assert _decommission(cluster, "x").status_code == 400
         assert cluster.smap()["version"] == version  # refused: nothing changed
 

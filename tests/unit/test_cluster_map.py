@@ -71,3 +71,33 @@ def test_a_maps_identity_survives_the_wire_and_tells_two_primaries_apart():
     for changed in (dataclasses.replace(m, nodes=m.nodes[:-1]), dataclasses.replace(m, bucket_copies=()),
                     dataclasses.replace(m, leaving=(first,)), dataclasses.replace(m, uuid="other")):
         assert changed.identity[0] == m.version and changed.identity != m.identity
+
+
+def test_maintenance_leaves_then_parks_then_comes_back():
+    """``with_maintenance`` is a leaving that is kept (placement as ``with_leaving``), with
+    AIStore's flags on the wire; ``with_parked`` marks it empty (not asked for copies any more);
+    ``out_of_maintenance`` places on it again; a removal takes it out of every set."""
+    from batchfs.wire import hrw
+
+    full = _map(4)
+    m = full.with_maintenance("t2")
+    assert m.version == full.version + 1 and m.with_maintenance("t2") is m
+    assert m.leaving == ("t2",) and m.maintenance == ("t2",) and set(m.placed) == {"t0", "t1", "t3"}
+    objects = [(b, f"k/{i}") for i in range(200) for b in ("plain", "three", "one")]
+    assert m.holders_many(objects) == full.with_leaving("t2").holders_many(objects)
+    assert m.wire()["tmap"]["t2"]["flags"] == hrw.SNODE_MAINT and set(hrw.smap_targets(m.wire())) == set(m.placed)
+    assert all(m.sources(b, o)[-1].id == "t2" for b, o in objects)  # still asked: it holds what it held
+    parked = m.with_parked("t2")
+    assert parked.version == m.version + 1 and parked.parked == ("t2",) and parked.with_parked("t2") is parked
+    assert parked.wire()["tmap"]["t2"]["flags"] == hrw.SNODE_MAINT | hrw.SNODE_MAINT_POST_REB
+    assert all("t2" not in {n.id for n in parked.sources(b, o)} for b, o in objects)  # it holds nothing
+    assert full.with_leaving("t2").with_parked("t2").parked == ()  # only a target in maintenance parks
+    assert ClusterMap.from_json(parked.to_json()) == parked and parked.identity != m.identity
+    back = parked.out_of_maintenance("t2")
+    assert (back.leaving, back.maintenance, back.parked) == ((), (), ()) and back.version == parked.version + 1
+    assert back.holders_many(objects) == full.holders_many(objects) and back.out_of_maintenance("t2") is back
+    assert "maintenance" not in back.to_json() and back.identity[1] == full.renewed().renewed().renewed().identity[1]
+    removing = parked.with_leaving("t2")  # a removal of a target in maintenance: leaving, not kept
+    assert (removing.leaving, removing.maintenance, removing.parked) == (("t2",), (), ())
+    for gone in (parked.retired("t2"), parked.without("t2")):
+        assert (gone.leaving, gone.maintenance, gone.parked) == ((), (), ()) and gone.node("t2") is None

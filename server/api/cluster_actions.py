@@ -1,0 +1,96 @@
+"""``PUT /v1/cluster``: AIStore's node actions, parsed once and done by the primary.
+
+Served: ``decommission-node`` (``server.api.gateway_remove``), ``start-maintenance`` and
+``stop-maintenance`` (``server.api.gateway_maintenance``) — the requests AIStore's
+``ais cluster add-remove-nodes`` sends, with AIStore's ``ActValRmNode`` value: ``{"sid": ID}``
+or ``{"sids": [ID]}``. A secondary gateway passes the action on to the primary (signed
+``POST /v1/cluster/remove``, ``{"sid", "action"}``), which owns the map.
+
+Invariants: every refused request changes nothing and says so; an option that would change
+what the action does (``skip_rebalance``, ``rm_user_data``, ...) is refused, not ignored; one
+node per request (several ``sids`` are refused: done one by one, a failure half way would
+leave some changed).
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from server.api import gateway_maintenance, gateway_remove
+from server.api.gateway_map import Gateway, NotImplementedThroughGateway, gateway_of, passthrough
+from server.api.state import OP_KEY, read_json
+from server.errors import BadRequest
+
+DECOMMISSION = "decommission-node"  # AIStore's apc.ActDecommissionNode
+START_MAINTENANCE, STOP_MAINTENANCE = "start-maintenance", "stop-maintenance"  # apc.ActStart/StopMaintenance
+PASS_ON_PATH = "/v1/cluster/remove"  # signed: a secondary gateway passes an action on to the primary
+# AIStore's apc.ActValRmNode besides "sid"/"sids": each changes what the action does; only their defaults are served
+_RM_OPTIONS = ("skip_rebalance", "rm_user_data", "keep_initial_config", "no_shutdown")
+_WHAT = {DECOMMISSION: "a removed target's objects always move to the others first, a removed node's data "
+                       "directories are kept, and it stops",
+         START_MAINTENANCE: "a target in maintenance always hands its objects to the others first and keeps "
+                            "running until you stop it",
+         STOP_MAINTENANCE: "a target out of maintenance always gets its objects back"}
+
+
+async def cluster_action(request: web.Request) -> web.Response:
+    """``PUT /v1/cluster``: decommission-node, start-maintenance, stop-maintenance."""
+    request[OP_KEY] = "cluster"
+    msg = await read_json(request)
+    action = msg.get("action") if isinstance(msg, dict) else None
+    if action not in _WHAT:
+        raise NotImplementedThroughGateway(f"PUT /v1/cluster action {action!r} is not served by a batchfs cluster "
+                                           f"(served: {', '.join(_WHAT)}); nothing was changed")
+    return await _do(request, gateway_of(request), action, _node_id(action, msg.get("value")))
+
+
+def _node_id(action: str, value) -> str:
+    """The one node id of an ``ActValRmNode`` value."""
+    if not isinstance(value, dict):
+        raise BadRequest(f'{action} wants {{"value": {{"sid": NODE_ID}}}}; nothing was changed')
+    unknown = sorted(set(value) - {"sid", "sids", *_RM_OPTIONS})
+    if unknown:
+        raise BadRequest(f"{action}: unknown field(s) {', '.join(unknown)}; nothing was changed")
+    sid, sids = value.get("sid") or "", value.get("sids") or []
+    if not isinstance(sid, str) or not isinstance(sids, list) or not all(isinstance(i, str) and i for i in sids):
+        raise BadRequest(f'{action}: "sid" is a node id, "sids" a list of them; nothing was changed')
+    if sid and sids:
+        raise BadRequest(f'{action}: "sid" and "sids" both given (AIStore refuses that too); nothing was changed')
+    if len(sids) > 1:
+        raise NotImplementedThroughGateway(f"{action} of several nodes in one request is not served: ask once per "
+                                           "node; nothing was changed")
+    sid = sid or (sids[0] if sids else "")
+    if not sid:
+        raise BadRequest(f'{action} wants {{"value": {{"sid": NODE_ID}}}}; nothing was changed')
+    asked = sorted(k for k in _RM_OPTIONS if value.get(k))
+    if asked:
+        raise NotImplementedThroughGateway(f"{action} with {', '.join(asked)} is not served: {_WHAT[action]}; "
+                                           "nothing was changed")
+    return sid
+
+
+async def passed_on(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/remove`` (signed, on the primary): ``{"sid", "action"}`` from a secondary."""
+    request[OP_KEY] = "cluster"
+    gw = gateway_of(request)
+    gw.refuse_second_hop(request)
+    doc = await read_json(request)
+    if not isinstance(doc, dict) or not isinstance(doc.get("sid"), str) or not doc["sid"]:
+        raise BadRequest('the body must be {"sid": NODE_ID, "action": ACTION}')
+    action = doc.get("action", DECOMMISSION)  # (a secondary of the release before sent no action)
+    if action not in _WHAT:
+        raise BadRequest(f"unknown action {action!r} (served: {', '.join(_WHAT)})")
+    return await _do(request, gw, action, doc["sid"])
+
+
+async def _do(request: web.Request, gw: Gateway, action: str, sid: str) -> web.Response:
+    if not gw.primary:
+        body = json.dumps({"sid": sid, "action": action}).encode()
+        return passthrough(*await gw.to_primary("POST", PASS_ON_PATH, body))
+    if action == DECOMMISSION:
+        return await gateway_remove.remove(gw, sid)
+    if action == START_MAINTENANCE:
+        return await gateway_maintenance.start(gw, sid)
+    return await gateway_maintenance.stop(gw, sid)
