@@ -12,7 +12,6 @@ forced by the startup check); a promotion is saved before it is pushed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -60,7 +59,7 @@ class GatewayElections:
                 self._member_task.cancel()
             self.member, self._member_task, self._primary_lost = None, None, None
         log.warning("cluster map v%d: this gateway (%s) replaces the unreachable primary %s", new.version, self.id, old)
-        asyncio.get_running_loop().create_task(self.push_map())  # the watch loop goes on meanwhile
+        self.spawn(self.push_map())  # owned; the watch loop goes on meanwhile
 
     async def _watch_primary(self) -> None:
         """A secondary: after ``election_after`` seconds without the primary, the first

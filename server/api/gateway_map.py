@@ -146,7 +146,7 @@ class Gateway(GatewayElections):
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FANOUT_TIMEOUT_SECONDS),
                                              auto_decompress=False)
         if self.primary:  # unless it was replaced meanwhile: then it follows the new primary
-            asyncio.get_running_loop().create_task(self._start_primary())
+            self.spawn(self._start_primary())  # owned: cancelled at stop, kept from garbage collection
         self._watcher = asyncio.get_running_loop().create_task(self.watch())
 
     def spawn(self, coro) -> None:
