@@ -15,6 +15,7 @@ client cannot name either); on a single node (no map) everything is the node's s
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
 
@@ -26,6 +27,8 @@ from server.bucket_ops import note_missing
 from server.validate import check_objname
 from server.api import auth, replicas, spread
 from server.api.daemon_api import NODE_INFO
+from server.api.neighbours import ASK_TIMEOUT
+from server.api.rebalance import CHECK_PATH, PAGE
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.cluster import peers
 from server.errors import BadRequest, NotFound, StoreError
@@ -34,6 +37,9 @@ JOB_PARAM = "bfs_job"
 DOWN_PARAM = "bfs_down"
 PARAMS = (JOB_PARAM, DOWN_PARAM)
 _JOB_ID = re.compile(r"[A-Za-z0-9]{6,32}")
+# a name a target being emptied deleted this long before a job began here counts as deleted by
+# it (not reported "not found"): a delete that close before is as good as the job's own
+RECENT_NS = 30 * 10**9
 
 
 class CopyFailed(StoreError):
@@ -73,6 +79,38 @@ async def share(request: web.Request) -> Callable[[str, str], bool] | None:
         first = next((n for n in smap.holders(bucket, name) if n.id not in down), None)
         return first is not None and first.id == me
     return mine
+
+
+async def nowhere(app: web.Application, bucket: str, names: list[str], since_ns: int) -> list[str]:
+    """Of ``names`` this target found missing as their first holder, those that no target being
+    emptied (leaving, not parked) holds, or deleted less than ``RECENT_NS`` before ``since_ns``
+    (the job's start here; the others got the job at about the same time, and may have done
+    their share first): the first holder
+    under the new map may not have an object yet that the leaving one deletes in the same job (a
+    new-user run: a multi-object delete during a maintenance reported such names "not found").
+    A leaving target that cannot be asked leaves its names missing (reported as before)."""
+    member = app.get(MEMBERSHIP)
+    smap, me = (member.smap if member is not None else None), app[NODE_INFO]["id"]
+    if not names or smap is None:
+        return names
+    emptying = [smap.targets[i] for i in smap.emptying if i in smap.targets and i != me]
+    found: set[str] = set()
+    for node in emptying:
+        for k in range(0, len(names), PAGE):
+            page = names[k:k + PAGE]
+            body = json.dumps({"bucket": bucket, "names": page, "map_version": smap.version,
+                               "map_digest": smap.identity[1]}).encode()
+            try:
+                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", node.url, CHECK_PATH, to=node.id,
+                                        body=body, headers={"Content-Type": "application/json"},
+                                        timeout=ASK_TIMEOUT) as r:
+                    answers = (await r.json())["objects"] if r.status == 200 else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                continue
+            for name, answer in zip(page, answers):  # [status, checksum, time of its write or tombstone]
+                if answer[0] in (200, 503) or (answer[0] == 404 and answer[2] >= since_ns - RECENT_NS):
+                    found.add(name)
+    return [n for n in names if n not in found]
 
 
 async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, new: str) -> int:

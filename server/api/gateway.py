@@ -75,7 +75,8 @@ def _granted(request: web.Request, path_qs: str) -> str:
 
 # -- buckets ----------------------------------------------------------------------------------
 async def to_all(request: web.Request) -> web.Response:
-    """Create or destroy a bucket (or any bucket action) on every target."""
+    """Create a bucket on every target up, or destroy it on every target, all up (a bucket
+    destroyed while one is down would come back with it: ``rebalance._sync_buckets``)."""
     request[OP_KEY] = "bucket"
     check_bucket(request.match_info["bucket"])
     gw = gateway_of(request)
@@ -91,7 +92,12 @@ async def to_all(request: web.Request) -> web.Response:
         raise NotImplementedThroughGateway(
             f"bucket action {action if action is not None else msg!r} is not served through a gateway "
             "(served: create-bck, copy-bck, copy-listrange; docs/cluster.md)")
-    answers = await asyncio.gather(*(gw.forward(request, t, body) for t in gw.targets()))
+    if request.method == "DELETE" and gw.down:  # (a parked target's too: it has the bucket)
+        raise Unavailable(f"targets {', '.join(sorted(gw.down))} are down: a bucket destroyed without them would "
+                          "come back when they rejoin (a target creates the buckets the others have); nothing was "
+                          "changed — retry when they are back")
+    # a create reaches every target up; one that is down creates the bucket when it rejoins
+    answers = await gateway_jobs.on_every_target(request, gw, body, down_ok=request.method == "POST")
     for status, headers, reply in answers:
         if status >= 300:
             return passthrough(status, headers, reply)
@@ -240,6 +246,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_get("/v1/cluster", gateway_jobs.cluster_get)
     r.add_put("/v1/cluster", cluster_actions.cluster_action)
     r.add_post(cluster_actions.PASS_ON_PATH, cluster_actions.passed_on)
+    r.add_post(cluster_actions.MAINTENANCE_PATH, cluster_actions.passed_on)
     r.add_post("/v1/buckets/{bucket}", to_all)
     r.add_delete("/v1/buckets/{bucket}", to_all)
     r.add_patch("/v1/buckets/{bucket}", gateway_admin.set_props)

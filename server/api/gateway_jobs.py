@@ -23,11 +23,12 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from server.api.cluster_jobs import DOWN_PARAM, JOB_PARAM
-from server.api.gateway_map import Gateway, gateway_of, passthrough
+from server.api.gateway_map import Gateway, Unavailable, gateway_of, passthrough
 from server.api.state import OP_KEY
 from server.bucket_ops import parse_uname
 from server.errors import BadRequest
 from server.jobs import new_job_id
+from server.cluster.smap import ClusterNode
 from server.validate import check_bucket
 
 
@@ -48,6 +49,24 @@ def _first_failure(answers, ok=(200,)) -> web.Response | None:
     return None
 
 
+async def on_every_target(request: web.Request, gw: Gateway, body: bytes, path_qs: str | None = None,
+                          down_ok: bool = False) -> list[tuple[int, dict, bytes]]:
+    """``body`` sent to every target at once, their answers (``Gateway.forward``'s). With
+    ``down_ok`` (a bucket's creation) one that does not answer while seen down is left out: it
+    creates the buckets it lacks when it rejoins (a review: a create answered 503 for it had
+    made the bucket on the others). Sent to the live ones only, a target just back but not yet
+    seen up missed the bucket, and a PUT to it right after got 404."""
+    async def one(t: ClusterNode) -> tuple[int, dict, bytes] | None:
+        try:
+            return await gw.forward(request, t, body, path_qs)
+        except Unavailable:
+            if down_ok and t.id in gw.down:
+                return None
+            raise
+    answers = await asyncio.gather(*(one(t) for t in gw.targets()))
+    return [a for a in answers if a is not None]
+
+
 async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
     """copy-bck, copy-listrange (POST) and delete-listrange (DELETE) on every live target under
     one job id; the id."""
@@ -58,8 +77,7 @@ async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
         dst = _destination(request, msg, value)
         if dst:  # made on every target first: each target's share PUTs to the destination's holders
             create = json.dumps({"action": "create-bck"}).encode()
-            made = await asyncio.gather(*(gw.forward(request, t, create, f"/v1/buckets/{dst}")
-                                          for t in gw.targets()))
+            made = await on_every_target(request, gw, create, f"/v1/buckets/{dst}", down_ok=True)
             if (failed := _first_failure(made, ok=(200, 409))) is not None:
                 return failed
     job = new_job_id()

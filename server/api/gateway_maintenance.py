@@ -28,16 +28,21 @@ from aiohttp import web
 
 from server.api.gateway_map import Gateway, NotImplementedThroughGateway, Unavailable
 from server.api.gateway_remove import fewer_copies, known_node, others_take
-from server.cluster.smap import MAP_VERSION_HEADER, TARGET, ClusterMap
+from server.cluster.smap import MAP_VERSION_HEADER, TARGET, ClusterMap, ClusterNode
 from server.errors import Conflict
 
 
-async def start(gw: Gateway, sid: str) -> web.Response:
+def _target(gw: Gateway, sid: str) -> ClusterNode:
     node = known_node(gw, sid)
     if node.kind != TARGET:
         raise NotImplementedThroughGateway(
             f"{sid} is a gateway: a gateway has no maintenance mode here (it holds no data). Stop it while the "
             "others keep a majority, or remove it (cluster remove); nothing was changed")
+    return node
+
+
+async def start(gw: Gateway, sid: str) -> web.Response:
+    _target(gw, sid)
     if sid in gw.smap.maintenance:
         return web.Response(text=f"target {sid} is in maintenance already ({_state(gw.smap, sid)})\n",
                             headers={MAP_VERSION_HEADER: str(gw.smap.version)})
@@ -64,11 +69,11 @@ async def start(gw: Gateway, sid: str) -> web.Response:
 
 
 async def stop(gw: Gateway, sid: str) -> web.Response:
-    node = known_node(gw, sid)
+    _target(gw, sid)
     if sid not in gw.smap.maintenance:
         if sid in gw.smap.leaving:
             raise Conflict(f"target {sid} is being removed (cluster remove), not in maintenance; nothing was changed")
-        return web.Response(text=f"{node.kind} {sid} is not in maintenance; nothing was changed\n",
+        return web.Response(text=f"target {sid} is not in maintenance; nothing was changed\n",
                             headers={MAP_VERSION_HEADER: str(gw.smap.version)})
     if sid in gw.down:
         raise Unavailable(f"target {sid} is down: start it first (it rejoins still in maintenance), then stop its "

@@ -140,7 +140,8 @@ def fewer_copies(smap: ClusterMap) -> str:
         return ""
     text = (f"warning: {left} target(s) will be left to place objects on, fewer than the copies wanted by "
             + ", ".join(f"{b} ({c})" for b, c in wanted)
-            + f": those objects keep only {left} cop{'y' if left == 1 else 'ies'} until targets join\n")
+            + f": those objects keep only {left} cop{'y' if left == 1 else 'ies'} until targets join (or leave "
+            "maintenance)\n")
     log.warning("%s", text.strip())
     return text
 

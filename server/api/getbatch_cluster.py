@@ -130,7 +130,7 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
     bucket, name = m.groups()
     path_qs = f"{object_path(bucket, name)}?gfn=1"
     ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking]
-    if smap.leaving and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
+    if smap.emptying and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
         ask.append(smap.node(lacking))
     for node in ask:
         try:
@@ -267,7 +267,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         handed the entry over to it (and let go of its copy) since it answered."""
         e = req.entries[j]
         ask = [n for n in smap.copies_at(e.bucket, e.objname) if n.id != lacking]
-        if smap.leaving and smap.node(lacking) is not None:
+        if smap.emptying and smap.node(lacking) is not None:
             ask.append(smap.node(lacking))
         for node in ask:
             if node.id in down:

@@ -411,13 +411,11 @@ _REFUSED_ROUTES = [
 def _refuse(what: str):
     async def refuse(request: web.Request) -> web.Response:
         request[OP_KEY] = "refused"
-        action = ""
-        if request.content_type == "application/json":
-            msg = await read_json(request, required=False)
-            if isinstance(msg, dict) and isinstance(msg.get("action"), str):
-                action = f" (action {msg['action']!r})"
-        where = ("a target of a cluster: send it to a gateway" if request.app.get(MEMBERSHIP) is not None
-                 and request.path == "/v1/cluster" and action == " (action 'decommission-node')" else "this node")
+        msg = await read_json(request, required=False) if request.content_type == "application/json" else None
+        name = msg.get("action") if isinstance(msg, dict) and isinstance(msg.get("action"), str) else None
+        action = f" (action {name!r})" if name is not None else ""
+        where = ("a target of a cluster: send it to a gateway" if request.app.get(MEMBERSHIP) is not None and request.path
+                 == "/v1/cluster" and name in ("decommission-node", "start-maintenance", "stop-maintenance") else "this node")
         raise BadRequest(f"{request.method} {request.path}{action}: {what} not supported by {where}")
 
     return refuse

@@ -8,6 +8,7 @@ record multi-object operations as jobs (``server.jobs``) the SDK can poll.
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import uuid as uuidlib
 
@@ -156,10 +157,18 @@ async def bucket_delete(request: web.Request) -> web.Response:
     registry = request.app[jobs.JOBS]
     job = registry.start("delete-listrange", bucket, job_id=await cluster_jobs.job_id(request))
     spread_versions: list = []  # deleted here, their chunks on other targets
+    started, mine, missing = time.time_ns(), await cluster_jobs.share(request), []
+
+    def missing_mine(b: str, name: str) -> bool:  # a cluster's share: this target's missing names, checked below
+        if mine(b, name):
+            missing.append(name)
+        return False
+
     try:
         await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job,
                                 replicas.tombstone_time(request.app) is not None, spread_versions,
-                                await cluster_jobs.share(request))
+                                mine and missing_mine)
+        bucket_ops.note_missing(job, bucket, await cluster_jobs.nowhere(request.app, bucket, missing, started))
     finally:
         registry.finish(job, job.error)
         for gone in spread_versions:

@@ -75,7 +75,7 @@ def _neighbours(app: web.Application, bucket: str, name: str) -> list:
         return []
     me = app[NODE_INFO]["id"]
     out = [n for n in member.smap.sources(bucket, name) if n.id != me]  # leaving targets too
-    if member.smap.leaving and (here := member.smap.node(me)) is not None:
+    if member.smap.emptying and (here := member.smap.node(me)) is not None:
         # last, this target itself (its own signed get from neighbour): a leaving target may have
         # handed the object over to it, and let go of its copy, while the others were asked
         out.append(here)

@@ -184,7 +184,7 @@ class Rebalancer:
         app, me, node = self.app, self.app[NODE_INFO]["id"], self.app[NODE]
         path = "/v1/cluster/rebalance"
         for t in smap.targets.values():
-            if t.id == me:
+            if t.id == me or t.id in smap.parked:  # (parked: it may be shut down, each ask a timeout)
                 continue
             try:
                 async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "GET", t.url, path, to=t.id,

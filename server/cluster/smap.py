@@ -224,8 +224,13 @@ class ClusterMap:
         return [targets[i] for i in order]
 
     @functools.cached_property
+    def emptying(self) -> tuple[str, ...]:
+        """The leaving targets that may still hold objects: all but the parked ones."""
+        return tuple(i for i in self.leaving if i not in self.parked)
+
+    @functools.cached_property
     def _leaving_targets(self) -> list[ClusterNode]:  # (not the parked ones: they hold nothing)
-        return [self.targets[i] for i in self.leaving if i in self.targets and i not in self.parked]
+        return [self.targets[i] for i in self.emptying if i in self.targets]
 
     def sources(self, bucket: str, objname: str) -> list[ClusterNode]:
         """Every target that may hold a copy, in the order to ask (get from neighbour):

@@ -28,8 +28,9 @@ def _rebalance(r: dict | None) -> str:
     state = "running" if r.get("running") else f"to run again in {r['retry_in']:g} s" if r.get("retry_in") else "done"
     cap = r.get("capacity") or {}
     text = (f"{_gib(cap.get('free_bytes'))} free of {_gib(cap.get('total_bytes'))}; " if cap else "") + (
-        f"rebalance to v{r.get('map_version')} {state}: checked {r.get('checked', 0)}, copied {r.get('copied', 0)}, "
-        f"deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, failed {r.get('failed', 0)}")
+        f"rebalance to v{r.get('map_version')} {state}; since the target started: checked {r.get('checked', 0)}, "
+        f"copied {r.get('copied', 0)}, deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, "
+        f"failed {r.get('failed', 0)}")
     text += f", resumed after {r['resumed_from']}" if r.get("resumed_from") else ""
     text += f", {r['owed_deletes']} chunk deletes owed to targets that were down" if r.get("owed_deletes") else ""
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
@@ -45,7 +46,8 @@ def render(doc: dict) -> tuple[str, int]:
     # a bucket wanting more copies than there are targets keeps one a target (say so)
     per_bucket = ", ".join(f"{b}: {c}" + (f" wanted, {placed} kept" if c > placed else "")
                            for b, c in sorted((doc.get("bucket_copies") or {}).items()))
-    lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} copies of each object"
+    lines = [f"cluster {doc['uuid']}, map v{doc['version']}, {doc['copies']} cop{'y' if doc['copies'] == 1 else 'ies'} "
+             "of each object"
              + (f" ({per_bucket})" if per_bucket else "")]
     rows = []
     for n in sorted(doc["nodes"], key=lambda n: (n["kind"] != "proxy", n["id"])):

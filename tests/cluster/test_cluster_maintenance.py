@@ -16,6 +16,7 @@ import httpx
 
 from server.cluster.statuscli import render
 from tests.cluster.conftest import Cluster, ranked, holds, until
+from tests.cluster.test_cluster_remove_gateway import _secondary
 from tests.cluster.test_cluster_remove import _decommission, _objects_in_catalog, _read_all
 from tests.support.getbatch import blob, sdk_client
 from tests.support.processes import BIN
@@ -77,6 +78,12 @@ def test_a_target_in_maintenance_empties_is_shut_down_and_comes_back(tmp_path):
         assert r.status_code == 501 and "skip_rebalance" in r.json()["message"], r.text
         assert _decommission(cluster, {"sid": "nosuch"}, action="start-maintenance").status_code == 404
         assert _decommission(cluster, {"sid": victim}, action="shutdown-node").status_code == 501
+        r = _decommission(cluster, {"sid": gateway_id}, action="stop-maintenance")
+        assert r.status_code == 501 and "gateway" in r.json()["message"], r.text
+        # sent to a target instead of a gateway: told where to send it
+        r = httpx.put(f"{proc.url}/v1/cluster", json={"action": "start-maintenance", "value": {"sid": victim}},
+                      timeout=10)
+        assert r.status_code == 400 and "send it to a gateway" in r.json()["message"], r.text
         assert cluster.smap()["version"] == version  # refused: nothing changed
 
         # through the CLI, which waits until it is parked; AIStore's "sids" form is taken too
@@ -104,6 +111,12 @@ def test_a_target_in_maintenance_empties_is_shut_down_and_comes_back(tmp_path):
         for bucket in ("two", "one"):  # complete without it: a parked target holds nothing
             assert sorted(e.name for e in client.bucket(bucket).list_all_objects()) == sorted(
                 n for b, n in objs if b == bucket)
+        # a bucket made meanwhile reaches the live targets (it the parked one when it rejoins); a
+        # destroy is refused, changing nothing: without it the bucket would come back with it
+        assert httpx.post(f"{cluster.url}/v1/buckets/made", json={"action": "create-bck"}, timeout=30).status_code == 200
+        r = httpx.request("DELETE", f"{cluster.url}/v1/buckets/made", json={"action": "destroy-bck"}, timeout=30)
+        assert r.status_code == 503 and "come back" in r.json()["message"], r.text
+        assert all(httpx.head(f"{t.url}/v1/buckets/made", timeout=10).status_code == 200 for t in cluster.targets[1:])
         version = smap["version"]
         r = _decommission(cluster, {"sid": victim}, action="stop-maintenance")
         assert r.status_code == 503 and "start it first" in r.json()["message"], r.text
@@ -114,6 +127,7 @@ def test_a_target_in_maintenance_empties_is_shut_down_and_comes_back(tmp_path):
         # started again: it rejoins still parked; out of maintenance, its objects come back
         cluster.bring_back(0)
         assert cluster.smap()["tmap"][victim]["flags"] == MAINT | POST_REB
+        assert httpx.head(f"{cluster.targets[0].url}/v1/buckets/made", timeout=10).status_code == 200
         out = _cli("stop-maintenance", cluster.url, victim)
         assert out.returncode == 0 and "out of maintenance" in out.stdout, (out.stdout, out.stderr)
         assert cluster.smap()["tmap"][victim]["flags"] == 0
@@ -128,15 +142,28 @@ def test_a_target_in_maintenance_empties_is_shut_down_and_comes_back(tmp_path):
 
 
 def test_a_parked_target_is_removed_at_once_even_when_down(tmp_path):
+    """Through a secondary gateway too: it passes maintenance on to the primary on a path of its
+    own (a primary of the release before would have taken it, on the removal's path, for a
+    removal: a review reproduced it), signed — a client's unsigned pass-on is refused."""
     cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"))
+    second = _secondary(cluster, tmp_path / "gw2")
     try:
         cluster.start()
+        second.start()
+        until(lambda: len(cluster.smap()["pmap"]) == 2, 30, "the secondary gateway in the map")
         client = sdk_client(cluster.url)
         objs = _objects(client)
         cluster.wait_rebalanced()
         victim, proc = cluster.target_id(0), cluster.targets[0]
-        r = _decommission(cluster, {"sid": victim}, action="start-maintenance")
+        version = cluster.smap()["version"]
+        r = httpx.post(f"{cluster.url}/v1/cluster/maintenance", json={"sid": victim, "action": "start-maintenance"},
+                       timeout=10)
+        assert r.status_code in (401, 403), r.text
+        assert cluster.smap()["version"] == version
+        r = httpx.put(f"{second.url}/v1/cluster", json={"action": "start-maintenance", "value": {"sid": victim}},
+                      timeout=30)
         assert r.status_code == 200 and "in maintenance" in r.text, r.text
+        assert cluster.smap()["tmap"][victim]["flags"] & MAINT
         until(lambda: _node(cluster, victim).get("parked"), 60, "the target parked")
         proc.proc.kill()
         proc.proc.wait()
@@ -149,5 +176,11 @@ def test_a_parked_target_is_removed_at_once_even_when_down(tmp_path):
         # started again on its data directories: refused (it was removed), it stops
         again = subprocess.run(proc.command(), capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "was removed from cluster" in again.stdout + again.stderr, again.stderr
+        # AIStore's CLI removing a gateway sets skip_rebalance: a gateway has nothing to move, so taken
+        second_id = next(i for i, n in cluster.smap()["pmap"].items() if n["public_net"]["direct_url"] == second.url)
+        r = _decommission(cluster, {"sid": second_id, "skip_rebalance": True})
+        assert r.status_code == 200 and "removed" in r.text, r.text
+        assert second.proc.wait(timeout=30) == 0
     finally:
+        second.stop()
         cluster.stop()
