@@ -42,13 +42,15 @@ def _target(gw: Gateway, sid: str) -> ClusterNode:
 
 
 async def start(gw: Gateway, sid: str) -> web.Response:
-    _target(gw, sid)
+    node = _target(gw, sid)
     if sid in gw.smap.maintenance:
         return web.Response(text=f"target {sid} is in maintenance already ({_state(gw.smap, sid)})\n",
                             headers={MAP_VERSION_HEADER: str(gw.smap.version)})
     if sid in gw.smap.leaving:
         raise Conflict(f"target {sid} is being removed (cluster remove): it is not put in maintenance; nothing was "
                        "changed")
+    if sid in gw.down:
+        await gw.probe(node)
     if sid in gw.down:
         raise Unavailable(f"target {sid} is down: maintenance first moves its objects to the others, which it "
                           "cannot do now — start it again first; nothing was changed")
@@ -69,12 +71,14 @@ async def start(gw: Gateway, sid: str) -> web.Response:
 
 
 async def stop(gw: Gateway, sid: str) -> web.Response:
-    _target(gw, sid)
+    node = _target(gw, sid)
     if sid not in gw.smap.maintenance:
         if sid in gw.smap.leaving:
             raise Conflict(f"target {sid} is being removed (cluster remove), not in maintenance; nothing was changed")
         return web.Response(text=f"target {sid} is not in maintenance; nothing was changed\n",
                             headers={MAP_VERSION_HEADER: str(gw.smap.version)})
+    if sid in gw.down:
+        await gw.probe(node)  # started a moment ago (the docs' sequence): up before the next round
     if sid in gw.down:
         raise Unavailable(f"target {sid} is down: start it first (it rejoins still in maintenance), then stop its "
                           "maintenance — objects placed on it while it is down could not be written; nothing was "

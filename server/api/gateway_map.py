@@ -178,7 +178,7 @@ class Gateway(GatewayElections):
         self.probes.forget_all_but({n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets))
         probed = [n for n in self.smap.nodes
                   if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
-        await asyncio.gather(*(self._probe(n) for n in probed))
+        await asyncio.gather(*(self.probe(n) for n in probed))
         if self.primary and time.monotonic() - self._replaced_checked >= REPLACED_CHECK_SECONDS:
             self._replaced_checked = time.monotonic()
             await self._check_replaced()
@@ -240,7 +240,9 @@ class Gateway(GatewayElections):
             return node.id not in self.probes.gateways_down
         return None
 
-    async def _probe(self, t: ClusterNode) -> None:
+    async def probe(self, t: ClusterNode) -> None:
+        """Probe ``t`` now (the health round; an operator's request refused for a target seen
+        down asks again first: one started a moment ago is not seen up before the next round)."""
         self.probes.record(t, await election.reachable(self.session, self.secret, t))
 
     def holder(self, bucket: str, name: str) -> ClusterNode:

@@ -79,6 +79,8 @@ async def remove(gw: Gateway, sid: str) -> web.Response:
     if sid in smap.parked:  # in maintenance, its objects moved: it holds nothing, up or down
         return await _retire_now(gw, node, f"target {sid} (in maintenance, holding nothing) removed")
     if sid in gw.down:
+        await gw.probe(node)  # started a moment ago: up before the next health round
+    if sid in gw.down:
         raise Unavailable(f"target {sid} is down: a removal moves its objects, which it cannot do now — start it "
                           "again, or leave it down: after --rebuild-after seconds it is dropped and its copies are "
                           "rebuilt from the others; nothing was changed")
