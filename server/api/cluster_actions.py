@@ -90,9 +90,12 @@ async def passed_on(request: web.Request) -> web.Response:
     doc = await read_json(request)
     if not isinstance(doc, dict) or not isinstance(doc.get("sid"), str) or not doc["sid"]:
         raise BadRequest('the body must be {"sid": NODE_ID} (and "action", for maintenance)')
-    action = doc.get("action") if request.path == MAINTENANCE_PATH else DECOMMISSION
-    if action not in (START_MAINTENANCE, STOP_MAINTENANCE, DECOMMISSION):
-        raise BadRequest(f"unknown action {action!r}")
+    if request.path == MAINTENANCE_PATH:
+        action = doc.get("action")
+    else:  # a removal — only: a secondary of 366ca59 sent maintenance here with its "action"
+        action = doc.get("action", DECOMMISSION)
+    if action not in ((START_MAINTENANCE, STOP_MAINTENANCE) if request.path == MAINTENANCE_PATH else (DECOMMISSION,)):
+        raise BadRequest(f"action {action!r} is not taken on {request.path}; nothing was changed")
     return await _do(request, gw, action, doc["sid"])
 
 

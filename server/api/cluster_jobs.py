@@ -40,6 +40,7 @@ _JOB_ID = re.compile(r"[A-Za-z0-9]{6,32}")
 # a name a target being emptied deleted this long before a job began here counts as deleted by
 # it (not reported "not found"): a delete that close before is as good as the job's own
 RECENT_NS = 30 * 10**9
+CHECK_MAX = 16 * 1024  # names a job's share asks the targets being emptied about (the rest: reported)
 
 
 class CopyFailed(StoreError):
@@ -81,36 +82,47 @@ async def share(request: web.Request) -> Callable[[str, str], bool] | None:
     return mine
 
 
-async def nowhere(app: web.Application, bucket: str, names: list[str], since_ns: int) -> list[str]:
-    """Of ``names`` this target found missing as their first holder, those that no target being
-    emptied (leaving, not parked) holds, or deleted less than ``RECENT_NS`` before ``since_ns``
-    (the job's start here; the others got the job at about the same time, and may have done
-    their share first): the first holder
-    under the new map may not have an object yet that the leaving one deletes in the same job (a
-    new-user run: a multi-object delete during a maintenance reported such names "not found").
-    A leaving target that cannot be asked leaves its names missing (reported as before)."""
+async def nowhere(request: web.Request, bucket: str, names: list[str], since_ns: int) -> tuple[list[str], list[str]]:
+    """Of ``names`` this target found missing as their first holder: (those no target being
+    emptied — leaving, not parked — holds or deleted less than ``RECENT_NS`` before
+    ``since_ns``, the others). The first holder under the new map may not have an object yet
+    that the leaving one deletes in the same job (a new-user run: a multi-object delete during
+    a maintenance reported such names "not found"); it may have received it since its own pass,
+    so the caller deletes the others again. Bounded: the first ``CHECK_MAX`` names only, a
+    target the gateway sees down (``bfs_down``: it did not get the job) or that fails once is
+    not asked (again), the targets asked at once, so a hung one costs one ``ASK_TIMEOUT``."""
+    app = request.app
     member = app.get(MEMBERSHIP)
     smap, me = (member.smap if member is not None else None), app[NODE_INFO]["id"]
+    down = set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
     if not names or smap is None:
-        return names
-    emptying = [smap.targets[i] for i in smap.emptying if i in smap.targets and i != me]
+        return names, []
+    emptying = [smap.targets[i] for i in smap.emptying if i in smap.targets and i != me and i not in down]
+    checked = names[:CHECK_MAX]
     found: set[str] = set()
-    for node in emptying:
-        for k in range(0, len(names), PAGE):
-            page = names[k:k + PAGE]
+
+    async def ask(node) -> None:
+        for k in range(0, len(checked), PAGE):
+            page = [n for n in checked[k:k + PAGE] if n not in found]
+            if not page:
+                continue
             body = json.dumps({"bucket": bucket, "names": page, "map_version": smap.version,
                                "map_digest": smap.identity[1]}).encode()
             try:
                 async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", node.url, CHECK_PATH, to=node.id,
                                         body=body, headers={"Content-Type": "application/json"},
                                         timeout=ASK_TIMEOUT) as r:
-                    answers = (await r.json())["objects"] if r.status == 200 else []
+                    answers = (await r.json())["objects"] if r.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
-                continue
+                answers = None
+            if answers is None:
+                return  # not asked again: its names stay missing (reported as before)
             for name, answer in zip(page, answers):  # [status, checksum, time of its write or tombstone]
                 if answer[0] in (200, 503) or (answer[0] == 404 and answer[2] >= since_ns - RECENT_NS):
                     found.add(name)
-    return [n for n in names if n not in found]
+
+    await asyncio.gather(*(ask(node) for node in emptying))
+    return [n for n in names if n not in found], [n for n in checked if n in found]
 
 
 async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, new: str) -> int:

@@ -92,12 +92,14 @@ async def to_all(request: web.Request) -> web.Response:
         raise NotImplementedThroughGateway(
             f"bucket action {action if action is not None else msg!r} is not served through a gateway "
             "(served: create-bck, copy-bck, copy-listrange; docs/cluster.md)")
-    if request.method == "DELETE" and gw.down:  # (a parked target's too: it has the bucket)
+    if action == "destroy-bck" and gw.down:  # (a parked target's too: it has the bucket)
         raise Unavailable(f"targets {', '.join(sorted(gw.down))} are down: a bucket destroyed without them would "
                           "come back when they rejoin (a target creates the buckets the others have); nothing was "
                           "changed — retry when they are back")
     # a create reaches every target up; one that is down creates the bucket when it rejoins
     answers = await gateway_jobs.on_every_target(request, gw, body, down_ok=request.method == "POST")
+    if not answers:
+        raise Unavailable("every target is down: the bucket was not created")
     for status, headers, reply in answers:
         if status >= 300:
             return passthrough(status, headers, reply)

@@ -168,7 +168,10 @@ async def bucket_delete(request: web.Request) -> web.Response:
         await asyncio.to_thread(node.delete_objects, bucket, names, missing_is_error, job,
                                 replicas.tombstone_time(request.app) is not None, spread_versions,
                                 mine and missing_mine)
-        bucket_ops.note_missing(job, bucket, await cluster_jobs.nowhere(request.app, bucket, missing, started))
+        missing, elsewhere = await cluster_jobs.nowhere(request, bucket, missing, started)
+        bucket_ops.note_missing(job, bucket, missing)
+        if elsewhere:  # a leaving target had them: one may have reached this target since its pass
+            await asyncio.to_thread(node.delete_objects, bucket, iter(elsewhere), False, job, True, spread_versions)
     finally:
         registry.finish(job, job.error)
         for gone in spread_versions:

@@ -8,6 +8,7 @@ holders. A parked target is removed at once, even when down. Refused requests ch
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import time
@@ -15,7 +16,7 @@ import time
 import httpx
 
 from server.cluster.statuscli import render
-from tests.cluster.conftest import Cluster, ranked, holds, until
+from tests.cluster.conftest import Cluster, ranked, holds, signed_for, until
 from tests.cluster.test_cluster_remove_gateway import _secondary
 from tests.cluster.test_cluster_remove import _decommission, _objects_in_catalog, _read_all
 from tests.support.getbatch import blob, sdk_client
@@ -162,6 +163,13 @@ def test_a_parked_target_is_removed_at_once_even_when_down(tmp_path):
         r = httpx.post(f"{cluster.url}/v1/cluster/maintenance", json={"sid": victim, "action": "start-maintenance"},
                        timeout=10)
         assert r.status_code in (401, 403), r.text
+        # signed, but a maintenance action on the removal's path (what a secondary of 366ca59
+        # sent): refused, not taken for a removal (a review reproduced that)
+        body = json.dumps({"sid": victim, "action": "start-maintenance"}).encode()
+        r = httpx.post(f"{cluster.url}/v1/cluster/remove", content=body, timeout=10,
+                       headers={"Content-Type": "application/json",
+                                **signed_for(cluster.url, "POST", "/v1/cluster/remove", body)})
+        assert r.status_code == 400 and "nothing was changed" in r.text, r.text
         assert cluster.smap()["version"] == version
         r = httpx.put(f"{second.url}/v1/cluster", json={"action": "start-maintenance", "value": {"sid": victim}},
                       timeout=30)
