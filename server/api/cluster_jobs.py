@@ -15,7 +15,6 @@ client cannot name either); on a single node (no map) everything is the node's s
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 
@@ -27,8 +26,7 @@ from server.bucket_ops import note_missing
 from server.validate import check_objname
 from server.api import auth, replicas, spread
 from server.api.daemon_api import NODE_INFO
-from server.api.neighbours import ASK_TIMEOUT
-from server.api.rebalance import CHECK_PATH, PAGE
+from server.api.rebalance import ASK_FAILED, PAGE, ask_names
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.cluster import peers
 from server.errors import BadRequest, NotFound, StoreError
@@ -67,6 +65,11 @@ async def job_id(request: web.Request) -> str | None:
     return given
 
 
+def _down(request: web.Request) -> set[str]:
+    """The targets the gateway saw down when it sent the job (they did not get it)."""
+    return set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
+
+
 async def share(request: web.Request) -> Callable[[str, str], bool] | None:
     """``mine(bucket, name)``: whether this target does the object in the gateway's job (its
     first holder not down); None when every object is this node's (a single node)."""
@@ -74,7 +77,7 @@ async def share(request: web.Request) -> Callable[[str, str], bool] | None:
     if not await _from_gateway(request) or member is None or member.smap is None:
         return None
     smap, me = member.smap, request.app[NODE_INFO]["id"]
-    down = set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
+    down = _down(request)
 
     def mine(bucket: str, name: str) -> bool:
         first = next((n for n in smap.holders(bucket, name) if n.id not in down), None)
@@ -94,7 +97,7 @@ async def nowhere(request: web.Request, bucket: str, names: list[str], since_ns:
     app = request.app
     member = app.get(MEMBERSHIP)
     smap, me = (member.smap if member is not None else None), app[NODE_INFO]["id"]
-    down = set(filter(None, request.query.get(DOWN_PARAM, "").split(",")))
+    down = _down(request)
     if not names or smap is None:
         return names, []
     emptying = [smap.targets[i] for i in smap.emptying if i in smap.targets and i != me and i not in down]
@@ -106,19 +109,12 @@ async def nowhere(request: web.Request, bucket: str, names: list[str], since_ns:
             page = [n for n in checked[k:k + PAGE] if n not in found]
             if not page:
                 continue
-            body = json.dumps({"bucket": bucket, "names": page, "map_version": smap.version,
-                               "map_digest": smap.identity[1]}).encode()
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", node.url, CHECK_PATH, to=node.id,
-                                        body=body, headers={"Content-Type": "application/json"},
-                                        timeout=ASK_TIMEOUT) as r:
-                    answers = (await r.json())["objects"] if r.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
-                answers = None
-            if answers is None:
+                answers = await ask_names(app, node, smap, bucket, page)
+            except ASK_FAILED:
                 return  # not asked again: its names stay missing (reported as before)
-            for name, answer in zip(page, answers):  # [status, checksum, time of its write or tombstone]
-                if answer[0] in (200, 503) or (answer[0] == 404 and answer[2] >= since_ns - RECENT_NS):
+            for name, (status, _, when) in zip(page, answers):  # when: its write's or its tombstone's
+                if status in (200, 503) or (status == 404 and when >= since_ns - RECENT_NS):
                     found.add(name)
 
     await asyncio.gather(*(ask(node) for node in emptying))

@@ -84,6 +84,28 @@ RETRY_MIN_SECONDS = 2.0
 RETRY_MAX_SECONDS = 60.0
 
 
+# what keeps ``ask_names`` from an answer: the holder is unreachable, slow, or answered nonsense
+ASK_FAILED = (aiohttp.ClientError, asyncio.TimeoutError, StoreError, ValueError, KeyError, TypeError)
+
+
+async def ask_names(app: web.Application, node: ClusterNode, smap: ClusterMap, bucket: str,
+                    names: list[str]) -> list[tuple[int, str, int]]:
+    """What ``node`` holds of ``names`` (at most ``PAGE``): ``(status, checksum, time)`` per
+    name, in order, as ``rebalance_answers.check_names`` answers; one of ``ASK_FAILED`` if it
+    does not answer within ``ASK_TIMEOUT``. Signed, with this map's version and digest (they
+    fence the holder's own drops)."""
+    body = json.dumps({"bucket": bucket, "names": names, "map_version": smap.version,
+                       "map_digest": smap.identity[1]}).encode()
+    async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", node.url, CHECK_PATH, to=node.id,
+                            body=body, headers={"Content-Type": "application/json"}, timeout=ASK_TIMEOUT) as r:
+        if r.status != 200:
+            raise replicas.CopyFailed(f"HTTP {r.status} from {CHECK_PATH}")
+        answers = (await r.json())["objects"]
+    if len(answers) != len(names):
+        raise replicas.CopyFailed(f"{len(answers)} answers for {len(names)} names")
+    return [(int(status), str(cksum), int(when)) for status, cksum, when in answers]
+
+
 class _NewMap(Exception):
     """A newer map arrived mid-walk: start over with it."""
 
@@ -266,20 +288,10 @@ class Rebalancer:
         seen: dict[tuple[str, str], tuple | Exception] = {}
 
         async def ask(holder: str, batch: list[str]) -> None:
-            body = json.dumps({"bucket": bucket, "names": batch, "map_version": smap.version,
-                               "map_digest": smap.identity[1]}).encode()
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", nodes[holder].url, CHECK_PATH, to=nodes[holder].id,
-                                        body=body, headers={"Content-Type": "application/json"},
-                                        timeout=ASK_TIMEOUT) as r:
-                    if r.status != 200:
-                        raise replicas.CopyFailed(f"HTTP {r.status} from {CHECK_PATH}")
-                    answers = (await r.json())["objects"]
-                if len(answers) != len(batch):
-                    raise replicas.CopyFailed(f"{len(answers)} answers for {len(batch)} names")
-                for name, (status, cksum, when) in zip(batch, answers):
-                    seen[holder, name] = (int(status), str(cksum), int(when))
-            except (aiohttp.ClientError, asyncio.TimeoutError, StoreError, ValueError, KeyError, TypeError) as e:
+                for name, answer in zip(batch, await ask_names(app, nodes[holder], smap, bucket, batch)):
+                    seen[holder, name] = answer
+            except ASK_FAILED as e:
                 for name in batch:
                     seen[holder, name] = e
 
