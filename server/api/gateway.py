@@ -38,12 +38,13 @@ import time
 
 import aiohttp
 import msgpack
+import msgspec
 from aiohttp import web
 
 from server.api import cluster_actions, gateway_admin, gateway_jobs, gateway_remove, gateway_s3
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
-from server.api.state import CONFIG, OP_KEY, read_json
+from server.api.state import CONFIG, OP_KEY, parse_json, read_json
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
@@ -81,10 +82,7 @@ async def to_all(request: web.Request) -> web.Response:
     check_bucket(request.match_info["bucket"])
     gw = gateway_of(request)
     body = await request.read()
-    try:
-        msg = json.loads(body) if body.strip() else {}
-    except ValueError as e:
-        raise BadRequest(f"malformed JSON request body: {e}") from None
+    msg = parse_json(body) if body.strip() else {}
     action = msg.get("action") if isinstance(msg, dict) else None
     if action in ("copy-bck", "copy-listrange", "delete-listrange"):  # jobs: each target does its share
         return await gateway_jobs.run_job(request, body, msg)
@@ -206,14 +204,14 @@ async def moss_redirect(request: web.Request) -> web.Response:
     default_bucket = request.match_info.get("bucket") or None
     counts: dict[str, int] = {}
     try:
-        doc = json.loads(await request.read())
+        doc = msgspec.json.decode(await request.read())
         sample = [(item.get("bucket") or default_bucket, item.get("objname")) for item in (doc.get("in") or [])[:DT_SAMPLE]]
         sample = [(b, n) for b, n in sample if isinstance(b, str) and isinstance(n, str)]
         for ranked in gw.smap.holders_many(sample):
             owner = next((n for n in ranked if n.id not in gw.down), None)
             if owner is not None:  # none: every copy's target is down (the DT answers for it)
                 counts[owner.id] = counts.get(owner.id, 0) + 1
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         pass  # the target answers the 400 (or 503) a single node gives
     dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
     return web.Response(status=307, headers={"Location": dt.url + _granted(request, request.rel_url.raw_path_qs)})

@@ -54,6 +54,7 @@ import time
 from typing import Awaitable, Callable
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from batchfs.wire.urls import object_path
@@ -166,8 +167,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                                     req.coer or lenient or coer, req.onob, req.strm))
             opened.append(r)
             return r
-        body = json.dumps({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
-                           "onob": req.onob, "strm": req.strm}).encode()
+        body = msgspec.json.encode({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
+                             "onob": req.onob, "strm": req.strm})
         path_qs = request.rel_url.raw_path_qs
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:

@@ -123,6 +123,17 @@ def test_many_entries_and_errors_across_targets(cluster, data):
     assert r.status_code == 404
 
 
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"in": [{"objname": "\\udcff"}]}', b'{"in": [1e400]}',
+                                  b'{"in": [{"objname": "a"},]}', b"\xff\xfe"])
+def test_malformed_bodies_through_the_gateway_are_400(cluster, data, body):
+    """The gateway reads the body to choose the designated target; whatever it cannot read
+    is the target's 400, never the gateway's 500 (deep nesting was: RecursionError)."""
+    r = httpx.request("GET", f"{cluster.url}/v1/ml/moss/gbx", content=body, timeout=30, follow_redirects=True,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert "malformed JSON" in r.json()["message"]
+
+
 def _raw_members(data: bytes) -> tuple[list[str], bool]:
     """Member names of a possibly truncated TAR stream, and whether it ended properly."""
     names, f = [], tarfile.open(fileobj=io.BytesIO(data), mode="r|")
