@@ -53,6 +53,8 @@ def expand_template(template: str) -> Iterator[str] | str:
         m = _RANGE.match(rest)
         if m is None:
             raise BadRequest(f"invalid 'bash' template {template!r} (expecting e.g. 'prefix-{{0001..0010..1}}-suffix')")
+        if any(g is not None and len(g) > 18 for g in m.groups()):  # int() refuses 4,301 digits: was a 500
+            raise BadRequest(f"invalid 'bash' template {template[:200]!r}: a bound or step of more than 18 digits")
         start, end = int(m.group(1)), int(m.group(2))
         step = int(m.group(3)) if m.group(3) else 1
         if start > end or step <= 0:
@@ -207,6 +209,34 @@ def parse_uname(uname: str, want_object: bool) -> tuple[str, str]:
 
 TC_KEYS = {"prefix", "prepend", "dry_run", "force", "latest-ver", "synchronize", "ext", "num-workers",
            "coer", "tobck"}
+
+
+def parse_copy(action: str, bck_to: str | None, value: object) -> str:
+    """The destination bucket of a ``copy-bck`` (``bck_to``: the query's) or ``copy-listrange``
+    message, once every part of it that needs no store is checked (BadRequest). One check for a
+    node and a gateway: a gateway refuses the message before it makes the destination on every
+    target (a review: a refused copy had created it)."""
+    if action == "copy-bck":
+        dst, _ = parse_uname(bck_to or "", want_object=False)
+        if not isinstance(value, dict) or set(value) - TC_KEYS - {"tobck"}:
+            raise BadRequest(f"copy-bck: unsupported value {value!r}")
+        check_copy_msg(value)
+        return dst
+    if bck_to is not None:
+        raise BadRequest("copy-listrange names its destination in the value ('tobck'), not bck_to")
+    if not isinstance(value, dict):
+        raise BadRequest("copy-listrange: the value must be an object")
+    tobck = value.get("tobck")
+    ns = tobck.get("namespace") if isinstance(tobck, dict) else None
+    if (not isinstance(tobck, dict) or tobck.get("provider", "ais") != "ais" or not isinstance(ns or {}, dict)
+            or (ns or {}).get("uuid") or (ns or {}).get("name") or not isinstance(tobck.get("name") or "", str)):
+        raise BadRequest("copy-listrange: 'tobck' must name an ais:// bucket without a namespace")
+    dst = check_bucket(tobck.get("name") or "")
+    check_copy_msg(value)
+    if value.get("prefix"):
+        raise BadRequest("copy-listrange selects objects with 'objnames' or 'template', not 'prefix'")
+    parse_selection(value, TC_KEYS)  # names and ranges checked here (a range's names are made lazily)
+    return dst
 
 
 def check_copy_msg(value: dict) -> None:

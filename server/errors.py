@@ -12,6 +12,8 @@
 
 Handlers raise these; exactly one middleware (``server.api.app``) formats them as AIStore-style
 JSON (or an S3 XML error under the S3 API). Anything else is a bug and becomes a logged 500.
+A message is at most ``MESSAGE_MAX`` characters (it may quote a client's input, and errors of
+500 and above are logged).
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ import errno
 import sqlite3
 
 
+MESSAGE_MAX = 2000  # characters of an error message kept: many quote the client's input
+
+
 class StoreError(Exception):
     status = 500
 
     def __init__(self, message: str):
+        if len(message) > MESSAGE_MAX:  # a 16 MiB action name was answered, and logged, whole
+            message = f"{message[:MESSAGE_MAX]}... ({len(message):,} characters in all)"
         super().__init__(message)
         self.message = message
 

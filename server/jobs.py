@@ -63,6 +63,8 @@ class JobRegistry:
         job.end_ns = time.time_ns()
 
     def get(self, job_id: str) -> Job:
+        if not isinstance(job_id, str):  # from a client's body (a list is unhashable: was a 500)
+            raise BadRequest(f"job id {job_id!r}: expected a string")
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"job {job_id!r} not found (this node keeps its last {self._max} jobs, "

@@ -54,7 +54,7 @@ async def error_boundary(request: web.Request, handler):
         status = e.status
         extra = ({"Content-Range": f"bytes */{e.size}"} if isinstance(e, RangeNotSatisfiable)
                  else getattr(e, "headers", None))  # e.g. WWW-Authenticate on a 401
-        if status >= 500:
+        if status >= 500 and status != 501:  # 501: a request refused as not served, no fault here
             log.error("%s %s: %s", request.method, request.path, e.message)
         resp = _error_response(request, status, e.message, extra)
         if request.get(OP_KEY) == "denied" and request.body_exists and not request.content.is_eof():

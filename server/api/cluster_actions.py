@@ -46,7 +46,7 @@ async def cluster_action(request: web.Request) -> web.Response:
     request[OP_KEY] = "cluster"
     msg = await read_json(request)
     action = msg.get("action") if isinstance(msg, dict) else None
-    if action not in _WHAT:
+    if not isinstance(action, str) or action not in _WHAT:  # (a list is unhashable: was a 500)
         raise NotImplementedThroughGateway(f"PUT /v1/cluster action {action!r} is not served by a batchfs cluster "
                                            f"(served: {', '.join(_WHAT)}); nothing was changed")
     gw = gateway_of(request)

@@ -94,10 +94,13 @@ async def to_all(request: web.Request) -> web.Response:
         raise Unavailable(f"targets {', '.join(sorted(gw.down))} are down: a bucket destroyed without them would "
                           "come back when they rejoin (a target creates the buckets the others have); nothing was "
                           "changed — retry when they are back")
+    if not gw.targets(alive=True):  # refused before anything is sent: nothing changed
+        raise Unavailable("every target is down: nothing was changed")
     # a create reaches every target up; one that is down creates the bucket when it rejoins
     answers = await gateway_jobs.on_every_target(request, gw, body, down_ok=request.method == "POST")
-    if not answers:
-        raise Unavailable("every target is down: the bucket was not created")
+    if not answers:  # sent, and none answered: a stopped one may still act on it when it resumes (a review)
+        raise Unavailable("no target answered (each is seen down now): the bucket may or may not be created — "
+                          "HEAD it, or create it again (409 if it exists)")
     for status, headers, reply in answers:
         if status >= 300:
             return passthrough(status, headers, reply)
@@ -117,19 +120,25 @@ async def list_objects(request: web.Request) -> web.Response:
     request[OP_KEY] = "list"
     bucket = check_bucket(request.match_info["bucket"])
     body = await request.read()
-    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
+    msg = await read_json(request, required=False)
+    msg = {"action": "list", "value": {}} if msg is None else msg
     if isinstance(msg, dict) and msg.get("action") == "summary-bck":
         return await gateway_jobs.summary(request, body, msg)
     if not isinstance(msg, dict) or msg.get("action") != "list":
         raise NotImplementedThroughGateway(f"GET /v1/buckets/{bucket} with action "
                                            f"{msg.get('action') if isinstance(msg, dict) else msg!r} is not served "
                                            "through a gateway yet (served: list)")
-    value = dict(msg.get("value") or {})
+    value = msg.get("value") or {}
+    if not isinstance(value, dict):  # (a string or list: was a 500)
+        raise BadRequest("list: the action's value must be an object (AIStore's LsoMsg)")
+    value = dict(value)
+    if not isinstance(value.get("target") or "", str):
+        raise BadRequest("list: 'target' must be a target's id (a string)")
     pagesize = value.get("pagesize") or LIST_PAGE_DEFAULT
     if not isinstance(pagesize, int) or isinstance(pagesize, bool) or pagesize < 0:
         raise BadRequest("pagesize must be a non-negative integer")
     value["pagesize"] = pagesize
-    value.pop("uuid", None)
+    uuid = value.pop("uuid", None)  # the listing's id, echoed (AIStore's continuation carries it)
     gw = gateway_of(request)
     body = json.dumps({"action": "list", "value": value}).encode()
     request_headers = {"Accept": "application/json"}
@@ -155,7 +164,7 @@ async def list_objects(request: web.Request) -> web.Response:
     names = sorted(merged)
     page = [merged[n] for n in names[:pagesize]]
     more |= len(names) > pagesize
-    reply = {"UUID": msg.get("value", {}).get("uuid") or gw.smap.uuid, "Entries": page, "Flags": 0,
+    reply = {"UUID": uuid if isinstance(uuid, str) and uuid else gw.smap.uuid, "Entries": page, "Flags": 0,
              "ContinuationToken": page[-1]["n"] if more and page else ""}
     if request.headers.get("Accept", "").startswith("application/json"):
         return web.json_response(reply)

@@ -16,7 +16,6 @@ whole; nothing here holds more than the targets' answers to one request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from urllib.parse import urlencode
 
@@ -25,11 +24,10 @@ from aiohttp import web
 from server.api.cluster_jobs import DOWN_PARAM, JOB_PARAM
 from server.api.gateway_map import Gateway, Unavailable, gateway_of, passthrough
 from server.api.state import OP_KEY
-from server.bucket_ops import parse_uname
-from server.errors import BadRequest
+from server.bucket_ops import parse_copy
+from server.errors import BadRequest, NotFound
 from server.jobs import new_job_id
 from server.cluster.smap import ClusterNode
-from server.validate import check_bucket
 
 
 def _with_job(request: web.Request, gw: Gateway, job: str) -> str:
@@ -74,7 +72,17 @@ async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
     gw = gateway_of(request)
     value = msg.get("value") if isinstance(msg.get("value"), dict) else {}
     if msg["action"] in ("copy-bck", "copy-listrange") and not value.get("dry_run"):
-        dst = _destination(request, msg, value)
+        # refused before the destination is made, as a node refuses before it copies: the
+        # source's 404, then the message's 400 (a review: a refused copy had created it)
+        source, live = request.match_info["bucket"], gw.targets(alive=True)
+        if not live:
+            raise Unavailable("every target is down: nothing was copied")
+        status, headers, _ = await gw.forward(request, live[0], b"", f"/v1/buckets/{source}", method="HEAD")
+        if status == 404:
+            raise NotFound(f"bucket ais://{source} does not exist")
+        if status != 200:
+            return passthrough(status, headers, b"")
+        dst = parse_copy(msg["action"], request.query.get("bck_to"), msg.get("value"))
         if dst:  # made on every target first: each target's share PUTs to the destination's holders
             create = json.dumps({"action": "create-bck"}).encode()
             made = await on_every_target(request, gw, create, f"/v1/buckets/{dst}", down_ok=True)
@@ -83,15 +91,6 @@ async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
     job = new_job_id()
     answers = await _to_live(request, gw, body, _with_job(request, gw, job))
     return _first_failure(answers) or web.Response(text=job)
-
-
-def _destination(request: web.Request, msg: dict, value: dict) -> str | None:
-    if msg["action"] == "copy-bck":  # a malformed one is the targets' 400, as a node's
-        with contextlib.suppress(BadRequest):
-            return parse_uname(request.query.get("bck_to", ""), want_object=False)[0]
-        return None
-    tobck = value.get("tobck")
-    return check_bucket(tobck.get("name") or "") if isinstance(tobck, dict) else None
 
 
 # -- summaries -------------------------------------------------------------------------------

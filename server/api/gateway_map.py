@@ -38,6 +38,7 @@ LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
 PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
+PASS_ON_TIMEOUT = aiohttp.ClientTimeout(total=20)  # a change passed on to the primary: its pushes, twice
 BACK_SETTLE_SECONDS = 3.0  # a target back up this long makes every target walk again
 
 
@@ -305,10 +306,13 @@ class Gateway(GatewayElections):
         if not to and path != "/v1/cluster/autoreg":  # only a join may be signed for no node
             raise Unavailable(f"gateway {self.id} has not joined the primary yet: send the change again shortly")
         try:
-            async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body,
+            async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body, timeout=PASS_ON_TIMEOUT,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:  # (a hung primary held the answer for the fan-out's 60 s, saying nothing)
+            raise Unavailable(f"the primary gateway ({url}) did not answer within {PASS_ON_TIMEOUT.total:g} s: the "
+                              "change may or may not be made ('cluster status' shows it); send it again") from None
+        except aiohttp.ClientError as e:
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 
@@ -339,7 +343,7 @@ class Gateway(GatewayElections):
 
     async def change(self, update, what: str) -> ClusterMap:
         """Apply ``update(map) -> map`` (a new version, or the same map): saved, then pushed
-        before the answer (``_publish``) — the same map too: a change sent again after a 503
+        before the answer (``_publish``), the same map too: a change sent again after a 503
         is answered 200 only once a majority holds it. A version no majority holds is sent
         again first, never built on (before, a deposed primary renewing its map each second
         outgrew the elected one's version and undid its acknowledged change: a review)."""
@@ -355,7 +359,7 @@ class Gateway(GatewayElections):
                 self.smap = new
                 log.info("cluster map v%d: %s", new.version, what)
         await self._publish(new, before)
-        return self.smap
+        return new  # not self.smap: another change may have followed while this one was pushed
 
     async def _publish(self, new: ClusterMap, before: ClusterMap | None = None) -> None:
         """Push a change (outside the lock); answer it once a majority of the map's nodes hold it
@@ -415,12 +419,12 @@ class Gateway(GatewayElections):
         return ts
 
     async def forward(self, request: web.Request, target: ClusterNode, body: bytes | None = None,
-                      path_qs: str | None = None) -> tuple[int, dict, bytes]:
+                      path_qs: str | None = None, method: str | None = None) -> tuple[int, dict, bytes]:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
         path_qs = path_qs or request.rel_url.raw_path_qs
         try:  # signed: the target tells a gateway's fan-out from a client's request to it alone
-            async with peers.signed(self.session, self.secret, request.method, target.url, path_qs, to=target.id,
+            async with peers.signed(self.session, self.secret, method or request.method, target.url, path_qs, to=target.id,
                                     body=body or b"", headers=headers) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -43,12 +43,12 @@ _MSG_FIELDS = {"action", "name", "value"}
 
 async def _read_action(request: web.Request, actions: frozenset[str], required: bool) -> dict:
     msg = await read_json(request, required=required)
-    if msg is None:
+    if msg is None and not required:  # no body (or JSON null) where one is optional
         return {}
-    if not isinstance(msg, dict) or set(msg) - _MSG_FIELDS:
+    if not isinstance(msg, dict) or set(msg) - _MSG_FIELDS:  # (JSON null where one is required: was a 500)
         raise BadRequest("the request body must be an action message {\"action\", \"name\", \"value\"}")
     action = msg.get("action")
-    if action not in actions:
+    if not isinstance(action, str) or action not in actions:  # (a list is unhashable: was a 500)
         raise BadRequest(f"action {action!r} is not supported on {request.method} {request.path} "
                          f"(supported: {', '.join(sorted(actions))})")
     return msg

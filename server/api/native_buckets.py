@@ -52,27 +52,12 @@ async def bucket_post(request: web.Request) -> web.Response:
         return web.Response(text="")
     node.require_bucket(bucket)
     registry = request.app[jobs.JOBS]
+    dst = bucket_ops.parse_copy(action, request.query.get("bck_to"), value)
     if action == "copy-bck":
-        dst, _ = bucket_ops.parse_uname(request.query.get("bck_to", ""), want_object=False)
-        if not isinstance(value, dict) or set(value) - bucket_ops.TC_KEYS - {"tobck"}:
-            raise BadRequest(f"copy-bck: unsupported value {value!r}")
-        bucket_ops.check_copy_msg(value)
         prefix = value.get("prefix") or ""
         names = list(await asyncio.to_thread(lambda: list(node.names_under(bucket, prefix))))
         missing_is_error = False
     else:  # copy-listrange: the destination is in the value
-        if "bck_to" in request.query:
-            raise BadRequest("copy-listrange names its destination in the value ('tobck'), not bck_to")
-        if not isinstance(value, dict):
-            raise BadRequest("copy-listrange: the value must be an object")
-        tobck = value.get("tobck")
-        if (not isinstance(tobck, dict) or tobck.get("provider", "ais") != "ais"
-                or (tobck.get("namespace") or {}).get("uuid") or (tobck.get("namespace") or {}).get("name")):
-            raise BadRequest("copy-listrange: 'tobck' must name an ais:// bucket without a namespace")
-        dst = check_bucket(tobck.get("name") or "")
-        bucket_ops.check_copy_msg(value)
-        if value.get("prefix"):
-            raise BadRequest("copy-listrange selects objects with 'objnames' or 'template', not 'prefix'")
         names_it, missing_is_error = await asyncio.to_thread(
             node.selected, bucket, value, bucket_ops.TC_KEYS)
         names = list(names_it)

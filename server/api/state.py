@@ -98,7 +98,7 @@ def parse_json(raw: bytes):
         # designated target), and it is the stricter reader: a lone surrogate (a string no UTF-8 encoder
         # accepts), NaN, Infinity and numbers out of range are malformed JSON
         return msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
+    except ValueError as e:  # msgspec.DecodeError; UnicodeDecodeError for bad UTF-8 inside a string
         raise BadRequest(f"malformed JSON request body: {e}") from None
     except RecursionError:  # e.g. 100,000 nested '[': refuse rather than crash the handler
         raise BadRequest("malformed JSON request body: nested too deeply") from None

@@ -125,6 +125,41 @@ def test_what_a_gateway_does_not_serve_yet_is_refused_clearly(cluster):
     assert client.bucket("refusals").object("app").get_reader().read_all() == b"x"
 
 
+def test_a_refused_copy_creates_nothing_and_odd_bodies_are_4xx(cluster):
+    """A gateway checks a copy job's message and its source before it makes the destination on
+    every target (a review: each refusal below had created it), and bodies of the wrong shape
+    are 4xx through it (each was a 500)."""
+    gw = cluster.url
+    httpx.post(f"{gw}/v1/buckets/cpsrc", json={"action": "create-bck"}, timeout=10).raise_for_status()
+    refused = [
+        ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": "dsta"}, "objnames": [5]}}, {}, 400),
+        ("cpgone", {"action": "copy-listrange", "value": {"tobck": {"name": "dstb"}, "objnames": ["x"]}}, {}, 404),
+        ("cpsrc", {"action": "copy-bck", "value": {"ext": {"a": "b"}}}, {"bck_to": "ais/@#/dstc/"}, 400),
+        ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": "dstd", "namespace": "x"},
+                                                          "template": "a{1..2}"}}, {}, 400),
+        ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": 5}, "template": "a{1..2}"}}, {}, 400),
+        ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": "dste"},
+                                                          "template": "x{" + "1" * 5000 + "..2}"}}, {}, 400),
+    ]
+    for src, msg, params, status in refused:
+        r = httpx.post(f"{gw}/v1/buckets/{src}", json=msg, params=params, timeout=30)
+        assert r.status_code == status, (msg, r.status_code, r.text[:300])
+    names = {b["name"] for b in httpx.get(f"{gw}/v1/buckets", timeout=10).json()}
+    assert not names & {"dsta", "dstb", "dstc", "dstd", "dste"}, names
+    for t in cluster.targets:
+        assert httpx.head(f"{t.url}/v1/buckets/dsta", timeout=10).status_code == 404
+    for value in ("ab", 5, [["pagesize", 1]], {"target": ["x"]}):
+        r = httpx.request("GET", f"{gw}/v1/buckets/cpsrc", json={"action": "list", "value": value}, timeout=10)
+        assert r.status_code == 400, (value, r.status_code, r.text[:300])
+    for action in (["start-maintenance"], {"x": 1}):
+        r = httpx.put(f"{gw}/v1/cluster", json={"action": action, "value": {"sid": "x"}}, timeout=10)
+        assert r.status_code == 501, r.text[:300]
+    r = httpx.put(f"{gw}/v1/cluster", content=b'{"action": "\xff"}', timeout=10)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["message"]
+    r = httpx.put(f"{gw}/v1/cluster", json={"action": "a" * (1 << 20), "value": {}}, timeout=30)
+    assert r.status_code == 501 and len(r.content) < 3000, (r.status_code, len(r.content))
+
+
 def test_listing_one_target_mirror_flags_and_a_clients_gfn(cluster):
     """Found by a user's test: ``list_objects(target=ID)`` failed through the gateway for every
     target (it asked all of them, and the others refused); ``mirror.enabled=false`` with

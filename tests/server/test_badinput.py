@@ -78,6 +78,8 @@ def test_unknown_bucket(server):
     b'{"action": "list", "value": {"pagesize": "ten"}}', b'{"action": "list", "value": {"prefix": 5}}',
     b'{"action": "list", "value": {"pagesize": -1}}', b'{"action": "list", "value": []}',
     b'{"action": "destroy-everything"}', b"[]",
+    # bad UTF-8 inside a string, an action that is no string: each was a 500
+    b'{"action": "\xff"}', b'{"action": ["list"]}', b'{"action": {"a": 1}}',
 ])
 def test_malformed_json_bodies(server, bucket, body):
     r = httpx.request("GET", f"{server.url}/v1/buckets/{bucket}", content=body,
@@ -86,6 +88,29 @@ def test_malformed_json_bodies(server, bucket, body):
     r = httpx.post(f"{server.url}/v1/buckets/{bucket}x", content=body)
     _assert_json_error(r, 400)
     assert httpx.head(f"{server.url}/v1/buckets/{bucket}x").status_code == 404  # nothing created
+
+
+def test_odd_values_in_bodies_are_400_and_errors_are_bounded(server, bucket):
+    """JSON null for an action message that is required, job ids that are not strings, template bounds int() refuses (over 4,300 digits), and an
+    error message quoting 16 MiB of the client's input: 400s, each answered in at most ~2 KB
+    (it was answered whole, and a 5xx was logged whole)."""
+    u = server.url
+    _assert_json_error(httpx.post(f"{u}/v1/buckets/{bucket}", content=b"null"), 400, "action message")  # was a 500
+    for body in ({"ID": ["x"]}, {"ID": {"a": 1}}):
+        _assert_json_error(httpx.request("GET", f"{u}/v1/cluster", params={"what": "status"}, json=body), 400, "job id")
+    r = httpx.request("GET", f"{u}/v1/buckets/{bucket}", json={"action": "summary-bck", "value": {}},
+                      params={"uuid": "x"})
+    assert r.status_code in (400, 404), r.text  # an unknown id; a list id is refused below
+    _assert_json_error(httpx.request("GET", f"{u}/v1/buckets/{bucket}", json={"action": "summary-bck", "value": {"uuid": ["x"]}}),
+                       400, "job id")
+    digits = "1" * 5000
+    _assert_json_error(httpx.request("DELETE", f"{u}/v1/buckets/{bucket}",
+                                     json={"action": "delete-listrange", "value": {"template": f"x{{{digits}..{digits}2}}"}}),
+                       400, "18 digits")
+    huge = "a" * (4 * 1024 * 1024)
+    r = httpx.request("GET", f"{u}/v1/buckets/{bucket}", json={"action": huge}, timeout=60)
+    _assert_json_error(r, 400, "characters in all")
+    assert len(r.content) < 3000, len(r.content)
 
 
 @pytest.mark.parametrize("spec", ["bytes=abc", "bytes=5-2", "items=0-1", "bytes=0-1,3-4", "bytes=-", "bytes 0-1",
