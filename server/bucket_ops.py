@@ -53,8 +53,10 @@ def expand_template(template: str) -> Iterator[str] | str:
         m = _RANGE.match(rest)
         if m is None:
             raise BadRequest(f"invalid 'bash' template {template!r} (expecting e.g. 'prefix-{{0001..0010..1}}-suffix')")
-        if any(g is not None and len(g) > 18 for g in m.groups()):  # int() refuses 4,301 digits: was a 500
-            raise BadRequest(f"invalid 'bash' template {template[:200]!r}: a bound or step of more than 18 digits")
+        if any(g is not None and (len(g) > 64 or len(g.lstrip("0")) > 18) for g in m.groups()):
+            # int() refuses 4,301 digits (was a 500); AIStore's bounds are int64s, zero-padded at will
+            raise BadRequest(f"invalid 'bash' template {template[:200]!r}: a bound or step of more than 18 "
+                             "digits, or written with more than 64")
         start, end = int(m.group(1)), int(m.group(2))
         step = int(m.group(3)) if m.group(3) else 1
         if start > end or step <= 0:

@@ -94,8 +94,9 @@ async def to_all(request: web.Request) -> web.Response:
         raise Unavailable(f"targets {', '.join(sorted(gw.down))} are down: a bucket destroyed without them would "
                           "come back when they rejoin (a target creates the buckets the others have); nothing was "
                           "changed — retry when they are back")
-    if not gw.targets(alive=True):  # refused before anything is sent: nothing changed
-        raise Unavailable("every target is down: nothing was changed")
+    if all(t.id in gw.down for t in gw.targets()):  # one may be back since the last health round
+        await asyncio.gather(*(gw.probe(t) for t in gw.targets()))
+        gw.targets(alive=True)  # still none: 503 "every target is down", before anything is sent
     # a create reaches every target up; one that is down creates the bucket when it rejoins
     answers = await gateway_jobs.on_every_target(request, gw, body, down_ok=request.method == "POST")
     if not answers:  # sent, and none answered: a stopped one may still act on it when it resumes (a review)
@@ -120,8 +121,7 @@ async def list_objects(request: web.Request) -> web.Response:
     request[OP_KEY] = "list"
     bucket = check_bucket(request.match_info["bucket"])
     body = await request.read()
-    msg = await read_json(request, required=False)
-    msg = {"action": "list", "value": {}} if msg is None else msg
+    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
     if isinstance(msg, dict) and msg.get("action") == "summary-bck":
         return await gateway_jobs.summary(request, body, msg)
     if not isinstance(msg, dict) or msg.get("action") != "list":

@@ -21,13 +21,22 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
+from server.api import guard, native_buckets
 from server.api.cluster_jobs import DOWN_PARAM, JOB_PARAM
 from server.api.gateway_map import Gateway, Unavailable, gateway_of, passthrough
 from server.api.state import OP_KEY
 from server.bucket_ops import parse_copy
-from server.errors import BadRequest, NotFound
+from server.errors import BadRequest, StoreError
 from server.jobs import new_job_id
 from server.cluster.smap import ClusterNode
+
+
+class TargetSaid(StoreError):
+    """A target's refusal passed on with its status (a HEAD's, whose reason is a header)."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
 
 
 def _with_job(request: web.Request, gw: Gateway, job: str) -> str:
@@ -72,17 +81,17 @@ async def run_job(request: web.Request, body: bytes, msg: dict) -> web.Response:
     gw = gateway_of(request)
     value = msg.get("value") if isinstance(msg.get("value"), dict) else {}
     if msg["action"] in ("copy-bck", "copy-listrange") and not value.get("dry_run"):
-        # refused before the destination is made, as a node refuses before it copies: the
-        # source's 404, then the message's 400 (a review: a refused copy had created it)
-        source, live = request.match_info["bucket"], gw.targets(alive=True)
-        if not live:
-            raise Unavailable("every target is down: nothing was copied")
-        status, headers, _ = await gw.forward(request, live[0], b"", f"/v1/buckets/{source}", method="HEAD")
-        if status == 404:
-            raise NotFound(f"bucket ais://{source} does not exist")
-        if status != 200:
-            return passthrough(status, headers, b"")
-        dst = parse_copy(msg["action"], request.query.get("bck_to"), msg.get("value"))
+        # refused before the destination is made, with the checks a node makes before it
+        # copies, in its order (a review: refused copies had created it): the query and the
+        # message's fields, the source's 404, then the message's value
+        guard.check_like(native_buckets.bucket_post, request, msg)
+        source = request.match_info["bucket"]
+        status, headers, _ = await gw.forward(request, gw.targets(alive=True)[0], b"", f"/v1/buckets/{source}",
+                                              method="HEAD")
+        if status != 200:  # a HEAD's answer has no body: its reason is in Ais-Error
+            raise TargetSaid(status, headers.get("Ais-Error") or f"bucket ais://{source}: HTTP {status}",
+                             {k: v for k, v in headers.items() if k.lower() == "retry-after"})
+        dst = await asyncio.to_thread(parse_copy, msg["action"], request.query.get("bck_to"), msg.get("value"))
         if dst:  # made on every target first: each target's share PUTs to the destination's holders
             create = json.dumps({"action": "create-bck"}).encode()
             made = await on_every_target(request, gw, create, f"/v1/buckets/{dst}", down_ok=True)

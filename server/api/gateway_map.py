@@ -309,6 +309,9 @@ class Gateway(GatewayElections):
             async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body, timeout=PASS_ON_TIMEOUT,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
+        except aiohttp.ConnectionTimeoutError as e:  # not connected: nothing was sent (below: it was)
+            raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
+                              "the cluster map cannot change without it") from None
         except asyncio.TimeoutError:  # (a hung primary held the answer for the fan-out's 60 s, saying nothing)
             raise Unavailable(f"the primary gateway ({url}) did not answer within {PASS_ON_TIMEOUT.total:g} s: the "
                               "change may or may not be made ('cluster status' shows it); send it again") from None

@@ -54,6 +54,14 @@ async def _read_action(request: web.Request, actions: frozenset[str], required: 
     return msg
 
 
+def check_like(handler, request: web.Request, msg: object) -> None:
+    """What ``handler``'s guard checks of the query and the action message's fields, for a
+    gateway that changes something (a copy's destination) before its targets run the handler."""
+    _check_query(request, handler.accepted_params)
+    if not isinstance(msg, dict) or set(msg) - _MSG_FIELDS:
+        raise BadRequest("the request body must be an action message {\"action\", \"name\", \"value\"}")
+
+
 def accepts(params=(), actions=(), *, body_required: bool = True, common: bool = True):
     """Declare a native route's query parameters (beyond provider/namespace when ``common``)
     and, for a route that takes an action message in its body, the actions it honours."""

@@ -52,7 +52,7 @@ async def bucket_post(request: web.Request) -> web.Response:
         return web.Response(text="")
     node.require_bucket(bucket)
     registry = request.app[jobs.JOBS]
-    dst = bucket_ops.parse_copy(action, request.query.get("bck_to"), value)
+    dst = await asyncio.to_thread(bucket_ops.parse_copy, action, request.query.get("bck_to"), value)  # every name
     if action == "copy-bck":
         prefix = value.get("prefix") or ""
         names = list(await asyncio.to_thread(lambda: list(node.names_under(bucket, prefix))))

@@ -140,12 +140,15 @@ def test_a_refused_copy_creates_nothing_and_odd_bodies_are_4xx(cluster):
         ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": 5}, "template": "a{1..2}"}}, {}, 400),
         ("cpsrc", {"action": "copy-listrange", "value": {"tobck": {"name": "dste"},
                                                           "template": "x{" + "1" * 5000 + "..2}"}}, {}, 400),
+        # what a node's guard refuses before the handler: the query, the message's fields
+        ("cpsrc", {"action": "copy-bck", "value": {}}, {"bck_to": "ais/@#/dstf/", "provider": "aws"}, 400),
+        ("cpsrc", {"action": "copy-bck", "value": {}, "x": 1}, {"bck_to": "ais/@#/dstg/"}, 400),
     ]
     for src, msg, params, status in refused:
         r = httpx.post(f"{gw}/v1/buckets/{src}", json=msg, params=params, timeout=30)
         assert r.status_code == status, (msg, r.status_code, r.text[:300])
     names = {b["name"] for b in httpx.get(f"{gw}/v1/buckets", timeout=10).json()}
-    assert not names & {"dsta", "dstb", "dstc", "dstd", "dste"}, names
+    assert not names & {"dsta", "dstb", "dstc", "dstd", "dste", "dstf", "dstg"}, names
     for t in cluster.targets:
         assert httpx.head(f"{t.url}/v1/buckets/dsta", timeout=10).status_code == 404
     for value in ("ab", 5, [["pagesize", 1]], {"target": ["x"]}):
