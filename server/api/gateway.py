@@ -171,16 +171,12 @@ async def list_objects(request: web.Request) -> web.Response:
     return web.Response(body=msgpack.packb(reply), headers={"Content-Type": "application/msgpack"})
 
 
-class _TargetSaid(StoreError):
-    """A target's 4xx answer to a listing, passed on as it is (status and AIStore's message)."""
-
-    def __init__(self, status: int, raw: bytes):
-        try:
-            message = json.loads(raw).get("message") or raw.decode(errors="replace")
-        except (ValueError, AttributeError):
-            message = raw.decode(errors="replace")[:300]
-        super().__init__(message)
-        self.status = status
+def _message_of(raw: bytes) -> str:
+    """AIStore's message in a target's JSON error, else its text."""
+    try:
+        return json.loads(raw).get("message") or raw.decode(errors="replace")
+    except (ValueError, AttributeError):
+        return raw.decode(errors="replace")[:300]
 
 
 async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: bytes,
@@ -191,7 +187,7 @@ async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: byt
         async with gw.session.get(t.url + request.path_qs, data=body, headers=hdrs) as r:
             raw = await r.read()
             if 400 <= r.status < 500:  # the request is wrong (or the bucket missing) everywhere: the same answer
-                raise _TargetSaid(r.status, raw)
+                raise gateway_jobs.TargetSaid(r.status, _message_of(raw))  # a listing's 4xx, as it is
             if r.status != 200:
                 raise StoreError(f"target {t.id}: HTTP {r.status}: {raw[:300]!r}")
             doc = json.loads(raw)

@@ -32,7 +32,8 @@ from server.cluster.smap import ClusterNode
 
 
 class TargetSaid(StoreError):
-    """A target's refusal passed on with its status (a HEAD's, whose reason is a header)."""
+    """A target's refusal passed on with its status and message (a listing's 4xx; a HEAD's,
+    whose reason is a header)."""
 
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
