@@ -63,6 +63,12 @@ class TooManyRequests(StoreError):
     status = 429
 
 
+class Unavailable(StoreError):
+    """503: the cluster cannot do this now (a node down, no primary reachable); try again."""
+
+    status = 503
+
+
 class CorruptData(StoreError):
     status = 500
 

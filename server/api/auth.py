@@ -6,9 +6,11 @@ otherwise. The table classifies a request by its path:
 
     /v1/health            open (liveness probes; answers an empty 200, reveals nothing); a
                           probe signed by a node (``Batchfs-Cluster``) is checked like any
-                          signed request: 403 unless signed for this very node, and a 200 carries
-                          ``Batchfs-Cluster-Proof`` (server.cluster.peers.answers checks it),
-                          so no other process at a node's URL passes for it
+                          signed request: 403 unless signed for this very node (or for no
+                          node: a joining node asking who is there, server.cluster.peers.who),
+                          and a 200 carries this node's id and ``Batchfs-Cluster-Proof``
+                          (server.cluster.peers.answers checks it), so no other process at a
+                          node's URL passes for it
     /metrics              ``metrics_auth``: "token" (the default) wants the bearer token when
                           one is configured; "none" leaves it open (labels are operations and
                           status codes, never bucket or object names: tests/server/test_auth.py checks)
@@ -58,7 +60,7 @@ from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
 from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
-from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, PROOF_HEADER
+from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER
 
 log = logging.getLogger(__name__)
 REFUSAL_LOG_SECONDS = 10.0  # at most one line per this long about refused cluster requests (a flood stays quiet)
@@ -69,7 +71,7 @@ OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatev
 CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map", "/v1/cluster/rebalance",
                            "/v1/cluster/bucket-copies", "/v1/cluster/vote", "/v1/cluster/remove",
                            "/v1/cluster/maintenance"})
-JOIN_PATH = "/v1/cluster/autoreg"  # the one request a node may sign for no node in particular
+ANY_NODE_PATH = "/v1/health"  # the one request a node may sign for no node in particular (peers.who)
 METRICS_PATH = "/metrics"
 NATIVE_PREFIX = "/v1"
 METRICS_AUTH_CHOICES = ("token", "none")
@@ -205,7 +207,9 @@ async def check_access(request: web.Request, handler):
         raise
     resp = await handler(request)
     if probe:  # server.cluster.peers.answers checks that only this node could answer so
-        resp.headers[PROOF_HEADER] = request.app[CLUSTER_SECRET].proof(probe, _own_id(request.app))
+        me = _own_id(request.app)
+        resp.headers[NODE_HEADER] = me
+        resp.headers[PROOF_HEADER] = request.app[CLUSTER_SECRET].proof(probe, me)
     return resp
 
 
@@ -220,7 +224,7 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
             raise Forbidden("cluster request body too large")
         body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
     why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
-                        me=_own_id(request.app), join=request.rel_url.path == JOIN_PATH and request.method == "POST")
+                        me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
     if why:
         _log_refusal(request, why)
         raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "

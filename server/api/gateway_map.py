@@ -6,6 +6,9 @@ Invariants:
   secondary sends changes to it (``to_primary``). A change is persisted, pushed, and answered
   200 only once a majority of the map's nodes hold it (``_publish``).
 - Requests to targets carry the gateway's cluster signature (``server.cluster.peers``).
+
+Its parts: elections (``server.api.gateway_election``), health rounds
+(``server.api.gateway_health``).
 """
 
 from __future__ import annotations
@@ -20,37 +23,32 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from server.api.gateway_election import REPLACED_CHECK_SECONDS, GatewayElections
+from server.api.gateway_election import GatewayElections
+from server.api.gateway_health import GatewayHealth
 from server.cluster import election, peers
 from server.cluster.health import Probes
 from server.cluster.join import Membership
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import PROXY, TARGET, ClusterMap, ClusterNode
-from server.errors import Conflict, StoreError
+from server.errors import Conflict, StoreError, Unavailable
 
 log = logging.getLogger(__name__)
 
 GATEWAY = web.AppKey("gateway", object)  # the Gateway of this app
 FANOUT_TIMEOUT_SECONDS = 60
-HEALTH_SECONDS = 1.0  # how often every node's health is probed
 PROBE_SECONDS = election.PROBE_SECONDS  # one probe's timeout (the same probe as an election's)
 LIST_PAGE_DEFAULT = 10_000
 DT_SAMPLE = 256  # GetBatch entries whose owners choose the designated target
 PASSED_ON = "Batchfs-Passed-On"  # a map change one gateway passed on to the one it takes for the primary: its cluster
 PUSH_TIMEOUT = aiohttp.ClientTimeout(total=5)  # one map push
 PASS_ON_TIMEOUT = aiohttp.ClientTimeout(total=20)  # a change passed on to the primary: its pushes, twice
-BACK_SETTLE_SECONDS = 3.0  # a target back up this long makes every target walk again
 
 
 class NotImplementedThroughGateway(StoreError):
     status = 501
 
 
-class Unavailable(StoreError):
-    status = 503
-
-
-class Gateway(GatewayElections):
+class Gateway(GatewayElections, GatewayHealth):
     """The map, its file, the secret, and one HTTP client session to the targets."""
 
     def __init__(self, map_path: Path, secret: ClusterSecret, rebuild_after: float = 120.0,
@@ -163,89 +161,6 @@ class Gateway(GatewayElections):
         if self.session is not None:
             await self.session.close()
 
-    async def watch(self) -> None:
-        """Probe every target's health every HEALTH_SECONDS (``server.cluster.health``); the
-        primary probes the other gateways too (a dead one is dropped like a target: it would
-        count in every later election's electorate)."""
-        while True:
-            try:
-                await self._watch_once()
-            except Exception:  # a bug in one round must not end the watch: no node would be seen down again
-                log.exception("health round failed; the next one follows in %g s", HEALTH_SECONDS)
-            await asyncio.sleep(HEALTH_SECONDS)
-
-    async def _watch_once(self) -> None:
-        # forget nodes that left the map, or gateways' states once this one stepped down
-        self.probes.forget_all_but({n.id for n in self.smap.nodes} if self.primary else set(self.smap.targets))
-        probed = [n for n in self.smap.nodes
-                  if n.kind == TARGET or (self.primary and n.id != self.id and n.id != self.smap.primary)]
-        await asyncio.gather(*(self.probe(n) for n in probed))
-        if self.primary and time.monotonic() - self._replaced_checked >= REPLACED_CHECK_SECONDS:
-            self._replaced_checked = time.monotonic()
-            await self._check_replaced()
-        if self.primary:  # the map is the primary's to change
-            await self._give_up_on_dead()
-            await self._after_return()
-            for more in self.primary_rounds:  # removals (server.api.gateway_remove)
-                await more(self)
-        else:
-            await self._watch_primary()
-
-    async def _give_up_on_dead(self) -> None:
-        """Drop from the map every node down for ``rebuild_after`` seconds (a change: ``change``'s
-        rules). A target: the new map makes the other targets copy what it held to the targets
-        that now rank for it (rebuild); when it comes back it joins again like a new target
-        (rebalance moves data to it). A secondary gateway: it no longer counts in elections;
-        back, it joins again (its keepalive)."""
-        for tid in self.probes.due(self.rebuild_after):
-            gone = self.smap.node(tid)
-            if gone is None:  # it left the map meanwhile (a rejoin under another id)
-                self.probes.forget(tid)
-                continue
-            if set(self.smap.placed) == {tid} and len(self.smap.targets) > 1:  # the others are leaving
-                continue  # kept: without it nothing could be placed (it is routed around while down)
-            if tid in self.smap.parked:  # in maintenance, shut down as asked: it holds nothing to rebuild
-                continue
-            what = (f"{gone.kind} {tid} dropped after {self.rebuild_after:.0f} s down"
-                    + ("" if gone.kind == PROXY else "; its copies are rebuilt on the others"))
-            try:
-                await self.change(lambda m: m.without(tid), what)
-            except Unavailable as e:
-                log.warning("%s %s down for %.0f s, not dropped: %s", gone.kind, tid, self.rebuild_after, e)
-                return
-            self.probes.forget(tid)
-
-    async def _after_return(self) -> None:
-        """Targets that restarted (a new boot id in their join) or were seen down and are up
-        again, for ``BACK_SETTLE_SECONDS`` (a flapping target makes one renewal, not one per
-        flap): the next map version, the same nodes, makes every target walk its objects, so a
-        write made while one was away reaches it. Before (found by a user's test), a version
-        written while a holder was down stayed on the other holder only — reads served the
-        returning holder's older copy while the listing showed the newer — until some other
-        map change."""
-        back = self.probes.settled(BACK_SETTLE_SECONDS)
-        if not back:
-            return
-        try:
-            await self.change(lambda m: m.renewed(), f"targets {', '.join(sorted(back))} back, every target walks again")
-        except Unavailable as e:
-            log.warning("targets %s are back; their copies wait for a map change: %s", ", ".join(sorted(back)), e)
-            return
-        self.probes.walked(back)
-
-    def alive(self, node: ClusterNode) -> bool | None:
-        """Whether ``node`` answers this gateway's probes; None: a gateway, probed by the primary only."""
-        if node.kind == TARGET:
-            return node.id not in self.probes.down
-        if self.primary or node.id == self.id:
-            return node.id not in self.probes.gateways_down
-        return None
-
-    async def probe(self, t: ClusterNode) -> None:
-        """Probe ``t`` now (the health round; an operator's request refused for a target seen
-        down asks again first: one started a moment ago is not seen up before the next round)."""
-        self.probes.record(t, await election.reachable(self.session, self.secret, t))
-
     def holder(self, bucket: str, name: str) -> ClusterNode:
         """The first target holding a copy of the object that is not down."""
         holders = self.smap.holders(bucket, name)
@@ -303,9 +218,11 @@ class Gateway(GatewayElections):
         each taking the other for the primary would bounce it between them forever."""
         leader = self.smap.node(self.smap.primary)
         url, to = (leader.url, leader.id) if leader is not None and leader.url else (self.member.gateway_url, "")
-        if not to and path != "/v1/cluster/autoreg":  # only a join may be signed for no node
+        if not to and path != "/v1/cluster/autoreg":  # a join is passed on before this secondary joined
             raise Unavailable(f"gateway {self.id} has not joined the primary yet: send the change again shortly")
         try:
+            if not to:  # its --join URL: ask who is there, and sign the join for that node alone
+                to = await peers.who(self.session, self.secret, url, timeout=PASS_ON_TIMEOUT.total)
             async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body, timeout=PASS_ON_TIMEOUT,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
@@ -315,7 +232,7 @@ class Gateway(GatewayElections):
         except asyncio.TimeoutError:  # (a hung primary held the answer for the fan-out's 60 s, saying nothing)
             raise Unavailable(f"the primary gateway ({url}) did not answer within {PASS_ON_TIMEOUT.total:g} s: the "
                               "change may or may not be made ('cluster status' shows it); send it again") from None
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: who is there is not proven
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 

@@ -2,7 +2,8 @@
 it is there, and keeps the map.
 
 ``Membership.run()`` posts ``{"id", "url", "kind"}`` to the gateway's ``/v1/cluster/autoreg`` (signed
-with the cluster secret) until the gateway admits it, then again every ``KEEPALIVE_SECONDS``
+with the cluster secret for that gateway: its id from the map, or, for a URL of no gateway in
+the map — the first join to ``--join`` —, from asking who is there, ``peers.who``) until the gateway admits it, then again every ``KEEPALIVE_SECONDS``
 (admission is idempotent: the same id and URL change nothing), learning the map from each
 answer; the gateway also pushes new maps (``learn``). The last map is kept in the target's data
 directory, so a restarted target knows its cluster before the gateway answers.
@@ -117,9 +118,9 @@ class Membership:
             self.gateway_url = urls[(i + 1) % len(urls)]
 
     def _gateway_id(self) -> str:
-        """The id of the gateway at ``gateway_url`` in this node's map; "" (a join is the one
-        request that may be signed for no node) if none is there — a first join to the
-        ``--join`` URL — or if the node there said it is another (``_not_who``)."""
+        """The id of the gateway at ``gateway_url`` in this node's map; "" (ask who is there) if
+        none is there — a first join to the ``--join`` URL — or if the node there said it is
+        another (``_not_who``)."""
         if self.gateway_url in self._not_who:
             return ""
         return next((n.id for n in (self.smap.proxies.values() if self.smap else ()) if n.url == self.gateway_url), "")
@@ -140,12 +141,12 @@ class Membership:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
                 body = json.dumps(doc).encode()
                 try:
-                    async with peers.signed(session, self.secret, "POST", self.gateway_url, path, to=self._gateway_id(),
-                                            body=body,
+                    to = self._gateway_id() or await peers.who(session, self.secret, self.gateway_url, timeout=10)
+                    async with peers.signed(session, self.secret, "POST", self.gateway_url, path, to=to, body=body,
                                             headers={"Content-Type": "application/json"}) as r:
                         text = await r.text()
                         if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
-                            self._not_who.add(self.gateway_url)  # its answer to a join says who it is
+                            self._not_who.add(self.gateway_url)  # the next try asks it who it is
                         if r.status == 410:  # removed (``cluster remove``): the primary says so, and why
                             self._removed(text[:300])
                             return

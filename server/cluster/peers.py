@@ -7,7 +7,7 @@ Invariants:
   yarl would turn ``%26`` into ``&`` in a path, the receiving node would see a path other
   than the one signed, and refuse an object whose name holds such a character.
 - The signature (``server.cluster.secret``) names the receiving node (``to``: its id in the
-  map; "" only for a join to a URL of no known node) and covers the method, path and query, and the body
+  map, or the one ``who`` learnt; "" only on ``who``'s probe) and covers the method, path and query, and the body
   when ``body`` is bytes and ``body_signed`` (an object copy streams its body unsigned: the
   checksum in its signed query binds it).
 - A health probe is signed too (``answers``), and its answer must carry a proof only the
@@ -24,7 +24,7 @@ import hmac
 import aiohttp
 from yarl import URL
 
-from server.cluster.secret import HEADER, PROOF_HEADER, ClusterSecret
+from server.cluster.secret import HEADER, NODE_HEADER, PROOF_HEADER, ClusterSecret
 
 HEALTH_PATH = "/v1/health"
 
@@ -44,6 +44,29 @@ def signed(session: aiohttp.ClientSession, secret: ClusterSecret, method: str, b
     return session.request(method, exact_url(base, path_qs), data=body, headers=h, **kwargs)
 
 
+def _proven(r: aiohttp.ClientResponse, secret: ClusterSecret, header: str, node_id: str) -> bool:
+    # as bytes: compare_digest raises TypeError on a str that is not ASCII, and whatever
+    # listens at the URL chooses this header
+    proof = r.headers.get(PROOF_HEADER, "").encode("utf-8", "surrogateescape")
+    return r.status == 200 and hmac.compare_digest(proof, secret.proof(header, node_id).encode())
+
+
+async def who(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, timeout: float) -> str:
+    """The id of the node of this cluster at ``url``, for a node that knows only the URL (its
+    ``--join``): a health probe signed for no node, answered with the node's id and the proof
+    over it, so the join that follows is signed for that node alone (a join signed for no node
+    could be replayed to another gateway). RuntimeError with the answer when no node of this
+    cluster proves itself there; aiohttp's errors when nothing answers."""
+    header = secret.sign("GET", HEALTH_PATH, b"", to="")
+    async with session.get(exact_url(url, HEALTH_PATH), headers={HEADER: header}, allow_redirects=False,
+                           timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        node = r.headers.get(NODE_HEADER, "")
+        if node and _proven(r, secret, header, node):
+            return node
+        said = (await r.text(errors="replace"))[:300] if r.status != 200 else "no proof of a node of this cluster"
+        raise RuntimeError(f"HTTP {r.status} to a signed probe asking who is there: {said}")
+
+
 async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, node_id: str,
                   timeout: float) -> bool:
     """Whether node ``node_id`` answers at ``url`` within ``timeout`` seconds: a signed
@@ -56,9 +79,6 @@ async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: st
     try:
         async with session.get(exact_url(url, HEALTH_PATH), headers={HEADER: header}, allow_redirects=False,
                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            # as bytes: compare_digest raises TypeError on a str that is not ASCII, and whatever
-            # listens at the URL chooses this header
-            proof = r.headers.get(PROOF_HEADER, "").encode("utf-8", "surrogateescape")
-            return r.status == 200 and hmac.compare_digest(proof, secret.proof(header, node_id).encode())
+            return _proven(r, secret, header, node_id)
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return False

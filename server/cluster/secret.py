@@ -4,7 +4,9 @@ Every request between nodes (join, map updates) carries
 ``Batchfs-Cluster: MS:NONCE:HEX:TO`` where
 ``HEX = hmac_sha256(secret, "MS\\nNONCE\\nTO\\nMETHOD\\nPATH?QUERY\\nSHA256(BODY)")``, ``MS`` is the
 sender's clock in unix milliseconds, ``NONCE`` 16 random hex digits and ``TO`` the id of the
-node it is sent to (empty only for a join sent to a URL whose node the sender does not know).
+node it is sent to. ``TO`` is empty only on a health probe that asks who is at a URL
+(``server.cluster.peers.who``: a node about to join a gateway it knows only by its ``--join``
+URL); the answer names the node and proves it (``proof``), and the join is then signed for it.
 
 A gateway of a token-protected cluster adds a *grant* to the redirects it answers a client whose
 token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.HEX`` with
@@ -15,8 +17,10 @@ target accepts the grant instead of the token, for that one method and URL, ``SK
 Invariants:
 - The secret never crosses the network: only HMACs do, and a header is bound to one method,
   path, query, body and receiving node, so it cannot be replayed against another request or
-  another node (a receiver refuses a ``TO`` not its own; an empty one only on a join).
-- A header older or newer than ``SKEW_SECONDS`` (a join for no node: ``ANY_NODE_SECONDS``) is
+  another node (a receiver refuses a ``TO`` not its own; an empty one only on a health probe,
+  which changes nothing: a replayed one makes a node say who it is, which only a holder of
+  the secret can check).
+- A header older or newer than ``SKEW_SECONDS`` (a probe for no node: ``ANY_NODE_SECONDS``) is
   refused, and a receiver refuses a header it has already accepted or that was signed before
   it started (``Replays``): a captured request cannot be sent again, to anyone. A health
   probe's answer carries ``proof``, which only the probed node can make.
@@ -39,10 +43,10 @@ from server.tokens import read_private_file
 
 HEADER = "Batchfs-Cluster"
 PROOF_HEADER = "Batchfs-Cluster-Proof"  # a node's answer to a signed health probe (``proof``)
+NODE_HEADER = "Batchfs-Cluster-Node"  # ... and its id, which the proof covers (``peers.who``)
 GRANT_PARAM = "bfs_grant"  # a gateway's redirect on a token-protected cluster: ...&bfs_grant=TS.HEX (last)
 SKEW_SECONDS = 300
-ANY_NODE_SECONDS = 10  # a join signed for no node: shorter than any sensible --rebuild-after (a replay
-# through another gateway re-adds a node only if it was dropped within this window)
+ANY_NODE_SECONDS = 10  # a "who is there" probe, signed for no node
 MIN_SECRET_CHARS = 32
 
 
@@ -120,10 +124,10 @@ class ClusterSecret:
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,
-               join: bool = False, now: float | None = None) -> str:
+               any_node: bool = False, now: float | None = None) -> str:
         """Why the request ``header`` signs is refused by node ``me`` ("" when it is accepted and
-        remembered: the same header again is a replay). ``join``: a join may be signed for no
-        node in particular (its sender knows only the URL it was given). A health probe is
+        remembered: the same header again is a replay). ``any_node``: the request may be signed
+        for no node in particular (a health probe asking who is there). A health probe is
         checked the same way, replay memory included: a node that refuses a sender's signed
         requests (its clock ahead of the sender's, for that long after it started) is then
         seen down by it, and their traffic goes to the other copies meanwhile."""
@@ -137,7 +141,7 @@ class ClusterSecret:
             return f"signed more than {window} s away from this node's clock"
         if not hmac.compare_digest(mac, self._mac(ms, nonce, to, method, path_qs, body)):
             return "without a valid signature"
-        if to != me and not (join and to == ""):
+        if to != me and not (any_node and to == ""):
             return f"signed for node {to!r}, not this one ({me})"
         if not self.replays.first(ms, mac, now_s):
             return "already received once (a replay), or too old to tell"

@@ -5,18 +5,22 @@ restart that keeps the map, and clear refusals for what a gateway does not serve
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import time
 from urllib.parse import quote
 
+import aiohttp
 import httpx
 import pytest
 from aistore.sdk import Client
 
 from batchfs.wire import hrw
-from tests.cluster.conftest import SECRET, Cluster, holds, ranked, secret_file, signed_for, until
+from server.cluster import peers
+from server.cluster.secret import ClusterSecret
+from tests.cluster.conftest import SECRET, Cluster, holds, node_id as id_of, ranked, secret_file, signed_for, until
 from tests.support.processes import ServerProcess
 
 
@@ -236,6 +240,34 @@ def test_a_recorded_cluster_request_is_refused_again_and_by_another_node(cluster
     assert httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10).status_code == 200
     r = httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10)
     assert r.status_code == 403 and "replay" in r.text, r.text
+
+
+def test_a_join_is_signed_for_the_gateway_it_asked_who_it_is(cluster):
+    """A node that knows a gateway only by its URL asks who is there (a health probe signed for
+    no node, answered with the node's id and a proof over it) and signs its join for that id. A
+    join signed for no node is refused: a recorded one could be sent to another gateway, which
+    passed it on to the primary (a dropped node re-added by someone else)."""
+    secret = ClusterSecret(SECRET.encode())
+    body = json.dumps({"id": "tnew", "url": "http://127.0.0.1:1", "kind": "target"}).encode()
+    headers = {"Batchfs-Cluster": secret.sign("POST", "/v1/cluster/autoreg", body, to=""),
+               "Content-Type": "application/json"}
+    r = httpx.post(f"{cluster.url}/v1/cluster/autoreg", content=body, headers=headers, timeout=10)
+    assert r.status_code == 403 and "signed for node ''" in r.text, r.text
+    assert "tnew" not in cluster.smap()["tmap"]
+
+    async def who(key: bytes, url: str) -> str:
+        async with aiohttp.ClientSession() as session:
+            return await peers.who(session, ClusterSecret(key), url, timeout=10)
+
+    gw = cluster.smap()["proxy_si"]["daemon_id"]
+    assert asyncio.run(who(SECRET.encode(), cluster.url)) == gw
+    target = cluster.targets[0].url
+    assert asyncio.run(who(SECRET.encode(), target)) == id_of(target)
+    with pytest.raises(RuntimeError, match="HTTP 403"):  # another secret: no answer to trust
+        asyncio.run(who(b"y" * 40, cluster.url))
+    # an unsigned probe still reveals nothing
+    r = httpx.get(f"{cluster.url}/v1/health", timeout=10)
+    assert r.status_code == 200 and "Batchfs-Cluster-Node" not in r.headers and not r.content
 
 
 def test_a_restarted_gateway_keeps_the_map_and_clients_keep_working(cluster):
