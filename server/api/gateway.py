@@ -41,7 +41,7 @@ import msgpack
 import msgspec
 from aiohttp import web
 
-from server.api import cluster_actions, gateway_admin, gateway_jobs, gateway_remove, gateway_s3
+from server.api import cluster_actions, gateway_admin, gateway_jobs, gateway_remove, gateway_s3, guard, native_buckets
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
 from server.api.state import CONFIG, OP_KEY, parse_json, read_json
@@ -121,13 +121,11 @@ async def list_objects(request: web.Request) -> web.Response:
     request[OP_KEY] = "list"
     bucket = check_bucket(request.match_info["bucket"])
     body = await request.read()
-    msg = await read_json(request, required=False) or {"action": "list", "value": {}}
-    if isinstance(msg, dict) and msg.get("action") == "summary-bck":
+    # a node's checks (a body that is no action message: 400, as a node answers; was a listing)
+    msg = guard.action_like(native_buckets.list_objects, request, await read_json(request, required=False))
+    msg = msg or {"action": "list", "value": {}}  # no body: the first page of everything
+    if msg["action"] == "summary-bck":
         return await gateway_jobs.summary(request, body, msg)
-    if not isinstance(msg, dict) or msg.get("action") != "list":
-        raise NotImplementedThroughGateway(f"GET /v1/buckets/{bucket} with action "
-                                           f"{msg.get('action') if isinstance(msg, dict) else msg!r} is not served "
-                                           "through a gateway yet (served: list)")
     value = msg.get("value") or {}
     if not isinstance(value, dict):  # (a string or list: was a 500)
         raise BadRequest("list: the action's value must be an object (AIStore's LsoMsg)")

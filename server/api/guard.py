@@ -45,6 +45,10 @@ async def _read_action(request: web.Request, actions: frozenset[str], required: 
     msg = await read_json(request, required=required)
     if msg is None and not required:  # no body (or JSON null) where one is optional
         return {}
+    return _check_action(request, msg, actions)
+
+
+def _check_action(request: web.Request, msg: object, actions: frozenset[str]) -> dict:
     if not isinstance(msg, dict) or set(msg) - _MSG_FIELDS:  # (JSON null where one is required: was a 500)
         raise BadRequest("the request body must be an action message {\"action\", \"name\", \"value\"}")
     action = msg.get("action")
@@ -60,6 +64,14 @@ def check_like(handler, request: web.Request, msg: object) -> None:
     _check_query(request, handler.accepted_params)
     if not isinstance(msg, dict) or set(msg) - _MSG_FIELDS:
         raise BadRequest("the request body must be an action message {\"action\", \"name\", \"value\"}")
+
+
+def action_like(handler, request: web.Request, msg: object) -> dict:
+    """``handler``'s guard checks (query, and the message and its action) of the optional
+    message ``msg`` already read ({} for none), for a gateway that answers the route itself
+    from its targets' answers (a listing), so a body the node refuses is refused alike."""
+    _check_query(request, handler.accepted_params)
+    return {} if msg is None else _check_action(request, msg, handler.accepted_actions)
 
 
 def accepts(params=(), actions=(), *, body_required: bool = True, common: bool = True):

@@ -158,6 +158,15 @@ def test_a_refused_copy_creates_nothing_and_odd_bodies_are_4xx(cluster):
     for value in ("ab", 5, [["pagesize", 1]], {"target": ["x"]}):
         r = httpx.request("GET", f"{gw}/v1/buckets/cpsrc", json={"action": "list", "value": value}, timeout=10)
         assert r.status_code == 400, (value, r.status_code, r.text[:300])
+    # a listing's body that is no action message: 400 through the gateway as from a node (it
+    # listed the bucket for any falsy body); none, or JSON null: the first page
+    for raw, status in ((b"[]", 400), (b"0", 400), (b'""', 400), (b"false", 400), (b"{}", 400),
+                        (b'{"action": "list", "extra": 1}', 400), (b"null", 200), (b"", 200)):
+        for url in (gw, cluster.targets[0].url):
+            signed = signed_for(url, "GET", "/v1/buckets/cpsrc", raw) if url != gw else {}  # (a target wants it)
+            r = httpx.request("GET", f"{url}/v1/buckets/cpsrc", content=raw, timeout=10,
+                              headers={"Accept": "application/json", **signed})
+            assert r.status_code == status, (raw, url, r.status_code, r.text[:300])
     for action in (["start-maintenance"], {"x": 1}):
         r = httpx.put(f"{gw}/v1/cluster", json={"action": action, "value": {"sid": "x"}}, timeout=10)
         assert r.status_code == 501, r.text[:300]
