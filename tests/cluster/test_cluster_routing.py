@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import time
 from urllib.parse import quote
 
@@ -342,3 +343,29 @@ def test_an_option_the_role_does_nothing_with_is_named_at_start(tmp_path):
         assert "--rebuild-after is for a gateway: this node ignores it" in out
         assert "--rebalance-objects is for a target: this node ignores it" in out
         assert "--election-after" not in out  # not given
+
+
+def test_a_create_when_every_target_is_seen_down_asks_them_again_first(cluster):
+    """With every target seen down, a bucket create is refused before anything is sent (503;
+    before, it said 'not created' and the bucket appeared when the hung targets resumed) — but
+    only after probing them once more: targets back a moment ago, before the gateway's next
+    health round, take it (a review: it refused those too)."""
+    procs = [t.proc for t in cluster.targets]
+    targets = set(cluster.smap()["tmap"])
+    try:
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        until(lambda: all(not n["alive"] for n in cluster.status()["nodes"] if n["id"] in targets), 30,
+              "every target seen down")
+        r = httpx.post(f"{cluster.url}/v1/buckets/hungall", json={"action": "create-bck"}, timeout=30)
+        assert r.status_code == 503 and "every target is down" in r.text, r.text
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+        r = httpx.post(f"{cluster.url}/v1/buckets/backnow", json={"action": "create-bck"}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+    for t in cluster.targets:
+        assert httpx.head(f"{t.url}/v1/buckets/hungall", timeout=10).status_code == 404
+        assert httpx.head(f"{t.url}/v1/buckets/backnow", timeout=10).status_code == 200
