@@ -111,7 +111,7 @@ GET_OBJECT_PARAMS = ["latest-ver", neighbours.GFN_PARAM, *archget.ARCH_PARAMS]
 
 @accepts(["object_to", "latest-ver", "synchronize", "append_type", "append_handle",
           replicas.REPLICA_PARAM, replicas.CKSUM_PARAM, replicas.EXPECT_PARAM, replicas.WRITTEN_PARAM,
-          replicas.SPREAD_PARAM])
+          replicas.VERSION_PARAM, replicas.SPREAD_PARAM])
 async def put_object(request: web.Request) -> web.Response:
     """PUT an object; ``object_to`` copies it instead, ``append_type`` appends (see appends.py).
     In a cluster, the object's other copies are made before the answer (``replicas``)."""
@@ -123,8 +123,9 @@ async def put_object(request: web.Request) -> web.Response:
     copy_of = await replicas.replica_write(request)
     if copy_of is not None:
         replicas.refuse_copy_if_leaving(request.app, bucket, name)
-    if copy_of is None and replicas.SPREAD_PARAM in q:
-        raise BadRequest(f"{replicas.SPREAD_PARAM}= is for copies between targets of a cluster")
+    if copy_of is None and (replicas.SPREAD_PARAM in q or replicas.VERSION_PARAM in q):
+        raise BadRequest(f"{replicas.SPREAD_PARAM}= and {replicas.VERSION_PARAM}= are for copies between targets "
+                         "of a cluster")
     if copy_of is None and (elsewhere := replicas.misplaced(request, bucket, name)) is not None:
         return elsewhere
     if "object_to" in q:
@@ -139,6 +140,8 @@ async def put_object(request: web.Request) -> web.Response:
         spread.ensure_chunks_bucket(node, bucket)
     writer = node.writer(bucket, name)
     precondition = None if copy_of is None else replicas.copy_precondition(request, writer, copy_of)
+    if copy_of is not None:
+        writer.stamp = replicas.copy_stamp(request)  # the sender's version number and write time
     try:
         length = request.content_length
         if length is not None and length <= PUT_INLINE_MAX:

@@ -44,7 +44,8 @@ REPLICA_PARAM = "replica"
 SPREAD_PARAM = "spread"  # a copy whose body is a spread version's manifest (server.api.spread)
 CKSUM_PARAM = "cksum"
 EXPECT_PARAM = "expect"  # a rebalance copy: commit only over this version ("none": only if absent)
-WRITTEN_PARAM = "written"  # a rebalance copy: when its version was written (ns), against tombstones
+WRITTEN_PARAM = "written"  # a copy: when its version was written (ns): kept, and checked against tombstones
+VERSION_PARAM = "ver"  # a copy: its version's number, kept (every holder's ETag and Ais-Version agree)
 DELETED_HEADER = "Batchfs-Deleted-Ns"  # on a refusal or a peer's 404: when the name was deleted there
 COPY_PIECE_BYTES = 8 << 20
 
@@ -73,6 +74,23 @@ class CopyDeleted(CopyRefused):
 def deleted_after(deleted_ns: int | None, written_ns: int) -> bool:
     """Whether a tombstone makes a version written at ``written_ns`` stale."""
     return deleted_ns is not None and deleted_ns > written_ns
+
+
+def copy_stamp(request: web.Request) -> tuple[int, int] | None:
+    """(version number, write time in ns) a copy keeps from its sender, so every holder of a
+    version answers the same ``Ais-Version``, ETag and Last-Modified, and the walks compare
+    real write times (before, a copy took the receiver's next number and its arrival time: a
+    rebalance changed ETags of objects nobody wrote, and a stale copy could look newer than
+    the write it was older than). None for a copy that carries neither (a sender of an earlier
+    batchfs: the receiver's own, as before)."""
+    ver, written = request.query.get(VERSION_PARAM), request.query.get(WRITTEN_PARAM)
+    if ver is None:
+        return None
+    if not (ver.isascii() and ver.isdigit() and 0 < len(ver) <= 18 and int(ver) > 0
+            and written is not None and written.isascii() and written.isdigit() and 0 < len(written) <= 19):
+        raise BadRequest(f"a copy's {VERSION_PARAM}= and {WRITTEN_PARAM}= must be a positive version number "
+                         "and a time in ns")
+    return int(ver), int(written)
 
 
 def copy_precondition(request: web.Request, writer, cksum: str):
@@ -215,7 +233,9 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
     copy) it replaces only that version there, or nothing ("none": only if absent) — CopyRefused if not.
     A spread version (its chunks on other targets) is sent as its manifest, not its bytes.
     Returns the bytes of the body sent."""
-    extra = "" if expect is None else f"&{EXPECT_PARAM}={quote(expect, safe='')}&{WRITTEN_PARAM}={meta.atime_ns}"
+    extra = f"&{VERSION_PARAM}={meta.version}&{WRITTEN_PARAM}={meta.atime_ns}"  # kept by the receiver
+    if expect is not None:
+        extra += f"&{EXPECT_PARAM}={quote(expect, safe='')}"
     if meta.spread:
         body = await asyncio.to_thread(manifest, app[NODE].target_store, meta)
         await _send(app, node, bucket, name, f"&{SPREAD_PARAM}=1" + extra, meta.cksum, body, len(body))

@@ -280,8 +280,10 @@ async def receive_manifest(request: web.Request, bucket: str, name: str, cksum: 
     store = request.app[NODE].target_store
     store.require_bucket(bucket)
     check = replicas.copy_precondition(request, sent, cksum)
+    version, written_ns = replicas.copy_stamp(request) or (None, None)  # the sender's, kept
     return await asyncio.to_thread(functools.partial(store.commit_put, bucket, name, size, cksum, csize, tag, chunks,
-                                                     sums, precondition=check))
+                                                     sums, version=version, written_ns=written_ns,
+                                                     precondition=check))
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -288,10 +288,11 @@ class Store:
             raise
 
     def commit_put(self, bucket, name, size, cksum, chunk_size, tag, chunks, sums: bytes | None = None,
-                   version: int | None = None,
+                   version: int | None = None, written_ns: int | None = None,
                    precondition: Callable[[ObjectMeta | None], None] | None = None) -> ObjectMeta:
         """Commit a version (the writer's last step). ``version``: keep this number instead of
-        the next one (a version whose chunks moved to other targets is the same version).
+        the next one (a version whose chunks moved to other targets is the same version; a
+        cluster's copy of another holder's version); ``written_ns``: its write time, kept (a copy).
         ``precondition(current or None)`` runs in the transaction (default: the writer's, by tag)."""
         home = self.home(bucket, name)
         with home.writer() as db:
@@ -301,7 +302,8 @@ class Store:
             if precondition is not None:  # a conditional commit (PutWriter.commit_if)
                 precondition(old[1] if old else None)
             version = version or (old[1].version if old else 0) + 1
-            meta = ObjectMeta(bucket, name, size, cksum, version, time.time_ns(), chunk_size, tag, chunks)
+            meta = ObjectMeta(bucket, name, size, cksum, version, written_ns or time.time_ns(), chunk_size, tag,
+                              chunks)
             db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?,?,?,?,?)",
                        (bucket, name, size, cksum, version, meta.atime_ns, chunk_size, tag,
                         json.dumps([dataclasses.astuple(c) for c in chunks])))

@@ -40,7 +40,8 @@ class Catalog(Protocol):
     def find_stored(self, bucket: str, name: str) -> tuple[Mountpath, ObjectMeta] | None: ...
 
     def commit_put(self, bucket: str, name: str, size: int, cksum: str, chunk_size: int, tag: str,
-                   chunks: tuple[Chunk, ...], sums: bytes | None = None) -> ObjectMeta: ...
+                   chunks: tuple[Chunk, ...], sums: bytes | None = None, version: int | None = None,
+                   written_ns: int | None = None) -> ObjectMeta: ...
 
 
 class PutWriter:
@@ -52,6 +53,9 @@ class PutWriter:
     def __init__(self, store: Catalog, bucket: str, name: str):
         self.store, self.bucket, self.name = store, bucket, name
         self.tag = secrets.token_hex(6)
+        # (version number, write time ns) to commit with instead of the next number and now:
+        # a cluster's copy of another holder's version (server.api.replicas.copy_stamp)
+        self.stamp: tuple[int, int] | None = None
         self._hash = xxhash.xxh64()
         self._chunk_hash = xxhash.xxh64()
         self._files: list[tuple[Mountpath, Path, int, str]] = []  # mp, tmp path, size, cksum
@@ -138,8 +142,10 @@ class PutWriter:
         # Chunks of one block or less are verified whole against their chunk checksum: small
         # objects need no block sums (and no second row written).
         sums = bytes(self._block_sums) if any(c.size > VERIFY_BLOCK for c in chunks) else None
+        version, written_ns = self.stamp or (None, None)
         return self.store.commit_put(self.bucket, self.name, self.size, self._hash.hexdigest(),
-                                  chunk_size, self.tag, tuple(chunks), sums)
+                                     chunk_size, self.tag, tuple(chunks), sums, version=version,
+                                     written_ns=written_ns)
 
     def abort(self) -> None:
         if self._fd is not None:

@@ -48,6 +48,20 @@ def _placed_exactly(cluster: Cluster, bucket: str, objs: dict[str, bytes]) -> di
     return smap
 
 
+def _stamps(cluster: Cluster, bucket: str, objs) -> dict[str, set]:
+    """Each object's (Ais-Version, Ais-Atime, ETag, Last-Modified) as every holder itself
+    answers them (a neighbour's signed HEAD, never relayed): one tuple each when copies agree."""
+    out: dict[str, set] = {}
+    for name in objs:
+        for t in cluster.targets:
+            path_qs = f"/v1/objects/{bucket}/{name}?gfn=1"
+            r = httpx.head(t.url + path_qs, timeout=10, headers=signed_for(t.url, "HEAD", path_qs))
+            if r.status_code == 200:
+                h = r.headers
+                out.setdefault(name, set()).add((h["Ais-Version"], h["Ais-Atime"], h["ETag"], h["Last-Modified"]))
+    return out
+
+
 def _moved_to(cluster: Cluster, smap: dict, node_id: str, bucket: str, objs: dict[str, bytes]) -> int:
     """How many objects and chunk objects ``node_id`` holds now (one copy each was moved there)."""
     moved = sum(node_id in ranked(smap, bucket, n)[:2] for n in objs)
@@ -70,12 +84,23 @@ def test_a_joining_target_gets_its_share_and_the_others_let_go(tmp_path):
         objs = {f"r/{i:03d}": blob(f"r{i}", rng.choice([0, 700, 9 * (1 << 20) + 3])) for i in range(60)}
         for name, data in objs.items():
             b.object(name).get_writer().put_content(data)
+        for name in sorted(objs)[::3]:  # version 2 of a third of them
+            b.object(name).get_writer().put_content(objs[name])
         cluster.wait_rebalanced()
+        # a copy keeps its sender's version number and write time: every holder answers the
+        # same Ais-Version, ETag and Last-Modified (a copy took the receiver's own before: a
+        # rebalance changed ETags of objects nobody wrote, found by a new user's run)
+        before = _stamps(cluster, "rebal", objs)
+        assert all(len(v) == 1 for v in before.values()), [v for v in before.values() if len(v) > 1][:3]
+        assert {next(iter(before[n]))[0] for n in sorted(objs)[::3]} == {"2"}
 
         newcomer.start()
         cluster.wait_joined(3)
         st = cluster.wait_rebalanced()
         smap = _placed_exactly(cluster, "rebal", objs)
+        cluster.targets.append(newcomer)  # (for _stamps; stopped below)
+        assert _stamps(cluster, "rebal", objs) == before  # moved copies too
+        cluster.targets.pop()
         new_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == newcomer.url)
         moved = _moved_to(cluster, smap, new_id, "rebal", objs)
         walks = {n["id"]: n["rebalance"] for n in st["nodes"] if n["kind"] == "target"}
