@@ -59,6 +59,7 @@ class MountConfig:
     request_timeout_seconds: float = 30 * SECONDS
     connect_timeout_seconds: float = 5 * SECONDS
     retries: int = 4  # on 429, 5xx and connection errors, with jittered exponential backoff
+    retry_seconds: float = 10 * SECONDS  # ... and for at least this long (within request_timeout_seconds)
     # Bytes asked of the socket per read by the HTTP client; httpcore's 64 KiB default caps one
     # stream at ~215 MiB/s here (measurements in docs/mount.md).
     http_read_bytes: int = 1 * MiB
@@ -77,6 +78,7 @@ class MountConfig:
         return ClientConfig(source=self.source, auth_token=self.auth_token,
                             request_timeout_seconds=self.request_timeout_seconds,
                             connect_timeout_seconds=self.connect_timeout_seconds, retries=self.retries,
+                            retry_seconds=self.retry_seconds,
                             parallel_total=self.parallel_total, http_read_bytes=self.http_read_bytes)
 
 

@@ -33,6 +33,9 @@ class ClientConfig:
     request_timeout_seconds: float = 30 * SECONDS
     connect_timeout_seconds: float = 5 * SECONDS
     retries: int = 4  # on 429, 5xx and connection errors, with jittered exponential backoff
+    # ... and for at least this long: a cluster's gateway sees a dead target within ~2 s and then
+    # routes around it (before, the retries were over in < 1 s: EIO while it still routed there)
+    retry_seconds: float = 10 * SECONDS
     # Requests in flight at once; the pools keep this many connections (plus a few for listings).
     parallel_total: int = 32
     # Bytes asked of the socket per read: httpcore's 64 KiB default caps one stream well below

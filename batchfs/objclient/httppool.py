@@ -256,15 +256,18 @@ def make_http_client(config: ClientConfig) -> httpx.AsyncClient:
 async def with_retries(config: ClientConfig, what: str,
                        attempt: Callable[[], Awaitable[_Response]]) -> _Response:
     """Run ``attempt`` until it returns a response whose status is not retryable, retrying
-    transient failures with jittered backoff, all within ``request_timeout_seconds``.
+    transient failures with jittered backoff — at least ``retries`` times and for at least
+    ``retry_seconds`` — all within ``request_timeout_seconds``.
 
     Returns the final response (which may be a non-retryable 4xx for the caller to map);
     raises ``BackendError`` when retries are exhausted and ``RequestTimeout`` past the bound.
     """
     last = ""
+    n = 0
     try:
         with trio.fail_after(config.request_timeout_seconds):
-            for n in range(config.retries + 1):
+            give_up_at = trio.current_time() + config.retry_seconds
+            while True:
                 try:
                     resp = await attempt()
                 except (httpx.TransportError, httpx.RemoteProtocolError,  # httpx, or httpcore below it:
@@ -275,12 +278,13 @@ async def with_retries(config: ClientConfig, what: str,
                     if not retryable(resp.status_code):
                         return resp
                     last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                if n == config.retries:
+                if n >= config.retries and trio.current_time() >= give_up_at:
                     break
-                backoff = backoff_seconds(n, BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
+                backoff = backoff_seconds(min(n, 16), BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
                 log.debug("%s: %s; retry %d in %.3fs", what, last, n + 1, backoff)
                 await trio.sleep(backoff)
+                n += 1
     except trio.TooSlowError:
         raise RequestTimeout(f"{what}: no answer within {config.request_timeout_seconds:g}s"
                              + (f" (last error: {last})" if last else "")) from None
-    raise BackendError(f"{what}: failed after {config.retries + 1} attempts: {last}")
+    raise BackendError(f"{what}: failed after {n + 1} attempts: {last}")

@@ -147,10 +147,30 @@ async def test_retries_429_5xx_and_resets_with_backoff():
     assert await c.get("b", "o", 0, 4, "c:1") == b"abcd"
     assert len(calls) == 4
     calls.clear()
-    c2 = AisClient(_ais_config(retries=2).client)
+    c2 = AisClient(_ais_config(retries=2, retry_seconds=0).client)
     c2.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500, text="down")))
     with pytest.raises(BackendError, match="after 3 attempts"):
         await c2.get("b", "o", 0, 4, "c:1")
+
+
+@pytest.mark.trio
+async def test_retries_go_on_for_the_retry_time():
+    """At least ``retries`` attempts and at least ``retry_seconds``: a cluster's gateway routes
+    around a dead target only once it sees it down (~2 s); five quick attempts were over in
+    under a second, and a mount's read failed with EIO meanwhile (a new user's run)."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        return httpx.Response(503, text="not yet")
+
+    c = AisClient(_ais_config(retries=1, retry_seconds=0.6).client)
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    t = time.monotonic()
+    with pytest.raises(BackendError, match=r"after \d+ attempts"):
+        await c.get("b", "o", 0, 4, "c:1")
+    assert time.monotonic() - t >= 0.6 and len(calls) > 2, (time.monotonic() - t, len(calls))
+    assert MountConfig.retry_seconds == 10  # the default a mount gets
 
 
 @pytest.mark.trio

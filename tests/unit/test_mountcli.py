@@ -85,7 +85,8 @@ def test_long_flags_and_o_options_set_the_same_fields():
     values = {"cache-dir": "/tmp/c", "cache-quota": "200G", "cache-free-space-ratio": "0.25", "chunk-size": "4M", "parallel-per-file": "3",
               "parallel-total": "7", "memory-budget": "1G", "memory-cache": "64M", "metadata-ttl": "2.5",
               "negative-ttl": "1s", "metadata-cache-entries": "1000", "direct-io-min-size": "2M",
-              "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "http-read-size": "256K",
+              "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "retry-time": "3s",
+              "http-read-size": "256K",
               "max-fuse-tasks": "16", "log-level": "warning", "log-file": "/tmp/l.log",
               "rowgroup-cache-dir": "/tmp/rg", "rowgroup-cache-quota": "3G", "rowgroup-memory": "128M",
               "rowgroup-workers": "3", "rowgroup-transform": "mymod.sub:feat"}
@@ -96,7 +97,7 @@ def test_long_flags_and_o_options_set_the_same_fields():
     assert by_flag.cache_dir == Path("/tmp/c") and by_flag.cache_quota_bytes == 200 * GiB
     assert by_flag.cache_free_space_ratio == 0.25
     assert by_flag.chunk_size_bytes == 4 * MiB and by_flag.metadata_ttl_seconds == 2.5
-    assert by_flag.retries == 0 and by_flag.log_level == "WARNING" and by_flag.http_read_bytes == 256 * 1024
+    assert by_flag.retries == 0 and by_flag.retry_seconds == 3 and by_flag.log_level == "WARNING" and by_flag.http_read_bytes == 256 * 1024
     assert by_flag.rowgroup_cache_dir == Path("/tmp/rg") and by_flag.rowgroup_cache_quota_bytes == 3 * GiB
     assert by_flag.rowgroup_memory_bytes == 128 * MiB and by_flag.rowgroup_workers == 3
 
