@@ -56,7 +56,7 @@ from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
 from server.api import auth
 from server.api.daemon_api import NODE_INFO
-from server.api.getbatch_cluster import moss_across
+from server.api.getbatch_cluster import MISSING_HEADER, missing_positions, moss_across
 from server.api.getbatch_local import open_local
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
 
@@ -167,6 +167,8 @@ class _Truncated(Exception):
 async def _stream(request: web.Request, job: BatchJob, metrics: Metrics, progress: _Progress) -> web.StreamResponse:
     await job.plan_until(PRECHECK_ENTRIES, chunk=PRECHECK_ENTRIES)
     resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime]})
+    if job.tell_missing:
+        resp.headers[MISSING_HEADER] = missing_positions(job.entries[:job.planned])
     if await _sized_plan(job):
         job.sized = True
         resp.content_length = job.tar_length()
@@ -316,6 +318,7 @@ async def moss(request: web.Request) -> web.StreamResponse:
     job = BatchJob(req, config, items, metrics, state)
     if signed:
         job.soft_limit = req.n
+        job.tell_missing = True  # the DT applies the limit to the sum before its own 200
     progress = _Progress()
     try:
         if throttle:

@@ -69,6 +69,17 @@ from server.getbatch.request import MossReq
 from server.api.getbatch_members import SENDER_WAIT_SECONDS, CopiesDiffer, Members, SenderFailed
 from server.api.getbatch_output import Coalesced, buffered, make_out, read_buffered
 
+# a sender's 200 to a DT's streamed sub-request: the positions (in the sub-request) of the
+# entries its plan gives as placeholders; the DT applies the soft-error limit to those no other
+# copy holds before its own 200, as a single node does (``_over_soft_limit``)
+MISSING_HEADER = "Batchfs-Moss-Missing"
+ASK_AT_ONCE = 16  # HEADs at once when the DT looks for placeholders' other copies before its 200
+
+
+def missing_positions(entries) -> str:
+    """``MISSING_HEADER``'s value: a window's share is at most 256 entries (a short header)."""
+    return ",".join(str(i) for i, e in enumerate(entries) if e.kind == "missing")
+
 log = logging.getLogger(__name__)
 
 # A streamed reply's entries go to the senders in windows: the first FIRST_WINDOW before the
@@ -128,7 +139,16 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         return False
     if m is None:
         return False
-    bucket, name = m.groups()
+    return await _held_elsewhere(smap, secret, session, *m.groups(), lacking)
+
+
+async def _false() -> bool:
+    return False
+
+
+async def _held_elsewhere(smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
+                          bucket: str, name: str, lacking: str) -> bool:
+    """Whether a target of another copy than ``lacking`` holds the object (signed HEAD ``?gfn=1``)."""
     path_qs = f"{object_path(bucket, name)}?gfn=1"
     ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking]
     if smap.emptying and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
@@ -142,6 +162,42 @@ async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecr
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
     return False
+
+
+async def _over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners: list, lo: int, hi: int,
+                           held_elsewhere: Callable[[int, str], Awaitable[bool]]) -> web.Response | None:
+    """The 404 a single node answers before its 200 when more entries of its first 256 than the
+    soft-error limit are missing: the first window's senders say which entries they give as
+    placeholders (``MISSING_HEADER``); those another copy's target holds (a target that
+    joined, before its rebalance) are not missing — they are looked for only when there are
+    more than the limit. None to go on (the DT then counts what it passes on)."""
+    limit = request.app[CONFIG].getbatch_max_soft_errs
+    if not req.coer:
+        return None
+    missing: list[tuple[int, str]] = []  # (entry, its sender)
+    for node_id, r in subs.items():
+        positions = [int(p) for p in r.headers.get(MISSING_HEADER, "").split(",") if p.isdigit()]
+        if not positions:
+            continue
+        mine = [j for j in range(lo, hi) if owners[j] is not None and owners[j].id == node_id]
+        missing += [(mine[p], node_id) for p in positions if p < len(mine)]
+    if len(missing) <= limit:
+        return None
+    gate = asyncio.Semaphore(ASK_AT_ONCE)
+
+    async def nowhere(j: int, sender: str) -> bool:
+        async with gate:
+            return not await held_elsewhere(j, sender)
+    gone = sum(await asyncio.gather(*(nowhere(j, s) for j, s in missing)))
+    if gone <= limit:
+        return None
+    for r in subs.values():
+        r.close()
+    first = req.entries[min(j for j, _ in missing)]
+    message = (f"moss: {gone} missing entries exceed the soft-error limit of {limit} (getbatch_max_soft_errs); "
+               f"first: ais://{first.bucket}/{first.objname}")
+    body = json.dumps({"message": message, "method": "GET", "url_path": request.path, "status": 404})
+    return web.Response(status=404, body=body.encode(), headers={"Content-Type": "application/json"})
 
 
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
@@ -301,8 +357,17 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         first = await open_window(*bounds[0])
         if isinstance(first, web.Response):
             return first
+        if req.strm:  # (buffered: counted by ``buffered`` once every placeholder was looked for)
+            def held_elsewhere(j: int, sender: str) -> Awaitable[bool]:
+                e = req.entries[j]  # a shard's missing member: missing on every copy of the shard
+                return _held_elsewhere(smap, secret, session, e.bucket, e.objname, sender) if not e.archpath \
+                    else _false()
+            too_many = await _over_soft_limit(request, req, first, owners, *bounds[0], held_elsewhere)
+            if too_many is not None:
+                return too_many
         if not req.strm:
-            resp = await buffered(req, owners, first, cap, buffered_elsewhere)
+            resp = await buffered(req, owners, first, cap, buffered_elsewhere,
+                                  request.app[CONFIG].getbatch_max_soft_errs)
             # sent here, under the caller's watchdog, not by aiohttp after the handler (and the
             # admission it holds) returned: a client that never reads is then let go
             await track(resp.prepare(request))

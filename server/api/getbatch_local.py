@@ -32,6 +32,7 @@ import asyncio
 import collections
 import json
 
+from server.api.getbatch_cluster import MISSING_HEADER, missing_positions
 from server.errors import StoreError
 from server.getbatch.items import LocalItems
 from server.getbatch.job import BatchJob, GetBatchState
@@ -162,7 +163,7 @@ async def open_local(items: LocalItems, state: GetBatchState, metrics: Metrics, 
         job = BatchJob(req, state.config, items, metrics, state)
         job.soft_limit = req.n  # the DT counts the placeholders it passes on, as for a remote sender
         try:
-            await job.plan_until(precheck, chunk=precheck)
+            await job.plan_until(precheck if req.strm else req.n, chunk=precheck)
         except BaseException:
             await job.shutdown()
             raise
@@ -171,5 +172,7 @@ async def open_local(items: LocalItems, state: GetBatchState, metrics: Metrics, 
         body = json.dumps({"message": e.message, "method": "GET", "url_path": path, "status": e.status})
         return LocalReply(e.status, body.encode())
     reply = LocalReply(200, job=job)
+    if req.strm:
+        reply.headers[MISSING_HEADER] = missing_positions(job.entries[:job.planned])
     reply.task = asyncio.create_task(reply._serve(metrics))
     return reply

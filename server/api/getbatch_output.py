@@ -37,7 +37,7 @@ from batchfs.wire.tarheader import TAR_END_BYTES, tar_header
 from server.api.getbatch_members import Bytes, Members, SenderFailed
 from server.archive.writers import MIME_TYPES, make_writer
 from server.cluster.smap import ClusterNode
-from server.errors import PayloadTooLarge
+from server.errors import NotFound, PayloadTooLarge
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
 
@@ -154,12 +154,13 @@ async def read_buffered(r: aiohttp.ClientResponse, node: ClusterNode, room: int)
 
 
 async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aiohttp.ClientResponse],
-                   cap: int, elsewhere=None) -> web.Response:
+                   cap: int, elsewhere=None, soft_limit: int | None = None) -> web.Response:
     """strm false: every sender's multipart reply (its metadata and archive) read whole, then one
     multipart reply whose metadata and members are in request order — the senders' own entries,
     error messages included. An entry a sender gave as a placeholder is asked of the targets of
     its other copies first (``await elsewhere(j, sender id, room)``: a (metadata entry, Members)
-    holding it, or None), as a streamed reply does."""
+    holding it, or None), as a streamed reply does. More placeholders left than ``soft_limit``:
+    NotFound, before anything is sent (a single node's 404)."""
     metas: dict[str, list] = {}
     archives: dict[str, Members] = {}
     total = 0
@@ -173,6 +174,7 @@ async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aioh
 
     out = make_out(req.mime, keep)
     metadata = []
+    soft, first_missing = 0, ""
     taken = {n: 0 for n in subs}
     for j, (e, node) in enumerate(zip(req.entries, owners)):
         metadata.append(metas[node.id][taken[node.id]])
@@ -189,6 +191,11 @@ async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aioh
         if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across)
             raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname} is not on its owner, and no other copy's "
                                "target has it")
+        soft += 1
+        first_missing = first_missing or f"ais://{e.bucket}/{e.objname}"
+        if soft_limit is not None and soft > soft_limit:
+            raise NotFound(f"moss: more missing entries than the soft-error limit of {soft_limit} "
+                           f"(getbatch_max_soft_errs); first: {first_missing}")
         await out.placeholder(placeholder_name(e), archives[node.id].held)
     await out.finish()
     mp = aiohttp.MultipartWriter("mixed")

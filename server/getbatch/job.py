@@ -104,6 +104,7 @@ class BatchJob:
         # the soft-error limit; a designated target's sub-request has none (the DT counts the
         # placeholders it passes on: some are entries another copy's target has)
         self.soft_limit = config.getbatch_max_soft_errs
+        self.tell_missing = False  # a DT's sub-request: its 200 says how many placeholders its plan has
         self.work = Work(config.getbatch_decompress_floor_bytes, config.getbatch_decompress_ratio, metrics)
         self.slots = asyncio.Semaphore(max(1, config.getbatch_workers))
         self.queue: asyncio.Queue = asyncio.Queue()

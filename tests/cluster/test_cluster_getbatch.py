@@ -123,6 +123,27 @@ def test_many_entries_and_errors_across_targets(cluster, data):
     assert r.status_code == 404
 
 
+@pytest.mark.parametrize("strm", [True, False])
+def test_the_soft_error_limit_is_a_404_before_the_200_as_on_one_node(cluster, data, strm):
+    """More placeholders than --getbatch-max-soft-errs (8) among the entries checked first:
+    404 before anything is sent, streamed or buffered, as a single node answers (a new user's
+    run: the cluster sent a 200 and cut the stream — an SDK's IncompleteRead — or, buffered,
+    answered 200 with every placeholder). The limit itself is still served."""
+    names = sorted(data["objs"])[:30]  # on every target
+    entries = [{"objname": n} for n in names]
+    for i, k in enumerate(range(0, 27, 3)):  # nine missing entries, between present ones, on every sender
+        entries.insert(k + i, {"objname": f"gone-{i}"})
+    r = moss(cluster.url, "gbx", {"in": entries, "coer": True, "strm": strm})
+    assert r.status_code == 404 and "the soft-error limit of 8" in r.json()["message"], r.text[:300]
+    ok = [e for e in entries if e["objname"] != "gone-8"]  # eight: the limit
+    r = moss(cluster.url, "gbx", {"in": ok, "coer": True, "strm": strm})
+    assert r.status_code == 200
+    if strm:
+        got = tar_members(r.content)
+        assert [m for m, _ in got] == [(f"__404__/gbx/{e['objname']}" if e["objname"].startswith("gone")
+                                        else f"gbx/{e['objname']}") for e in ok]
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"in": [{"objname": "\\udcff"}]}', b'{"in": [1e400]}',
                                   b'{"in": [{"objname": "a"},]}', b"\xff\xfe"])
 def test_malformed_bodies_through_the_gateway_are_400(cluster, data, body):
