@@ -7,6 +7,7 @@
     ├── Conflict               (409) bucket already exists
     ├── RangeNotSatisfiable    (416) a range outside the object
     ├── TooManyRequests        (429) admission control refused new work
+    ├── Unavailable            (503) the cluster cannot do it now (a node down, no primary); retry
     ├── CorruptData            (500) stored bytes fail their checksum, or a shard is unreadable
     └── InsufficientStorage    (507) a data directory is full (ENOSPC, EDQUOT, SQLITE_FULL)
 

@@ -246,6 +246,8 @@ def _log_refusal(request: web.Request, why: str) -> None:
 
 def _likely_cause(why: str) -> str:
     """What most often makes a node send a request so refused (secret.verify's reasons)."""
+    if why.startswith("signed for node ''"):  # only a probe asking who is there may name no node
+        return "a node of an earlier batchfs, whose first join names no node: run one version on every node"
     if why.startswith("signed for node"):
         return "a node whose cluster map is older, sending to an address now another node's"
     if why.startswith("signed more than"):  # checked before the signature: it may be both

@@ -220,9 +220,14 @@ class Gateway(GatewayElections, GatewayHealth):
         url, to = (leader.url, leader.id) if leader is not None and leader.url else (self.member.gateway_url, "")
         if not to and path != "/v1/cluster/autoreg":  # a join is passed on before this secondary joined
             raise Unavailable(f"gateway {self.id} has not joined the primary yet: send the change again shortly")
+        if not to:  # its --join URL: ask who is there, and sign the join for that node alone
+            try:
+                to = await peers.who(self.session, self.secret, url, timeout=PROBE_SECONDS * 5)
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+                raise Unavailable(f"gateway {self.id} has not joined the primary yet, and the gateway at its --join "
+                                  f"URL ({url}) did not say who it is ({e or type(e).__name__}): nothing was sent; "
+                                  "send it again shortly") from None
         try:
-            if not to:  # its --join URL: ask who is there, and sign the join for that node alone
-                to = await peers.who(self.session, self.secret, url, timeout=PASS_ON_TIMEOUT.total)
             async with peers.signed(self.session, self.secret, method, url, path, to=to, body=body, timeout=PASS_ON_TIMEOUT,
                                     headers={"Content-Type": "application/json", PASSED_ON: self._cluster_said()}) as r:
                 return r.status, dict(r.headers), await r.read()
@@ -232,7 +237,7 @@ class Gateway(GatewayElections, GatewayHealth):
         except asyncio.TimeoutError:  # (a hung primary held the answer for the fan-out's 60 s, saying nothing)
             raise Unavailable(f"the primary gateway ({url}) did not answer within {PASS_ON_TIMEOUT.total:g} s: the "
                               "change may or may not be made ('cluster status' shows it); send it again") from None
-        except (aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: who is there is not proven
+        except aiohttp.ClientError as e:
             raise Unavailable(f"the primary gateway ({url}) did not answer: {e}; "
                               "the cluster map cannot change without it") from None
 

@@ -146,7 +146,7 @@ class Membership:
                                             headers={"Content-Type": "application/json"}) as r:
                         text = await r.text()
                         if r.status == 403 and "signed for node" in text:  # another gateway at that URL now:
-                            self._not_who.add(self.gateway_url)  # the next try asks it who it is
+                            self._not_who.add(self.gateway_url)  # the next try at this URL asks who it is
                         if r.status == 410:  # removed (``cluster remove``): the primary says so, and why
                             self._removed(text[:300])
                             return

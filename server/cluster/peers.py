@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 
 import aiohttp
 from yarl import URL
@@ -27,6 +28,7 @@ from yarl import URL
 from server.cluster.secret import HEADER, NODE_HEADER, PROOF_HEADER, ClusterSecret
 
 HEALTH_PATH = "/v1/health"
+_NODE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # what a node id may be, as an answer to ``who``
 
 
 def exact_url(base: str, path_qs: str) -> URL:
@@ -60,11 +62,16 @@ async def who(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, t
     header = secret.sign("GET", HEALTH_PATH, b"", to="")
     async with session.get(exact_url(url, HEALTH_PATH), headers={HEADER: header}, allow_redirects=False,
                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        # whatever listens at the URL chooses this header: a node id as ours are, or nothing
         node = r.headers.get(NODE_HEADER, "")
-        if node and _proven(r, secret, header, node):
+        if _NODE_ID.fullmatch(node) and _proven(r, secret, header, node):
             return node
-        said = (await r.text(errors="replace"))[:300] if r.status != 200 else "no proof of a node of this cluster"
-        raise RuntimeError(f"HTTP {r.status} to a signed probe asking who is there: {said}")
+        if r.status == 200:
+            said = "no proof of a node of this cluster"
+        else:  # at most 300 characters of it read: a server that streams cannot hold the joiner
+            said = (await r.content.read(300)).decode(errors="replace")
+        hint = " (no batchfs node answers there)" if r.status in (404, 405) else ""
+        raise RuntimeError(f"HTTP {r.status} to a signed probe asking who is there{hint}: {said}")
 
 
 async def answers(session: aiohttp.ClientSession, secret: ClusterSecret, url: str, node_id: str,

@@ -22,7 +22,9 @@ Invariants:
   the secret can check).
 - A header older or newer than ``SKEW_SECONDS`` (a probe for no node: ``ANY_NODE_SECONDS``) is
   refused, and a receiver refuses a header it has already accepted or that was signed before
-  it started (``Replays``): a captured request cannot be sent again, to anyone. A health
+  it started (``Replays``): a captured request cannot be sent again, to anyone — but for a
+  probe signed for no node, which each other node takes once within ``ANY_NODE_SECONDS`` (it
+  makes a node say its id, which changes nothing and is no secret). A health
   probe's answer carries ``proof``, which only the probed node can make.
 - Comparison is constant-time (``hmac.compare_digest``).
 - The secret file follows the token file's rules (``server.tokens.read_private_file``: not

@@ -145,3 +145,62 @@ def test_a_header_that_is_not_ascii_is_refused_not_an_error():
     e = "\u00e9"
     for bad in (f"{ms}:{nonce}:{e * 64}:{to}", f"{ms}:{e * 16}:{mac}:{to}", f"{ms}:{nonce}:{mac.upper()}:{to}"):
         assert "valid signature" in receiver.verify("GET", "/v1/health", bad, me="t1")
+
+
+def test_who_believes_only_a_proven_node_id():
+    """``peers.who`` (a joining node asks who is at its --join URL) takes an id only with the
+    proof a node of this cluster makes for that probe and that id: a server that answers 200
+    with a made-up proof, another node's proof, no id or an id that is no node id (bytes that
+    are not UTF-8 made the proof's encode raise: a 500 in a secondary passing a join on) is
+    refused with RuntimeError, and a 404 says no batchfs node answers there."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from server.cluster import peers
+    from server.cluster.secret import HEADER, NODE_HEADER, PROOF_HEADER
+
+    node = ClusterSecret(KEY)
+
+    def answer(kind: str):
+        async def health(request: web.Request) -> web.Response:
+            probe = request.headers.get(HEADER, "")
+            if kind == "404":
+                return web.Response(status=404, text="nothing here " * 10_000)
+            proof = {"good": node.proof(probe, "gwA"), "other": node.proof(probe, "gwB"), "forged": "0" * 64,
+                     "none": "", "bad-id": node.proof(probe, "gw\xff")}[kind]
+            headers = {PROOF_HEADER: proof}
+            if kind != "none":
+                headers[NODE_HEADER] = "gw\xff" if kind == "bad-id" else "gwA"
+            return web.Response(text="", headers=headers)
+        return health
+
+    async def run(kind: str) -> str:
+        app = web.Application()
+        app.router.add_get("/v1/health", answer(kind))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await peers.who(session, ClusterSecret(KEY), f"http://127.0.0.1:{port}", timeout=10)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run("good")) == "gwA"
+    for kind in ("other", "forged", "none", "bad-id"):
+        try:
+            got = asyncio.run(run(kind))
+        except RuntimeError as e:
+            assert "HTTP 200" in str(e) and "no proof" in str(e), (kind, e)
+        else:
+            raise AssertionError(f"{kind}: believed {got!r}")
+    try:
+        asyncio.run(run("404"))
+    except RuntimeError as e:
+        assert "no batchfs node answers there" in str(e) and len(str(e)) < 500, e
+    else:
+        raise AssertionError("404 believed")
