@@ -56,7 +56,8 @@ from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
 from server.api import auth
 from server.api.daemon_api import NODE_INFO
-from server.api.getbatch_cluster import MISSING_HEADER, missing_positions, moss_across
+from server.api.getbatch_cluster import moss_across
+from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
 

@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import time
 from typing import Awaitable, Callable
 
@@ -57,7 +55,6 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from batchfs.wire.urls import object_path
 from server.api.state import CONFIG, METRICS
 from server.archive.writers import MIME_TYPES
 from server.cluster import peers
@@ -67,18 +64,8 @@ from server.errors import StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
 from server.api.getbatch_members import SENDER_WAIT_SECONDS, CopiesDiffer, Members, SenderFailed
+from server.api.getbatch_missing import elsewhere, held_elsewhere, no, over_soft_limit
 from server.api.getbatch_output import Coalesced, buffered, make_out, read_buffered
-
-# a sender's 200 to a DT's streamed sub-request: the positions (in the sub-request) of the
-# entries its plan gives as placeholders; the DT applies the soft-error limit to those no other
-# copy holds before its own 200, as a single node does (``_over_soft_limit``)
-MISSING_HEADER = "Batchfs-Moss-Missing"
-ASK_AT_ONCE = 16  # HEADs at once when the DT looks for placeholders' other copies before its 200
-
-
-def missing_positions(entries) -> str:
-    """``MISSING_HEADER``'s value: a window's share is at most 256 entries (a short header)."""
-    return ",".join(str(i) for i, e in enumerate(entries) if e.kind == "missing")
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +78,7 @@ FIRST_WINDOW = 256
 MAX_WINDOW = 4096
 OPEN_AHEAD = 32
 BUSY_FIRST_SECONDS = 0.02  # a later window's busy sender (429) is asked again after this, doubling
+
 
 def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none_ok: bool = False,
               lo: int = 0, hi: int | None = None) -> tuple[list[ClusterNode | None], dict[str, list[int]]]:
@@ -124,80 +112,6 @@ def windows(n: int, strm: bool) -> list[tuple[int, int]]:
         out.append((lo, min(n, lo + size)))
         lo, size = lo + size, min(2 * size, MAX_WINDOW)
     return out
-
-
-_MISSING = re.compile(r"^ais://([^/]+)/(.+) does not exist$")
-
-
-async def _elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
-                     lacking: str, body: bytes) -> bool:
-    """Whether the object a sender's 404 names is held by another of its copies' targets (signed
-    HEAD ``?gfn=1``); False for a 404 that names no object (a bucket)."""
-    try:
-        m = _MISSING.match(json.loads(body).get("message", ""))
-    except (ValueError, AttributeError):
-        return False
-    if m is None:
-        return False
-    return await _held_elsewhere(smap, secret, session, *m.groups(), lacking)
-
-
-async def _false() -> bool:
-    return False
-
-
-async def _held_elsewhere(smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
-                          bucket: str, name: str, lacking: str) -> bool:
-    """Whether a target of another copy than ``lacking`` holds the object (signed HEAD ``?gfn=1``)."""
-    path_qs = f"{object_path(bucket, name)}?gfn=1"
-    ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking]
-    if smap.emptying and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
-        ask.append(smap.node(lacking))
-    for node in ask:
-        try:
-            async with peers.signed(session, secret, "HEAD", node.url, path_qs, to=node.id,
-                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status == 200:
-                    return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            continue
-    return False
-
-
-async def _over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners: list, lo: int, hi: int,
-                           held_elsewhere: Callable[[int, str], Awaitable[bool]]) -> web.Response | None:
-    """The 404 a single node answers before its 200 when more entries of its first 256 than the
-    soft-error limit are missing: the first window's senders say which entries they give as
-    placeholders (``MISSING_HEADER``); those another copy's target holds (a target that
-    joined, before its rebalance) are not missing — they are looked for only when there are
-    more than the limit. None to go on (the DT then counts what it passes on)."""
-    limit = request.app[CONFIG].getbatch_max_soft_errs
-    if not req.coer:
-        return None
-    missing: list[tuple[int, str]] = []  # (entry, its sender)
-    for node_id, r in subs.items():
-        positions = [int(p) for p in r.headers.get(MISSING_HEADER, "").split(",") if p.isdigit()]
-        if not positions:
-            continue
-        mine = [j for j in range(lo, hi) if owners[j] is not None and owners[j].id == node_id]
-        missing += [(mine[p], node_id) for p in positions if p < len(mine)]
-    if len(missing) <= limit:
-        return None
-    gate = asyncio.Semaphore(ASK_AT_ONCE)
-
-    async def nowhere(j: int, sender: str) -> bool:
-        async with gate:
-            return not await held_elsewhere(j, sender)
-    gone = sum(await asyncio.gather(*(nowhere(j, s) for j, s in missing)))
-    if gone <= limit:
-        return None
-    for r in subs.values():
-        r.close()
-    first = req.entries[min(j for j, _ in missing)]
-    message = (f"moss: {gone} missing entries exceed the soft-error limit of {limit} (getbatch_max_soft_errs); "
-               f"first: ais://{first.bucket}/{first.objname}")
-    body = json.dumps({"message": message, "method": "GET", "url_path": request.path, "status": 404})
-    return web.Response(status=404, body=body.encode(), headers={"Content-Type": "application/json"})
 
 
 async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: ClusterNode,
@@ -303,7 +217,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                     r.close()
                 if lenient:
                     down.add(lacking)
-                elif not await _elsewhere(request, smap, secret, session, lacking, body):
+                elif not await elsewhere(request, smap, secret, session, lacking, body):
                     return web.Response(status=404, body=body, headers={"Content-Type": "application/json"})
                 lenient = True
                 log.info("moss: sender %s lacks an entry another copy holds: senders asked again with coer", lacking)
@@ -358,11 +272,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if req.strm:  # (buffered: counted by ``buffered`` once every placeholder was looked for)
-            def held_elsewhere(j: int, sender: str) -> Awaitable[bool]:
+            def entry_elsewhere(j: int, sender: str) -> Awaitable[bool]:
                 e = req.entries[j]  # a shard's missing member: missing on every copy of the shard
-                return _held_elsewhere(smap, secret, session, e.bucket, e.objname, sender) if not e.archpath \
-                    else _false()
-            too_many = await _over_soft_limit(request, req, first, owners, *bounds[0], held_elsewhere)
+                return held_elsewhere(smap, secret, session, e.bucket, e.objname, sender) if not e.archpath \
+                    else no()
+            too_many = await over_soft_limit(request, req, first, owners, *bounds[0], entry_elsewhere)
             if too_many is not None:
                 return too_many
         if not req.strm:

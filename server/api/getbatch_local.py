@@ -32,7 +32,7 @@ import asyncio
 import collections
 import json
 
-from server.api.getbatch_cluster import MISSING_HEADER, missing_positions
+from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.errors import StoreError
 from server.getbatch.items import LocalItems
 from server.getbatch.job import BatchJob, GetBatchState
