@@ -43,3 +43,11 @@ if [ ! -e "$stamp" ]; then
     rm -f .venv/.batchfs-installed-*
     touch "$stamp"
 fi
+# The man pages, beside the venv's bin: with the venv active (or .venv/bin on PATH), `man batchfs`,
+# `man batchfs-server` and `man batchfs-manifest` find them (man-db looks in ../share/man of
+# each PATH directory). Links: they follow the checkout.
+for page in man/*.[158]; do
+    sec=${page##*.}
+    mkdir -p ".venv/share/man/man$sec"
+    ln -sf "$PWD/$page" ".venv/share/man/man$sec/"
+done

@@ -23,6 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from server.api import connlimits, listener
+from server.api import roles
 from server.api.roles import build_for_role
 from server.cluster.secret import ClusterSecret
 from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role, size_arg as _size
@@ -417,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     try:
         asyncio.run(serve(config))
+        return roles.exit_status[0]  # 3: started after its removal from its cluster
     except (OSError, UnreadableMap) as e:  # e.g. address in use; a node's kept map damaged
         print(f"batchfs-server: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     ├── BadRequest             (400) malformed input: names, ranges, bodies, fields
     │   └── PayloadTooLarge    (413) a body over its configured cap
     ├── NotFound               (404) bucket, object, or shard member missing
+    ├── MethodNotAllowed       (405) a method this API has on the route, not here (object POST)
     ├── Conflict               (409) bucket already exists
     ├── RangeNotSatisfiable    (416) a range outside the object
     ├── TooManyRequests        (429) admission control refused new work
@@ -62,6 +63,16 @@ class RangeNotSatisfiable(StoreError):
 
 class TooManyRequests(StoreError):
     status = 429
+
+
+class MethodNotAllowed(StoreError):
+    """405, saying which calls use the method (aiohttp's own 405 says only "Method Not Allowed")."""
+
+    status = 405
+
+    def __init__(self, message: str, allow: str):
+        super().__init__(message)
+        self.headers = {"Allow": allow}
 
 
 class Unavailable(StoreError):

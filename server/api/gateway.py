@@ -240,7 +240,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     r.add_get("/v1/cluster/map", gateway_admin.cluster_map)
     r.add_get("/v1/cluster/status", gateway_admin.cluster_status)
     obj = r"/v1/objects/{bucket}/{obj:[\s\S]+}"
-    for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
+    for method in ("GET", "HEAD", "PUT", "DELETE"):  # POST (promote, multipart...): 501 below (``refuse``)
         r.add_route(method, obj, object_redirect)
     r.add_get("/v1/buckets", to_one)
     r.add_get("/v1/buckets/", to_one)

@@ -29,7 +29,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, cluster_jobs, daemon_api, neighbours, replicas, spread, spread_deletes
+from server.api import auth, cluster_jobs, daemon_api, neighbours, refusals, replicas, spread, spread_deletes
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -402,28 +402,6 @@ async def delete_object(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
-_REFUSED_ROUTES = [
-    # (method, path, what): calls the SDK makes that this node cannot honour; a clear 400
-    # instead of the S3 catch-all's 404. (Object POST and PATCH, for promote, blob download,
-    # multipart upload and custom props, are already 405 in the same error shape.)
-    ("PUT", "/v1/cluster", "cluster actions (starting or stopping jobs, maintenance)"),
-    ("PUT", "/v1/buckets/{bucket}", "bucket PUT actions (archive, multi-object ETL)"),
-]
-
-
-def _refuse(what: str):
-    async def refuse(request: web.Request) -> web.Response:
-        request[OP_KEY] = "refused"
-        msg = await read_json(request, required=False) if request.content_type == "application/json" else None
-        name = msg.get("action") if isinstance(msg, dict) and isinstance(msg.get("action"), str) else None
-        action = f" (action {name!r})" if name is not None else ""
-        where = ("a target of a cluster: send it to a gateway" if request.app.get(MEMBERSHIP) is not None and request.path
-                 == "/v1/cluster" and name in ("decommission-node", "start-maintenance", "stop-maintenance") else "this node")
-        raise BadRequest(f"{request.method} {request.path}{action}: {what} not supported by {where}")
-
-    return refuse
-
-
 def add_routes(app: web.Application) -> None:
     app[jobs.JOBS] = jobs.JobRegistry()
     app[APPENDS] = Appends()
@@ -445,5 +423,4 @@ def add_routes(app: web.Application) -> None:
     r.add_get(obj, get_object, allow_head=False)
     r.add_head(obj, head_object)
     r.add_delete(obj, delete_object)
-    for method, path, what in _REFUSED_ROUTES:
-        r.add_route(method, path, _refuse(what))
+    refusals.add_routes(r, obj)

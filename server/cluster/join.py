@@ -66,6 +66,7 @@ class Membership:
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
         self.on_removed: list = []  # called once, with the reason, when this node is removed from its cluster
         self.removed = ""  # why, once removed
+        self.removed_before_joining = False  # removed before this process joined (started after its removal)
         self._not_who: set[str] = set()  # gateway URLs whose node refused a join signed for the map's id there
 
     def learn(self, doc: dict) -> bool:
@@ -97,6 +98,7 @@ class Membership:
         if self.removed:
             return
         self.removed = why
+        self.removed_before_joining = not self.joined.is_set()
         log.warning("this %s (%s) was removed from its cluster: %s", self.kind, self.node_id, why)
         for fn in self.on_removed:
             fn(why)

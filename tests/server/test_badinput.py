@@ -126,7 +126,12 @@ def test_bad_ranges(server, bucket, spec):
 
 
 def test_unknown_methods_and_paths(server, bucket):
-    assert httpx.patch(f"{server.url}/v1/objects/{bucket}/x").status_code == 405
+    r = httpx.patch(f"{server.url}/v1/objects/{bucket}/x")
+    assert r.status_code == 405 and "custom properties" in r.json()["message"], r.text
+    # the SDK's multipart_upload().create(), promote: a reason, not aiohttp's bare "Method Not Allowed"
+    r = httpx.post(f"{server.url}/v1/objects/{bucket}/x", params={"mpu": "true"}, json={"action": "mpu-create"})
+    assert r.status_code == 405 and "multipart upload" in r.json()["message"], r.text
+    assert r.headers["Allow"] == "GET, HEAD, PUT, DELETE"
     assert httpx.get(f"{server.url}/v1/nothing-here").status_code in (400, 404, 405)
 
 
