@@ -59,6 +59,7 @@ from server.api.daemon_api import NODE_INFO
 from server.api.getbatch_cluster import moss_across
 from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
+from server.api.getbatch_output import PiecesPayload
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
 
 log = logging.getLogger(__name__)
@@ -232,16 +233,15 @@ async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) ->
     out = _Pieces()
     job.task = asyncio.create_task(job.schedule())
     await job.assemble(out)
-    archive = b"".join(out.pieces)
-    out.pieces.clear()
+    archive = PiecesPayload(out.pieces, MIME_TYPES[job.req.mime])
     meta = {"uuid": uuid.uuid4().hex,
             "out": [_moss_out(e, size, err) for e, (size, err) in zip(job.entries, job.sizes)]}
     mp = MultipartWriter("mixed")
     part = mp.append(json.dumps(meta), {"Content-Type": "application/json"})
     part.set_content_disposition("form-data", name="metadata")
-    part = mp.append(archive, {"Content-Type": MIME_TYPES[job.req.mime]})
+    part = mp.append_payload(archive)
     part.set_content_disposition("form-data", name="archive")
-    job.metrics.bytes_out.labels("getbatch").inc(len(archive))
+    job.metrics.bytes_out.labels("getbatch").inc(archive.size)
     resp = web.Response(body=mp, status=200)
     del archive, part
     await progress.track(resp.prepare(request))

@@ -31,6 +31,7 @@ import uuid
 from typing import Awaitable, Callable
 
 import aiohttp
+import aiohttp.payload
 from aiohttp import web
 
 from batchfs.wire.tarheader import TAR_END_BYTES, tar_header
@@ -43,6 +44,7 @@ from server.getbatch.request import MossReq
 
 OUT_BYTES = 256 << 10  # the reply is written in pieces of about this size
 OFF_LOOP_BYTES = 64 << 10  # a larger piece is compressed (or checksummed) in a worker thread
+READ_PIECE = 1 << 20  # a sender's buffered reply is read in pieces of this size
 END = b"\0" * TAR_END_BYTES  # TAR's end of archive
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -141,11 +143,16 @@ async def read_buffered(r: aiohttp.ClientResponse, node: ClusterNode, room: int)
     total = 0
     reader = aiohttp.MultipartReader.from_response(r)
     while (part := await reader.next()) is not None:
-        data = await part.read()
-        total += len(data)
+        chunks = []  # (``part.read()`` reads 8 KiB at a time into a growing bytearray: ~4x slower)
+        while not part.at_eof():
+            chunks.append(await part.read_chunk(READ_PIECE))
+            total += len(chunks[-1])
+            if total > room:
+                break
         if total > room:
             raise PayloadTooLarge("moss: buffered (strm false) reply over the getbatch_max_buffered_bytes cap; "
                                   "use strm true to stream it")
+        data = b"".join(chunks)
         if part.name == "metadata":
             meta = json.loads(data)["out"]
         elif part.name == "archive":
@@ -201,9 +208,27 @@ async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aioh
     mp = aiohttp.MultipartWriter("mixed")
     part = mp.append(json.dumps({"uuid": uuid.uuid4().hex, "out": metadata}), {"Content-Type": "application/json"})
     part.set_content_disposition("form-data", name="metadata")
-    part = mp.append(b"".join(pieces), {"Content-Type": MIME_TYPES[req.mime]})
+    part = mp.append_payload(PiecesPayload(pieces, MIME_TYPES[req.mime]))
     part.set_content_disposition("form-data", name="archive")
     return web.Response(body=mp, status=200)
+
+
+class PiecesPayload(aiohttp.payload.Payload):
+    """A buffered reply's archive as the pieces it was assembled in, written one at a time (each
+    waits for the socket to drain): joined into one ``bytes`` and written whole, a 490 MB
+    archive was copied twice more (the join, the transport's buffer) and sent at ~250 MB/s
+    (docs/getbatch.md)."""
+
+    def __init__(self, pieces: list[bytes], content_type: str):
+        super().__init__(pieces, content_type=content_type)
+        self._size = sum(len(p) for p in pieces)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def write(self, writer) -> None:
+        for piece in self._value:
+            await writer.write(piece)
 
 
 def _node_of(owners: list[ClusterNode], node_id: str) -> ClusterNode:
