@@ -93,6 +93,9 @@ class BatchClientConfig:
     chunk_bytes: int = 8 * 2**20  # emulated: GET size when streaming a large entry
     retries: int = 4  # GetBatch requests answered 429/5xx are retried with jittered backoff
     backoff_max_seconds: float = 2.0
+    # ... for at least this long: a cluster's gateway sends a batch to a designated target that
+    # died until it sees it down (~2 s); the mount's object reads wait as long (``retry_seconds``)
+    retry_seconds: float = 10.0
 
 
 def _missing(head_name: str, t: Target, i: int, coer: bool, why: str) -> MemberHead:
@@ -139,7 +142,8 @@ class GetBatchSource:
     async def _open(self, targets: Sequence[Target], first: int) -> httpx.Response:
         """Send one part's request; retry 429/5xx/connection errors; return it streaming."""
         last, status = "", None
-        for n in range(self.config.retries + 1):
+        n, give_up_at = 0, trio.current_time() + self.config.retry_seconds
+        while True:
             try:  # the client's headers carry the bearer token, if any (objclient.ais)
                 resp = await self.http.send(self._request(targets), stream=True)
             except httpx.TransportError as e:
@@ -157,8 +161,10 @@ class GetBatchSource:
                 last = f"GetBatch answered HTTP {resp.status_code}: {detail}"
                 if not retryable(resp.status_code):
                     break
-            if n < self.config.retries:
-                await trio.sleep(backoff_seconds(n, BACKOFF_FIRST_SECONDS, self.config.backoff_max_seconds))
+            if n >= self.config.retries and trio.current_time() >= give_up_at:
+                break
+            await trio.sleep(backoff_seconds(min(n, 16), BACKOFF_FIRST_SECONDS, self.config.backoff_max_seconds))
+            n += 1
         raise BatchFetchError(first, last, status)
 
     def _parts(self, n: int) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ targets, and reads that go on when a target is killed."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import tarfile
@@ -12,6 +13,7 @@ import time
 
 import httpx
 
+from tests.cluster.conftest import ranked
 from tests.support.getbatch import sdk_client
 from tests.support.processes import BIN
 
@@ -76,13 +78,26 @@ def test_mount_through_a_gateway(cluster, tmp_path):
         assert [name for name, _ in got] == ["d/03", "big.bin", "d/17", "d/05"]
         assert all(body == data[name] for name, body in got)
         victim = cluster.targets[2]
+        smap = cluster.smap()
+        victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == victim.url)
+        on_victim = [n for n in data if ranked(smap, "mnt", n)[0] == victim_id][:4]  # its designated target
         victim.proc.kill()
         victim.proc.wait()
+
+        def view_at_once() -> list:
+            # a .batch view: the gateway still sends it to the dead designated target until it
+            # sees it down; the mount's GetBatch requests wait for that (10 s, as reads do)
+            with open(mnt / ".batch" / "after", "w") as f:
+                f.write("".join(n + "\n" for n in on_victim))
+            with tarfile.open(mnt / ".batch" / "after", "r|") as tf:
+                return [(m.name, tf.extractfile(m).read()) for m in tf]
+        viewing = concurrent.futures.ThreadPoolExecutor(1).submit(view_at_once)
         # at once, before the gateway sees it down (~2 s: it still routes to it, lists from it):
         # files never read (a directory never listed) come from the copies that are left. A new
         # user's run got EIO here: the mount's retries were over in < 1 s (now --retry-time 10 s)
         for n, d in later.items():
             assert (mnt / n).read_bytes() == d, n
+        assert viewing.result(timeout=60) == [(n, data[n]) for n in on_victim]
         _wait_down(cluster, victim.url)
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=30)
