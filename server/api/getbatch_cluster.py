@@ -64,7 +64,7 @@ from server.errors import StoreError
 from server.getbatch.reads import placeholder_name
 from server.getbatch.request import MossReq
 from server.api.getbatch_members import SENDER_WAIT_SECONDS, CopiesDiffer, Members, SenderFailed
-from server.api.getbatch_missing import elsewhere, held_elsewhere, no, over_soft_limit
+from server.api.getbatch_missing import elsewhere, entry_elsewhere, over_soft_limit
 from server.api.getbatch_output import Coalesced, buffered, make_out, read_buffered
 
 log = logging.getLogger(__name__)
@@ -272,11 +272,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if req.strm:  # (buffered: counted by ``buffered`` once every placeholder was looked for)
-            def entry_elsewhere(j: int, sender: str) -> Awaitable[bool]:
-                e = req.entries[j]  # a shard's missing member: missing on every copy of the shard
-                return held_elsewhere(smap, secret, session, e.bucket, e.objname, sender) if not e.archpath \
-                    else no()
-            too_many = await over_soft_limit(request, req, first, owners, *bounds[0], entry_elsewhere)
+            too_many = await over_soft_limit(request, req, first, owners, *bounds[0],
+                                             entry_elsewhere(smap, secret, session, req, down), lenient)
             if too_many is not None:
                 return too_many
         if not req.strm:

@@ -51,41 +51,62 @@ async def elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecre
         return False
     if m is None:
         return False
-    return await held_elsewhere(smap, secret, session, *m.groups(), lacking)
+    return await held_elsewhere(smap, secret, session, *m.groups(), lacking)  # (waits for a hung one: 10 s)
 
 
-async def no() -> bool:
-    return False
+ASK_SECONDS = 2.0  # one such HEAD: a hung copy's target is taken as not holding it
+
+
+async def holds(node, secret: ClusterSecret, session: aiohttp.ClientSession, bucket: str, name: str,
+                timeout: float = 10.0) -> bool:
+    """Whether target ``node`` itself holds the object (a signed HEAD ``?gfn=1``, never relayed)."""
+    try:
+        async with peers.signed(session, secret, "HEAD", node.url, f"{object_path(bucket, name)}?gfn=1", to=node.id,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
 
 
 async def held_elsewhere(smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
-                          bucket: str, name: str, lacking: str) -> bool:
-    """Whether a target of another copy than ``lacking`` holds the object (signed HEAD ``?gfn=1``)."""
-    path_qs = f"{object_path(bucket, name)}?gfn=1"
-    ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking]
+                         bucket: str, name: str, lacking: str, down: set[str] = frozenset(),
+                         timeout: float = 10.0) -> bool:
+    """Whether a target of another copy than ``lacking`` (and not in ``down``) holds the object."""
+    ask = [n for n in smap.copies_at(bucket, name) if n.id != lacking and n.id not in down]
     if smap.emptying and smap.node(lacking) is not None:  # handed to it by a leaving target meanwhile?
         ask.append(smap.node(lacking))
     for node in ask:
-        try:
-            async with peers.signed(session, secret, "HEAD", node.url, path_qs, to=node.id,
-                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status == 200:
-                    return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            continue
+        if await holds(node, secret, session, bucket, name, timeout):
+            return True
     return False
 
 
+def entry_elsewhere(smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession, req: MossReq,
+                    down: set[str]) -> Callable[[int, str], Awaitable[bool]]:
+    """``(j, sender) -> whether entry j, a placeholder from ``sender``, is held by another copy's
+    target``. A shard member: only if the sender lacks the shard itself (a member missing from a
+    shard the sender holds is missing from that shard's every copy) and another copy's target
+    holds the shard (a review: every member of a shard its owner lacked was counted missing)."""
+    async def ask(j: int, sender: str) -> bool:
+        e = req.entries[j]
+        if e.archpath and smap.node(sender) is not None \
+                and await holds(smap.node(sender), secret, session, e.bucket, e.objname, ASK_SECONDS):
+            return False
+        return await held_elsewhere(smap, secret, session, e.bucket, e.objname, sender, down, ASK_SECONDS)
+    return ask
+
+
 async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners: list, lo: int, hi: int,
-                           held_elsewhere: Callable[[int, str], Awaitable[bool]]) -> web.Response | None:
-    """The 404 a single node answers before its 200 when more entries of its first 256 than the
-    soft-error limit are missing: the first window's senders say which entries they give as
-    placeholders (``MISSING_HEADER``); those another copy's target holds (a target that
-    joined, before its rebalance) are not missing — they are looked for only when there are
-    more than the limit. None to go on (the DT then counts what it passes on)."""
-    limit = request.app[CONFIG].getbatch_max_soft_errs
-    if not req.coer:
-        return None
+                          elsewhere_of: Callable[[int, str], Awaitable[bool]], lenient: bool) -> web.Response | None:
+    """The 404 a single node answers before its 200 when the entries it checks first are missing:
+    more than the soft-error limit with ``coer``; any one without it (its senders were asked
+    with coer only because an owner lacks what another copy holds: ``lenient``). The first
+    window's senders say which entries they give as placeholders (``MISSING_HEADER``); those
+    another copy's target holds are not missing — looked for (``elsewhere_of``) only when there
+    are more than the limit. None to go on (the DT then counts what it passes on)."""
+    if not req.coer and not lenient:
+        return None  # every sender answered without coer: a missing entry was its 404
+    limit = request.app[CONFIG].getbatch_max_soft_errs if req.coer else 0
     missing: list[tuple[int, str]] = []  # (entry, its sender)
     for node_id, r in subs.items():
         positions = [int(p) for p in r.headers.get(MISSING_HEADER, "").split(",") if p.isdigit()]
@@ -99,14 +120,16 @@ async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners
 
     async def nowhere(j: int, sender: str) -> bool:
         async with gate:
-            return not await held_elsewhere(j, sender)
-    gone = sum(await asyncio.gather(*(nowhere(j, s) for j, s in missing)))
-    if gone <= limit:
+            return not await elsewhere_of(j, sender)
+    verdicts = await asyncio.gather(*(nowhere(j, s) for j, s in missing))
+    gone = sorted(j for (j, _), v in zip(missing, verdicts) if v)
+    if len(gone) <= limit:
         return None
     for r in subs.values():
         r.close()
-    first = req.entries[min(j for j, _ in missing)]
-    message = (f"moss: {gone} missing entries exceed the soft-error limit of {limit} (getbatch_max_soft_errs); "
-               f"first: ais://{first.bucket}/{first.objname}")
+    first = req.entries[gone[0]]
+    where = f"ais://{first.bucket}/{first.objname}" + (f" (member {first.archpath})" if first.archpath else "")
+    message = (f"moss: {len(gone)} missing entries exceed the soft-error limit of {limit} (getbatch_max_soft_errs); "
+               f"first: {where}" if req.coer else f"{where} does not exist")
     body = json.dumps({"message": message, "method": "GET", "url_path": request.path, "status": 404})
     return web.Response(status=404, body=body.encode(), headers={"Content-Type": "application/json"})

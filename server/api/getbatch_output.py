@@ -35,7 +35,7 @@ import aiohttp.payload
 from aiohttp import web
 
 from batchfs.wire.tarheader import TAR_END_BYTES, tar_header
-from server.api.getbatch_members import Bytes, Members, SenderFailed
+from server.api.getbatch_members import Bytes, Members
 from server.archive.writers import MIME_TYPES, make_writer
 from server.cluster.smap import ClusterNode
 from server.errors import NotFound, PayloadTooLarge
@@ -195,9 +195,10 @@ async def buffered(req: MossReq, owners: list[ClusterNode], subs: dict[str, aioh
             total += n
             await other.copy_one(out)
             continue
-        if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across)
-            raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname} is not on its owner, and no other copy's "
-                               "target has it")
+        if not req.coer:  # asked with coer only because an owner lacks an entry (see moss_across): nothing
+            # is sent yet, so a single node's 404 (a review: this was a 502)
+            raise NotFound(f"ais://{e.bucket}/{e.objname} does not exist"
+                           + (f" (member {e.archpath})" if e.archpath else ""))
         soft += 1
         first_missing = first_missing or f"ais://{e.bucket}/{e.objname}"
         if soft_limit is not None and soft > soft_limit:

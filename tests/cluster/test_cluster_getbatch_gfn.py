@@ -132,3 +132,48 @@ def test_entries_their_owner_lacks_come_from_the_other_copy(cluster):
     # with coer the placeholder also stands when an owner lacked another entry
     r = batch(lost[:2] + ["l/none"], coer=True)
     assert _members(r.content) == [(f"lacks/{n}", data[n]) for n in lost[:2]] + [("__404__/lacks/l/none", b"")]
+
+
+def test_what_an_owner_lacks_is_not_missing_for_the_checks_before_the_200(cluster):
+    """From a review of the soft-error limit through a cluster: members of a shard its owner
+    lacks (another copy holds it) are served, not counted missing (a streamed, coer batch of
+    them was a 404 "exceed the soft-error limit"); and without coer, an entry held nowhere
+    beside one an owner lacks is the single node's 404 before anything is sent (streamed: a
+    200 cut short; buffered: a 502)."""
+    from tests.cluster.conftest import signed_for
+    from tests.support.getbatch import make_shard
+
+    smap = cluster.smap()
+    url_of = {i: n["public_net"]["direct_url"] for i, n in smap["tmap"].items()}
+    b = sdk_client(cluster.url).bucket("lacks2")
+    b.create(exist_ok=True)
+    members = {f"m/{i:02d}.bin": os.urandom(300 + i) for i in range(20)}
+    b.object("shard.tar").get_writer().put_content(make_shard("tar", members))
+    b.object("kept.tar").get_writer().put_content(make_shard("tar", members))  # on both its copies
+    plain = {f"p/{i}": os.urandom(500 + i) for i in range(3)}
+    for n, d in plain.items():
+        b.object(n).get_writer().put_content(d)
+    for n in ("shard.tar", "p/0"):  # each removed from its owner only: the second copy stays
+        owner = ranked(smap, "lacks2", n)[0]
+        path_qs = f"/v1/objects/lacks2/{n}?replica=1"
+        assert httpx.delete(url_of[owner] + path_qs, headers=signed_for(url_of[owner], "DELETE", path_qs,
+                                                                         to=owner)).status_code == 200
+
+    def batch(entries, **flags) -> httpx.Response:
+        return httpx.request("GET", f"{cluster.url}/v1/ml/moss/lacks2", json={"in": entries, **flags},
+                             follow_redirects=True, timeout=60)
+
+    shard = [{"objname": "shard.tar", "archpath": m} for m in members]
+    for flags in ({"strm": True, "coer": True}, {"strm": True}, {"strm": False, "coer": True}):
+        r = batch(shard, **flags)
+        assert r.status_code == 200, (flags, r.text[:300])
+        if flags["strm"]:
+            assert [body for _, body in _members(r.content)] == list(members.values()), flags
+    # members missing from a shard its sender holds: missing on every copy, counted
+    r = batch([{"objname": "p/1"}] + [{"objname": "kept.tar", "archpath": f"none/{i}"} for i in range(9)],
+              strm=True, coer=True)
+    assert r.status_code == 404 and "soft-error limit" in r.text, r.text[:300]
+    # no coer: one the owner lacks (p/0) and one held nowhere
+    for strm in (True, False):
+        r = batch([{"objname": "p/0"}, {"objname": "p/1"}, {"objname": "p/none"}], strm=strm)
+        assert r.status_code == 404 and "p/none" in r.text, (strm, r.status_code, r.text[:300])
