@@ -192,9 +192,10 @@ OPTIONS: tuple[Option, ...] = (
            "retries of a request on 429, 5xx and connection errors, with jittered exponential "
            "backoff (default: {default})"),
     Option("retry-time", "retry_seconds", _seconds, "SECONDS",
-           "such failures are retried for at least this long (and at least --retries times), "
-           "within --request-timeout: enough for a cluster's gateway to route around a target "
-           "that died (it sees one down within ~2 s) (default: {default})"),
+           "failures that say 'not now' (no connection, 429, 502, 503, 504) are retried for at "
+           "least this long (and at least --retries times; a plain 500 only --retries times; "
+           "--retries 0: none), within --request-timeout: enough for a cluster's gateway to route "
+           "around a target that died (it sees one down within ~2 s) (default: {default})"),
     Option("http-read-size", "http_read_bytes", _size, "SIZE",
            "bytes the HTTP client asks of the socket per read; larger lifts one stream's "
            "throughput (default: {default})"),

@@ -48,7 +48,7 @@ from batchfs.objclient.base import ObjectClient
 from batchfs.objclient.tarstream import BLOCK, TarStream, next_header
 from batchfs.errors import BackendError, NotFound
 from batchfs.wire.getbatch import MISSING_PREFIX, Target, member_name, request_body
-from batchfs.wire.retry import backoff_seconds, retryable
+from batchfs.wire.retry import WAIT_STATUSES, backoff_seconds, keep_trying, retryable
 from batchfs.wire.urls import moss_path
 
 BACKOFF_FIRST_SECONDS = 0.05
@@ -147,7 +147,7 @@ class GetBatchSource:
             try:  # the client's headers carry the bearer token, if any (objclient.ais)
                 resp = await self.http.send(self._request(targets), stream=True)
             except httpx.TransportError as e:
-                last, status = f"{type(e).__name__}: {e}", None
+                last, status, transient = f"{type(e).__name__}: {e}", None, True
             else:
                 status = resp.status_code
                 if resp.status_code == 200:
@@ -161,7 +161,8 @@ class GetBatchSource:
                 last = f"GetBatch answered HTTP {resp.status_code}: {detail}"
                 if not retryable(resp.status_code):
                     break
-            if n >= self.config.retries and trio.current_time() >= give_up_at:
+                transient = resp.status_code in WAIT_STATUSES
+            if not keep_trying(n, self.config.retries, transient, trio.current_time(), give_up_at):
                 break
             await trio.sleep(backoff_seconds(min(n, 16), BACKOFF_FIRST_SECONDS, self.config.backoff_max_seconds))
             n += 1

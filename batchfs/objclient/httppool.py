@@ -38,7 +38,7 @@ from batchfs.objclient.http1 import ConnectionFailed, Http1Pool
 from batchfs.buffers import uninitialized
 from batchfs.objclient.config import ClientConfig
 from batchfs.errors import BackendError, RequestTimeout
-from batchfs.wire.retry import backoff_seconds, retryable
+from batchfs.wire.retry import WAIT_STATUSES, backoff_seconds, keep_trying, retryable
 from batchfs.wire.urls import MAX_REDIRECTS, REDIRECT_STATUS
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ def make_http_client(config: ClientConfig) -> httpx.AsyncClient:
 async def with_retries(config: ClientConfig, what: str,
                        attempt: Callable[[], Awaitable[_Response]]) -> _Response:
     """Run ``attempt`` until it returns a response whose status is not retryable, retrying
-    transient failures with jittered backoff — at least ``retries`` times and for at least
-    ``retry_seconds`` — all within ``request_timeout_seconds``.
+    failures with jittered backoff — ``retries`` times, and for at least ``retry_seconds`` while
+    they say "not now" (``keep_trying``) — all within ``request_timeout_seconds``.
 
     Returns the final response (which may be a non-retryable 4xx for the caller to map);
     raises ``BackendError`` when retries are exhausted and ``RequestTimeout`` past the bound.
@@ -273,12 +273,12 @@ async def with_retries(config: ClientConfig, what: str,
                 except (httpx.TransportError, httpx.RemoteProtocolError,  # httpx, or httpcore below it:
                         httpcore.NetworkError, httpcore.ProtocolError, httpcore.TimeoutException,
                         ConnectionFailed) as e:
-                    last = f"{type(e).__name__}: {e}"
+                    last, transient = f"{type(e).__name__}: {e}", True
                 else:
                     if not retryable(resp.status_code):
                         return resp
-                    last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                if n >= config.retries and trio.current_time() >= give_up_at:
+                    last, transient = f"HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code in WAIT_STATUSES
+                if not keep_trying(n, config.retries, transient, trio.current_time(), give_up_at):
                     break
                 backoff = backoff_seconds(min(n, 16), BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
                 log.debug("%s: %s; retry %d in %.3fs", what, last, n + 1, backoff)

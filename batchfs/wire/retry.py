@@ -13,6 +13,17 @@ import random
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
+WAIT_STATUSES = frozenset({429, 502, 503, 504})  # "not now": worth waiting for (a plain 500 may never clear)
+
+
+def keep_trying(n: int, retries: int, transient: bool, now: float, give_up_at: float) -> bool:
+    """Whether to retry after failed attempt number ``n`` (from 0): up to ``retries`` times,
+    and past that while ``now`` is before ``give_up_at`` if the failure says "not now"
+    (``transient``: no connection, or a status in ``WAIT_STATUSES``) — a cluster routes around
+    a dead node within seconds. ``retries`` 0 means no retry at all."""
+    return retries > 0 and (n < retries or (transient and now < give_up_at))
+
+
 def retryable(status: int) -> bool:
     """True when an HTTP status may succeed on a later attempt."""
     return status in RETRY_STATUSES

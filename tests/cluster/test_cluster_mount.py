@@ -61,6 +61,7 @@ def test_mount_through_a_gateway(cluster, tmp_path):
         b.object(n).get_writer().put_content(d)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     r = subprocess.run([str(BIN / "batchfs"), "mount", f"{cluster.url}/mnt", str(mnt), "--log-file",
                         str(tmp_path / "mount.log")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -91,7 +92,7 @@ def test_mount_through_a_gateway(cluster, tmp_path):
                 f.write("".join(n + "\n" for n in on_victim))
             with tarfile.open(mnt / ".batch" / "after", "r|") as tf:
                 return [(m.name, tf.extractfile(m).read()) for m in tf]
-        viewing = concurrent.futures.ThreadPoolExecutor(1).submit(view_at_once)
+        viewing = pool.submit(view_at_once)
         # at once, before the gateway sees it down (~2 s: it still routes to it, lists from it):
         # files never read (a directory never listed) come from the copies that are left. A new
         # user's run got EIO here: the mount's retries were over in < 1 s (now --retry-time 10 s)
@@ -100,4 +101,6 @@ def test_mount_through_a_gateway(cluster, tmp_path):
         assert viewing.result(timeout=60) == [(n, data[n]) for n in on_victim]
         _wait_down(cluster, victim.url)
     finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=30)
+        pool.shutdown(wait=True)  # a view still reading would keep the mount busy: unmounted after it
+        if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, timeout=30)

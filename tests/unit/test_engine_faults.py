@@ -171,6 +171,16 @@ async def test_retries_go_on_for_the_retry_time():
         await c.get("b", "o", 0, 4, "c:1")
     assert time.monotonic() - t >= 0.6 and len(calls) > 2, (time.monotonic() - t, len(calls))
     assert MountConfig.retry_seconds == 10  # the default a mount gets
+    # not for a failure that may never clear (a plain 500, e.g. a corrupt object), and never
+    # with --retries 0 (a review: both took the whole retry time)
+    for status, retries, want in ((500, 2, 3), (503, 0, 1)):
+        calls.clear()
+        c = AisClient(_ais_config(retries=retries, retry_seconds=30).client)
+        c.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r, s=status: (calls.append(1), httpx.Response(s))[1]))
+        t = time.monotonic()
+        with pytest.raises(BackendError, match=f"after {want} attempts"):
+            await c.get("b", "o", 0, 4, "c:1")
+        assert time.monotonic() - t < 5 and len(calls) == want, (status, retries, len(calls))
 
 
 @pytest.mark.trio
