@@ -87,7 +87,8 @@ def copy_stamp(request: web.Request) -> tuple[int, int] | None:
     if ver is None:
         return None
     if not (ver.isascii() and ver.isdigit() and 0 < len(ver) <= 18 and int(ver) > 0
-            and written is not None and written.isascii() and written.isdigit() and 0 < len(written) <= 19):
+            and written is not None and written.isascii() and written.isdigit() and 0 < len(written) <= 19
+            and int(written) < 1 << 63):  # (the catalog's integers are int64)
         raise BadRequest(f"a copy's {VERSION_PARAM}= and {WRITTEN_PARAM}= must be a positive version number "
                          "and a time in ns")
     return int(ver), int(written)
@@ -103,8 +104,17 @@ def copy_precondition(request: web.Request, writer, cksum: str):
     def check(current: ObjectMeta | None) -> None:
         if writer.cksum != cksum:
             raise BadRequest(f"{where}: copy arrived with checksum {writer.cksum}, sent as {cksum}; not stored")
-        if expect is None:
-            return  # a client's PUT being copied: the newest write, whatever was deleted before
+        if expect is None:  # a client's PUT being copied: the newest write, whatever was deleted before —
+            # unless what is here is a later version of the same writer (two PUTs' copies
+            # arriving out of order: a higher number and a later time both say so; a review).
+            # Not by time alone: after a map change the writer may be another holder whose
+            # clock is behind, and its newer PUT must still replace this copy.
+            stamp = copy_stamp(request)
+            if current is not None and stamp is not None and current.version > stamp[0] \
+                    and current.atime_ns > stamp[1]:
+                raise CopyRefused(f"{where}: holds a later version (v{current.version}) than this copy's "
+                                  f"(v{stamp[0]}); not taken")
+            return
         deleted = request.app[NODE].deleted_ns(writer.bucket, writer.name)  # in the commit's lock
         written = request.query.get(WRITTEN_PARAM, "")
         if deleted_after(deleted, int(written) if written.isdigit() else 0):
@@ -295,6 +305,8 @@ async def put_copies(request: web.Request, bucket: str, name: str, meta: ObjectM
     results = await asyncio.gather(*(put_copy(request.app, t, bucket, name, meta) for t in targets),
                                    return_exceptions=True)
     for r in results:
+        if isinstance(r, CopyRefused):  # it holds a later write: this PUT was overtaken there, as here
+            continue
         if isinstance(r, BaseException):
             raise r
 

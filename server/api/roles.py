@@ -51,7 +51,7 @@ def build_for_role(config: ServerConfig):
         gateways: list[Gateway] = []
         gateway = Gateway(state / "gateway-map.json", secret, rebuild_after=config.rebuild_after_seconds,
                           join_urls=config.join_urls, election_after=config.election_after_seconds,
-                          on_removed=lambda why: _stop(why, gateways[0].member.removed_before_joining))
+                          on_removed=lambda why: _stop(why, getattr(gateways[0].member, "removed_before_joining", False)))
         gateways.append(gateway)
         app = build_gateway_app(config, gateway, secret)
         return app, lambda url: gateway.bound(url)

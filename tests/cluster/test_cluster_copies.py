@@ -10,6 +10,7 @@ import random
 import time
 
 import httpx
+import xxhash
 
 from tests.cluster.conftest import holds, ranked, signed_for
 from tests.support.getbatch import blob, sdk_client
@@ -57,6 +58,26 @@ def test_copies_survive_a_dead_target(cluster):
     assert not holds(target, "copies", "forged")
     r = httpx.put(f"{target}/v1/objects/copies/forged?replica=1", content=b"x", timeout=10)
     assert r.status_code == 400  # replica=1 from a client: refused
+    # a client PUT's copy that arrives after a later version of the same writer (two PUTs'
+    # copies out of order) is refused, and the later version stays; one with a higher number
+    # is taken even with an older time (its writer's clock may be behind after a map change)
+    name = sorted(objs)[-1]
+    second = urls[ranked(smap, "copies", name)[1]]
+    b.object(name).get_writer().put_content(b"v-next")  # a later version on both holders
+    head = httpx.head(f"{second}/v1/objects/copies/{name}?gfn=1", timeout=10,
+                      headers=signed_for(second, "HEAD", f"/v1/objects/copies/{name}?gfn=1"))
+    ver, written = int(head.headers["Ais-Version"]), int(head.headers["Ais-Atime"])
+    for old_ver, old_time, taken in ((ver - 1, written - 10**9, False), (ver + 1, written - 10**9, True)):
+        body = f"late {old_ver}".encode()
+        path_qs = (f"/v1/objects/copies/{name}?replica=1&cksum={xxhash.xxh64(body).hexdigest()}"
+                   f"&ver={old_ver}&written={old_time}")
+        r = httpx.put(second + path_qs, content=body, timeout=10, headers=signed_for(second, "PUT", path_qs))
+        assert r.status_code == (200 if taken else 412), (old_ver, r.status_code, r.text)
+        got = httpx.get(f"{second}/v1/objects/copies/{name}?gfn=1", timeout=10,
+                        headers=signed_for(second, "GET", f"/v1/objects/copies/{name}?gfn=1")).content
+        assert got == (body if taken else b"v-next"), (old_ver, got)
+    objs[name] = b"late " + str(ver + 1).encode()  # (what the test reads back below, from either copy)
+    b.object(name).get_writer().put_content(objs[name])  # both copies the same again
 
     victim = cluster.targets[1]
     victim_id = next(i for i, u in urls.items() if u == victim.url)
