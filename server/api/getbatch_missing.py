@@ -4,9 +4,10 @@ rebalance has not brought yet), and the soft-error limit applied before the DT's
 single node applies it.
 
 Invariants: an entry is "missing" for the soft-error limit only if no target of another copy
-holds it (asked with a signed HEAD ``?gfn=1``, at most ``ASK_AT_ONCE`` at a time, and only when
-the senders' placeholders are more than the limit); a shard's missing member is missing on
-every copy of the shard (not asked).
+holds it (asked with a signed HEAD ``?gfn=1``, at most ``ASK_AT_ONCE`` at a time, each given up
+after ``ASK_SECONDS``, unreachable targets skipped, and only when the senders' placeholders are
+more than the limit); a shard's member is missing everywhere when its sender holds the shard,
+else it is missing only if no other copy's target holds the shard.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from server.getbatch.request import MossReq
 # copy holds before its own 200, as a single node does (``over_soft_limit``)
 MISSING_HEADER = "Batchfs-Moss-Missing"
 ASK_AT_ONCE = 16  # HEADs at once when the DT looks for placeholders' other copies before its 200
+ASK_SECONDS = 2.0  # one such HEAD: a hung copy's target is taken as not holding it
 
 
 def missing_positions(entries) -> str:
@@ -42,7 +44,7 @@ _MISSING = re.compile(r"^ais://([^/]+)/(.+) does not exist$")
 
 
 async def elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecret, session: aiohttp.ClientSession,
-                     lacking: str, body: bytes) -> bool:
+                    lacking: str, body: bytes) -> bool:
     """Whether the object a sender's 404 names is held by another of its copies' targets (signed
     HEAD ``?gfn=1``); False for a 404 that names no object (a bucket)."""
     try:
@@ -52,9 +54,6 @@ async def elsewhere(request: web.Request, smap: ClusterMap, secret: ClusterSecre
     if m is None:
         return False
     return await held_elsewhere(smap, secret, session, *m.groups(), lacking)  # (waits for a hung one: 10 s)
-
-
-ASK_SECONDS = 2.0  # one such HEAD: a hung copy's target is taken as not holding it
 
 
 async def holds(node, secret: ClusterSecret, session: aiohttp.ClientSession, bucket: str, name: str,
