@@ -272,10 +272,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         if isinstance(first, web.Response):
             return first
         if req.strm:  # (buffered: counted by ``buffered`` once every placeholder was looked for)
-            too_many = await over_soft_limit(request, req, first, owners, *bounds[0],
-                                             entry_elsewhere(smap, secret, session, req, down), lenient)
-            if too_many is not None:
-                return too_many
+            await over_soft_limit(request, req, first, owners, *bounds[0],
+                                  entry_elsewhere(smap, secret, session, req, down), lenient)
         if not req.strm:
             resp = await buffered(req, owners, first, cap, buffered_elsewhere,
                                   request.app[CONFIG].getbatch_max_soft_errs)

@@ -25,6 +25,7 @@ from server.api.state import CONFIG
 from server.cluster import peers
 from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap
+from server.errors import NotFound
 from server.getbatch.request import MossReq
 
 # a sender's 200 to a DT's streamed sub-request: the positions (in the sub-request) of the
@@ -96,15 +97,16 @@ def entry_elsewhere(smap: ClusterMap, secret: ClusterSecret, session: aiohttp.Cl
 
 
 async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners: list, lo: int, hi: int,
-                          elsewhere_of: Callable[[int, str], Awaitable[bool]], lenient: bool) -> web.Response | None:
+                          elsewhere_of: Callable[[int, str], Awaitable[bool]], lenient: bool) -> None:
     """The 404 a single node answers before its 200 when the entries it checks first are missing:
     more than the soft-error limit with ``coer``; any one without it (its senders were asked
     with coer only because an owner lacks what another copy holds: ``lenient``). The first
     window's senders say which entries they give as placeholders (``MISSING_HEADER``); those
     another copy's target holds are not missing — looked for (``elsewhere_of``) only when there
-    are more than the limit. None to go on (the DT then counts what it passes on)."""
+    are more than the limit. NotFound (rendered as any error before the 200), else nothing: go
+    on (the DT then counts what it passes on)."""
     if not req.coer and not lenient:
-        return None  # every sender answered without coer: a missing entry was its 404
+        return  # every sender answered without coer: a missing entry was its 404
     limit = request.app[CONFIG].getbatch_max_soft_errs if req.coer else 0
     missing: list[tuple[int, str]] = []  # (entry, its sender)
     for node_id, r in subs.items():
@@ -114,7 +116,7 @@ async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners
         mine = [j for j in range(lo, hi) if owners[j] is not None and owners[j].id == node_id]
         missing += [(mine[p], node_id) for p in positions if p < len(mine)]
     if len(missing) <= limit:
-        return None
+        return
     gate = asyncio.Semaphore(ASK_AT_ONCE)
 
     async def nowhere(j: int, sender: str) -> bool:
@@ -123,12 +125,10 @@ async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners
     verdicts = await asyncio.gather(*(nowhere(j, s) for j, s in missing))
     gone = sorted(j for (j, _), v in zip(missing, verdicts) if v)
     if len(gone) <= limit:
-        return None
+        return
     for r in subs.values():
         r.close()
     first = req.entries[gone[0]]
     where = f"ais://{first.bucket}/{first.objname}" + (f" (member {first.archpath})" if first.archpath else "")
-    message = (f"moss: {len(gone)} missing entries exceed the soft-error limit of {limit} (getbatch_max_soft_errs); "
-               f"first: {where}" if req.coer else f"{where} does not exist")
-    body = json.dumps({"message": message, "method": "GET", "url_path": request.path, "status": 404})
-    return web.Response(status=404, body=body.encode(), headers={"Content-Type": "application/json"})
+    raise NotFound(f"moss: {len(gone)} missing entries exceed the soft-error limit of {limit} "
+                   f"(getbatch_max_soft_errs); first: {where}" if req.coer else f"{where} does not exist")
