@@ -127,6 +127,9 @@ def copy_precondition(request: web.Request, writer, cksum: str):
         # the last copy of that version (a review)
         if expect != "none" and current is not None and current.cksum != expect:
             raise CopyRefused(f"{where}: changed here since the sender looked; its copy is not taken")
+        stamp = copy_stamp(request)  # the same bytes written here again since (a review): a later write
+        if expect != "none" and current is not None and stamp is not None and current.atime_ns > stamp[1]:
+            raise CopyRefused(f"{where}: written here after this copy's version; its copy is not taken")
     return check
 
 

@@ -78,6 +78,18 @@ def test_copies_survive_a_dead_target(cluster):
         assert got == (body if taken else b"v-next"), (old_ver, got)
     objs[name] = b"late " + str(ver + 1).encode()  # (what the test reads back below, from either copy)
     b.object(name).get_writer().put_content(objs[name])  # both copies the same again
+    # a rebalance copy (or a pull: server.api.freshness) whose version was written before the one
+    # here is refused even when it replaces the checksum it expects: the same bytes written again
+    # since are a later write (a review)
+    head = httpx.head(f"{second}/v1/objects/copies/{name}?gfn=1", timeout=10,
+                      headers=signed_for(second, "HEAD", f"/v1/objects/copies/{name}?gfn=1"))
+    body = b"an older version"
+    path_qs = (f"/v1/objects/copies/{name}?replica=1&cksum={xxhash.xxh64(body).hexdigest()}"
+               f"&expect={xxhash.xxh64(objs[name]).hexdigest()}&ver=1&written={int(head.headers['Ais-Atime']) - 10**9}")
+    r = httpx.put(second + path_qs, content=body, timeout=10, headers=signed_for(second, "PUT", path_qs))
+    assert r.status_code == 412, (r.status_code, r.text)
+    assert httpx.get(f"{second}/v1/objects/copies/{name}?gfn=1", timeout=10,
+                     headers=signed_for(second, "GET", f"/v1/objects/copies/{name}?gfn=1")).content == objs[name]
 
     victim = cluster.targets[1]
     victim_id = next(i for i, u in urls.items() if u == victim.url)
