@@ -69,6 +69,7 @@ _last_refusal = [0.0, 0]  # when the last line was written, refusals since
 OPEN_PATHS = frozenset({"/v1/health"})  # the only routes anyone may use, whatever is configured
 # between cluster nodes only: signed with the cluster secret (server.cluster.secret), never a token
 CLUSTER_PATHS = frozenset({"/v1/cluster/autoreg", "/v1/cluster/map", "/v1/cluster/rebalance",
+                           "/v1/cluster/rebalance/push",
                            "/v1/cluster/bucket-copies", "/v1/cluster/vote", "/v1/cluster/remove",
                            "/v1/cluster/maintenance"})
 ANY_NODE_PATH = "/v1/health"  # the one request a node may sign for no node in particular (peers.who)

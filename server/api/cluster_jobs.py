@@ -24,9 +24,9 @@ from aiohttp import web
 from batchfs.wire.urls import object_path
 from server.bucket_ops import note_missing
 from server.validate import check_objname
-from server.api import auth, replicas, spread
+from server.api import auth, freshness, replicas, spread
 from server.api.daemon_api import NODE_INFO
-from server.api.rebalance import ASK_FAILED, PAGE, ask_names
+from server.api.holdings import ASK_FAILED, PAGE, ask_names
 from server.api.state import CLUSTER_SECRET, MEMBERSHIP, NODE, PEERS
 from server.cluster import peers
 from server.errors import BadRequest, NotFound, StoreError
@@ -126,6 +126,7 @@ async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, ne
     holder of the destination, which makes its copies; the size. NotFound if it is not here.
     A holder whose map differs answers 307 to the one it takes for the first holder: asked
     next, signed for it (a node's signature names one node, so no redirect is followed)."""
+    await freshness.ensure(app, [(src, name)])
     obj = await spread.open_object(app, src, name)
     try:
         smap = app[MEMBERSHIP].smap

@@ -54,7 +54,7 @@ from server.config import ServerConfig
 from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
-from server.api import auth
+from server.api import auth, freshness
 from server.api.daemon_api import NODE_INFO
 from server.api.getbatch_cluster import moss_across
 from server.api.getbatch_missing import MISSING_HEADER, missing_positions
@@ -272,6 +272,20 @@ def _lacks_any(node, req) -> bool:
     return False
 
 
+async def _fresh(app: web.Application, req, items: LocalItems) -> None:
+    """Every entry of ``req`` no older here than on another target (``freshness``), before
+    its plan reads any."""
+    req.check_upto(req.n, items)
+    await freshness.ensure(app, [(e.bucket, e.objname) for e in req.entries])
+
+
+async def _local_share(request: web.Request, items: LocalItems, sub):
+    """The designated target's own share of a window, served in-process (``open_local``)."""
+    app = request.app
+    fresh = (lambda r: _fresh(app, r, items)) if freshness.active(app) else None
+    return await open_local(items, app[GB_STATE], app[METRICS], request.path, sub, PRECHECK_ENTRIES, fresh)
+
+
 async def moss(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "getbatch"
     if request.method != "GET":
@@ -291,12 +305,14 @@ async def moss(request: web.Request) -> web.StreamResponse:
             node.require_bucket(default_bucket)
         signed = await auth.cluster_signed(request)  # a designated target's sub-request: serve it here
         req = parse_request(await read_json(request), default_bucket, config)
+        if signed and freshness.active(app):  # a sender's share: no entry older here than on another target
+            await _fresh(app, req, items)
         member = app.get(MEMBERSHIP)
         if not signed and member is not None and member.smap is not None and len(member.smap.targets) > 1:
             # the 400/404 a single node gives before its 200: the first PRECHECK_ENTRIES (streamed), every entry (buffered)
             req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
             me = member.smap.node(app[NODE_INFO]["id"])
-            if (me is None or _any_elsewhere(req, member.smap, me, items)
+            if (me is None or _any_elsewhere(req, member.smap, me, items) or freshness.active(app)
                     or _lacks_any(node, req)):  # e.g. joined, before the rebalance: from the other copies
                 throttle = state.admission.admit()  # the designated target's admission control
                 progress = _Progress()
@@ -306,8 +322,7 @@ async def moss(request: web.Request) -> web.StreamResponse:
                     across = moss_across(request, req, member.smap, me or _unknown(app), app[CLUSTER_SECRET],
                                          app[PEERS], config.getbatch_max_buffered_bytes,
                                          lambda upto: req.check_upto(upto, items),
-                                         lambda sub: open_local(items, state, metrics, request.path, sub,
-                                                                PRECHECK_ENTRIES), progress)
+                                         lambda sub: _local_share(request, items, sub), progress)
                     return await _watched(request, across, progress, config, metrics)
                 finally:
                     state.admission.leave()

@@ -155,10 +155,13 @@ class LocalReply:
 
 
 async def open_local(items: LocalItems, state: GetBatchState, metrics: Metrics, path: str,
-                     req: MossReq, precheck: int) -> LocalReply:
+                     req: MossReq, precheck: int, prepare=None) -> LocalReply:
     """Start the job for ``req`` (a sender's share of a window, plain TAR) as a signed
-    sub-request would: its 4xx before any byte, else a 200 whose TAR streams from a task."""
+    sub-request would: its 4xx before any byte, else a 200 whose TAR streams from a task.
+    ``prepare(req)``, awaited first, as the sub-request's handler would (``freshness``)."""
     try:
+        if prepare is not None:
+            await prepare(req)
         req.check_upto(precheck if req.strm else req.n, items)
         job = BatchJob(req, state.config, items, metrics, state)
         job.soft_limit = req.n  # the DT counts the placeholders it passes on, as for a remote sender

@@ -29,7 +29,7 @@ import os
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import auth, cluster_jobs, daemon_api, neighbours, refusals, replicas, spread, spread_deletes
+from server.api import auth, cluster_jobs, daemon_api, freshness, neighbours, refusals, replicas, spread, spread_deletes
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -42,6 +42,7 @@ from server.store.reader import discard, verify_in_thread, verify_pieces, OpenOb
 log = logging.getLogger(__name__)
 
 from server.api import archget  # GET ?archpath=: one member of a shard
+from server.cluster.secret import HEADER as CLUSTER_HEADER
 from server.cluster.spreadnames import owner_bucket
 
 INLINE_READ_MAX = 256 * 1024  # below this a read is one pread on the event loop (page cache)
@@ -87,6 +88,8 @@ async def health(request: web.Request) -> web.Response:
     # primary and never rebalances, so a running server is ready
     request[OP_KEY] = "health"
     bool_param(request, "prr")
+    if CLUSTER_HEADER in request.headers:  # a gateway's probe (its signature checked: ``auth``)
+        freshness.heard(request.app)
     return web.Response(text="")
 
 
@@ -235,6 +238,7 @@ async def _append(request: web.Request, bucket: str, name: str) -> web.Response:
     if handle:
         session = appends.get(handle, bucket, name)
     else:  # a new work copy holding the object's current bytes (if any)
+        await freshness.ensure(request.app, [(bucket, name)])
         writer = node.writer(bucket, name)
         session = AppendSession(bucket, name, writer)
 
@@ -276,6 +280,7 @@ async def head_object(request: web.Request) -> web.StreamResponse:
     gfn = await neighbours.is_gfn(request)  # a client's gfn=1: 400 whether this target holds it or not
     if (holder := await replicas.leaving_redirect(request, bucket, name)) is not None:
         return holder
+    await freshness.ensure(request.app, [(bucket, name)])  # after a map change: no older copy than another's
     try:
         meta = request.app[NODE].lookup(bucket, name)
     except NotFound as e:
@@ -301,6 +306,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     header = request.headers.get("Range")
     if (holder := await replicas.leaving_redirect(request, bucket, name)) is not None:
         return holder  # a client with a map older than this target's removal: the holder's is the newest
+    await freshness.ensure(request.app, [(bucket, name)])  # after a map change: no older copy than another's
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
     # Only the chunks the range covers are opened (a bad range fails before any is).

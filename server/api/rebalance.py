@@ -6,10 +6,13 @@ A target joins (rebalance) or is dropped by the gateway after ``--rebuild-after`
 walk over its own objects, one at a time::
 
     holders = the object's first ``copies`` HRW targets under the new map
-    ask each other holder its version and write time, or its tombstone (one signed
-    POST /v1/cluster/rebalance per holder per page of PAGE names, not a request per object)
-    if a holder deleted the name after our version was written:
+    ask each other holder, and each target that holds the name when this one is out of the map
+    (``holdings.others``), its version and write time, or its tombstone (one signed
+    POST /v1/cluster/rebalance per target per page of PAGE names, not a request per object)
+    if the latest answer is a delete after our version was written:
         delete the local copy, keep the tombstone; done
+    if it is a version written after ours and this target is a holder: that target sends its
+        copy here (``holdings.ask_push``), committed only over ours; ours is now that one
     for each other holder:  absent: send a copy (expect=none)
                             older version there: send ours (expect=theirs)
     if this target is not a holder and every holder answered that it has the object:
@@ -45,14 +48,13 @@ Invariants:
 Known limits: "before" compares the clocks of two targets (a delete and a write of the same name
 within their clock skew may be ordered wrongly); a target away longer than the tombstones are
 kept may bring deleted objects back; until its walk reaches an object, a returning target lists
-(and, as the object's first holder, serves) its stale copy.
+its stale copy (its reads check the other copies first: ``server.api.freshness``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 
@@ -60,6 +62,8 @@ import aiohttp
 from aiohttp import web
 
 from server.api import replicas
+from server.api.freshness import FRESHNESS, Freshness
+from server.api.holdings import ASK_FAILED, PAGE, ask_names, newest, others, same_version
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, INFLIGHT, MEMBERSHIP, METRICS, NODE, PEERS
@@ -71,8 +75,6 @@ from server.errors import Conflict, NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
-PAGE = 256  # names listed at a time, and asked of each holder in one request
-CHECK_PATH = "/v1/cluster/rebalance"
 FENCE_FILE = "rebalance-fence.json"
 # How long a target remembers a delete: one away longer may bring deleted objects back
 TOMBSTONE_KEEP_SECONDS = 14 * 24 * 3600
@@ -82,28 +84,6 @@ REBALANCER = web.AppKey("rebalancer", object)
 # dropped from the map, so no map change would start the walk that completes its copies.
 RETRY_MIN_SECONDS = 2.0
 RETRY_MAX_SECONDS = 60.0
-
-
-# what keeps ``ask_names`` from an answer: the holder is unreachable, slow, or answered nonsense
-ASK_FAILED = (aiohttp.ClientError, asyncio.TimeoutError, StoreError, ValueError, KeyError, TypeError)
-
-
-async def ask_names(app: web.Application, node: ClusterNode, smap: ClusterMap, bucket: str,
-                    names: list[str]) -> list[tuple[int, str, int]]:
-    """What ``node`` holds of ``names`` (at most ``PAGE``): ``(status, checksum, time)`` per
-    name, in order, as ``rebalance_answers.check_names`` answers; one of ``ASK_FAILED`` if it
-    does not answer within ``ASK_TIMEOUT``. Signed, with this map's version and digest (they
-    fence the holder's own drops)."""
-    body = json.dumps({"bucket": bucket, "names": names, "map_version": smap.version,
-                       "map_digest": smap.identity[1]}).encode()
-    async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "POST", node.url, CHECK_PATH, to=node.id,
-                            body=body, headers={"Content-Type": "application/json"}, timeout=ASK_TIMEOUT) as r:
-        if r.status != 200:
-            raise replicas.CopyFailed(f"HTTP {r.status} from {CHECK_PATH}")
-        answers = (await r.json())["objects"]
-    if len(answers) != len(names):
-        raise replicas.CopyFailed(f"{len(answers)} answers for {len(names)} names")
-    return [(int(status), str(cksum), int(when)) for status, cksum, when in answers]
 
 
 class _NewMap(Exception):
@@ -126,9 +106,11 @@ class Rebalancer:
                       "clean_version": 0}
 
     def changed(self, smap: ClusterMap) -> None:
+        self.app[FRESHNESS].begin()  # until a walk of this map is done, reads check (``freshness``)
         self._wake.set()
 
     async def start(self, app: web.Application) -> None:
+        self.app[FRESHNESS].begin()  # back from a stop: its copies may be older than the others'
         self._pace = Pace(app[CONFIG].rebalance_rate_bytes)
         self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()  # a restart walks again: an interrupted walk continues (``WalkCursor``)
@@ -151,7 +133,7 @@ class Rebalancer:
             if smap is None or len(smap.targets) < 1 or self.app[NODE_INFO]["id"] not in smap.targets:
                 continue
             self.state.update(running=True, map_version=smap.version, retry_in=0)
-            started, failed = time.monotonic(), self.state["failed"]
+            started, failed, epoch = time.monotonic(), self.state["failed"], self.app[FRESHNESS].epoch
             try:
                 await self._walk(smap)
                 log.info("rebalance to map v%d done in %.1f s: %s", smap.version, time.monotonic() - started,
@@ -172,6 +154,7 @@ class Rebalancer:
                 else:
                     backoff = RETRY_MIN_SECONDS
                     self.state["clean_version"] = smap.version
+                    self.app[FRESHNESS].settled(epoch)
             except _NewMap:
                 self._wake.set()
             except Exception as e:  # a bug must not end the task: the next map walks again
@@ -281,10 +264,9 @@ class Rebalancer:
         asks: dict[str, list[str]] = {}
         nodes: dict[str, ClusterNode] = {}
         for name in names:
-            for h in smap.holders(bucket, name):
-                if h.id != me:
-                    asks.setdefault(h.id, []).append(name)
-                    nodes[h.id] = h
+            for h in others(smap, me, bucket, name):  # (its other holders among them)
+                asks.setdefault(h.id, []).append(name)
+                nodes[h.id] = h
         seen: dict[tuple[str, str], tuple | Exception] = {}
 
         async def ask(holder: str, batch: list[str]) -> None:
@@ -309,21 +291,28 @@ class Rebalancer:
         if not holders:  # every target is leaving: nowhere to put it, so it stays (a review: it was dropped)
             self._failed_step(f"ais://{bucket}/{name}: no target to place it on (every target is leaving)")
             return
-        others = [h for h in holders if h.id != me]
-        seen: dict[str, tuple[int, str, int]] = {}  # holder id -> its status, cksum, time
-        for h in others:
+        seen: dict[str, tuple[int, str, int]] = {}  # target id -> its status, cksum, time
+        for h in others(smap, me, bucket, name):
             answer = checked.get((h.id, name))
             if isinstance(answer, tuple):
                 seen[h.id] = answer
             else:
                 self._failed(bucket, name, h, answer or replicas.CopyFailed("not asked"))
-        # a holder deleted the name after our version was written: ours is not to be copied
-        deleted = max((t for status, _, t in seen.values() if status == 404), default=None)
-        if replicas.deleted_after(deleted, meta.atime_ns):
-            await self._drop(bucket, name, meta, deleted)
+        verdict = newest(meta, seen)
+        if verdict is not None and verdict[0] == "deleted":  # deleted after our version was written:
+            await self._drop(bucket, name, meta, verdict[1])  # ours is not to be copied
             return
+        if verdict is not None and me in {h.id for h in holders}:  # a newer version elsewhere: brought here
+            try:
+                await self._pace.paid(await self.app[FRESHNESS].bring(smap, bucket, name, meta, verdict))
+                meta = await asyncio.to_thread(node.lookup, bucket, name)
+            except NotFound:
+                return
+            except (StoreError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self._failed_step(f"ais://{bucket}/{name} from {verdict[1]}: {e}")
+                return
         confirmed = 0
-        for h in others:
+        for h in (h for h in holders if h.id != me):
             if h.id not in seen:
                 continue
             status, cksum, written_ns = seen[h.id]
@@ -352,10 +341,7 @@ class Rebalancer:
         "deleted after written" is decided by clocks, and a target the walk does not ask (one
         out of the map, or no longer a holder) may hold the same version and copy it back —
         reviews lost acknowledged objects both ways a deletion here was tried."""
-        def same_version(current) -> None:
-            if current.cksum != meta.cksum or current.version != meta.version:
-                raise replicas.CopyRefused("rewritten here meanwhile")
-        delete = functools.partial(self.app[NODE].delete, bucket, name, same_version, deleted_ns)
+        delete = functools.partial(self.app[NODE].delete, bucket, name, same_version(meta), deleted_ns)
         try:
             if walk is not None:  # handed over: only while no other map is known (server.cluster.handover)
                 member = self.app[MEMBERSHIP]
@@ -396,7 +382,9 @@ class Rebalancer:
 
 
 def add_routes(app: web.Application, membership) -> None:
+    app[FRESHNESS] = Freshness(app)
     r = Rebalancer(app)
+    app[FRESHNESS].on_back = r._wake.set  # back from an absence: a walk to settle it
     app[REBALANCER] = r
     membership.on_change.append(r.changed)
     app.on_startup.append(r.start)

@@ -1,9 +1,10 @@
 """What a target answers the other nodes about its rebalance walk (``server.api.rebalance``).
 
 ``POST /v1/cluster/rebalance``: what it holds of a page of names, asked by another target's walk
-(whose map version fences this target's own drops, ``server.cluster.handover``); ``GET
+(whose map version fences this target's own drops, ``server.cluster.handover``); ``POST
+/v1/cluster/rebalance/push``: send its copy to a target whose copy is older; ``GET
 /v1/cluster/rebalance``: its walk, buckets, capacity and owed chunk deletes, asked by the gateway
-(``cluster status``, and whether a leaving target holds anything still). Both are signed
+(``cluster status``, and whether a leaving target holds anything still). All are signed
 cluster routes (``server.api.auth``).
 """
 
@@ -16,9 +17,12 @@ import shutil
 from aiohttp import web
 
 from server.api import replicas
-from server.api.rebalance import CHECK_PATH, PAGE, REBALANCER
-from server.api.state import NODE
-from server.errors import BadRequest, NotFound, StoreError
+from server.api.freshness import FRESHNESS
+from server.api.holdings import CHECK_PATH, PAGE, PUSH_PATH
+from server.api.rebalance import REBALANCER
+from server.api.state import MEMBERSHIP, NODE
+from server.cluster.smap import TARGET, ClusterNode
+from server.errors import BadRequest, Conflict, NotFound, StoreError
 
 
 async def check_names(request: web.Request) -> web.Response:
@@ -75,9 +79,38 @@ async def rebalance_status(request: web.Request) -> web.Response:
     owed = await asyncio.to_thread(node.target_store.deferred.count)
     # a leaving target: whether it holds anything now (the primary removes it only if not)
     holds = await request.app[REBALANCER].still_holds() if replicas.leaving(request.app) else None
-    rb = request.app[REBALANCER]
-    return web.json_response(rb.state | {"buckets": sorted(node.buckets), "capacity": capacity, "owed_deletes": owed,
+    rb, fresh = request.app[REBALANCER], request.app[FRESHNESS]
+    return web.json_response(rb.state | {"fresh": {"checking": fresh.checking(), **fresh.counts},
+                                         "buckets": sorted(node.buckets), "capacity": capacity, "owed_deletes": owed,
                                          "holds": holds, "asked_map_version": rb.fence.newest_asked})
+
+
+async def push_copy(request: web.Request) -> web.Response:
+    """``POST /v1/cluster/rebalance/push`` (signed), body ``{"bucket", "name", "cksum", "to",
+    "url", "expect"}``: send this target's copy of the object — if it is still the version
+    ``cksum`` — to target ``to``, where it replaces only the version ``expect``
+    (``replicas.put_copy``). A target whose copy is older than this one's asks for it
+    (``server.api.freshness``): 200 once committed there, 412 if ``to`` changed meanwhile, 404
+    or 409 if the version here did. ``url``: where ``to`` listens if this target's map does not
+    name it yet (it joined a moment ago)."""
+    try:
+        body = await request.json()
+        bucket, name, cksum, to, url, expect = (body[k] for k in ("bucket", "name", "cksum", "to", "url", "expect"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadRequest('the body must be {"bucket", "name", "cksum", "to", "url", "expect"}') from None
+    if not all(isinstance(v, str) and 0 < len(v) <= 1024 for v in (bucket, name, cksum, to, url, expect)):
+        raise BadRequest("bucket, name, cksum, to, url and expect must be non-empty strings")
+    member = request.app[MEMBERSHIP]
+    target = member.smap.node(to) if member.smap is not None else None
+    if target is None and url.startswith(("http://", "https://")):  # the copy is signed for ``to``: only it takes it
+        target = ClusterNode(to, url, TARGET)
+    if target is None or target.kind != TARGET:
+        raise BadRequest(f"{to} is not a target of this cluster; nothing sent")
+    meta = await asyncio.to_thread(request.app[NODE].lookup, bucket, name)
+    if meta.cksum != cksum:
+        raise Conflict(f"ais://{bucket}/{name} changed here since it was asked about; nothing sent")
+    sent = await replicas.put_copy(request.app, target, bucket, name, meta, expect=expect)
+    return web.json_response({"sent": sent})
 
 
 def _capacity(roots: list) -> dict:
@@ -96,3 +129,4 @@ def _capacity(roots: list) -> dict:
 def add_routes(app: web.Application) -> None:
     app.router.add_get(CHECK_PATH, rebalance_status)
     app.router.add_post(CHECK_PATH, check_names)
+    app.router.add_post(PUSH_PATH, push_copy)

@@ -46,7 +46,7 @@ import time
 
 from aiohttp import web
 
-from server.api import native, replicas, spread, spread_deletes
+from server.api import freshness, native, replicas, spread, spread_deletes
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
@@ -222,6 +222,7 @@ async def obj(request: web.Request) -> web.StreamResponse:
         return await _get_object(request)
     if method == "HEAD":
         bucket_name, key = require_bucket(request), object_key(request)
+        await freshness.ensure(request.app, [(bucket_name, key)])
         meta = request.app[NODE].lookup(bucket_name, key)
         if (not_modified := read_preconditions(request, meta)) is not None:
             return not_modified
@@ -249,6 +250,7 @@ async def obj(request: web.Request) -> web.StreamResponse:
 
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = require_bucket(request), object_key(request)
+    await freshness.ensure(request.app, [(bucket_name, key)])
     obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers.get("Range")),
                                     stream=True)
     try:

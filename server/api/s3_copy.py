@@ -14,7 +14,7 @@ import urllib.parse
 
 from aiohttp import web
 
-from server.api import neighbours, replicas, spread
+from server.api import freshness, neighbours, replicas, spread
 from server.api.s3_conditions import precondition_failed, put_precondition, read_conditions
 from server.api.s3_xml import S3Error, copy_result_doc, xml_response
 from server.api.state import METRICS, NODE, OP_KEY
@@ -90,6 +90,7 @@ async def copy_object(request: web.Request, bucket_name: str, key: str) -> web.R
     if src_bucket not in node.buckets:
         raise S3Error(404, "NoSuchBucket", f"the source bucket {src_bucket!r} does not exist")
     try:
+        await freshness.ensure(request.app, [(src_bucket, check_objname(src_key))])
         src = await spread.open_object(request.app, src_bucket, check_objname(src_key), lazy=True)
     except BadRequest:
         raise S3Error(404, "NoSuchKey", f"the source {src_bucket}/{src_key} does not exist") from None

@@ -32,6 +32,10 @@ def _rebalance(r: dict | None) -> str:
         f"copied {r.get('copied', 0)}, deleted {r.get('deleted', 0)}, stale {r.get('stale', 0)}, "
         f"failed {r.get('failed', 0)}")
     text += f", resumed after {r['resumed_from']}" if r.get("resumed_from") else ""
+    fresh = r.get("fresh") or {}
+    if fresh.get("checking") or fresh.get("pulled") or fresh.get("deleted"):  # (server.api.freshness)
+        text += (f"; reads {'check' if fresh.get('checking') else 'checked'} other copies: "
+                 f"{fresh.get('pulled', 0)} newer brought here, {fresh.get('deleted', 0)} deleted meanwhile")
     text += f", {r['owed_deletes']} chunk deletes owed to targets that were down" if r.get("owed_deletes") else ""
     return text + (f" (last error: {r['last_error']})" if r.get("failed") and r.get("last_error") else "")
 

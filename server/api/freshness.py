@@ -1,0 +1,275 @@
+"""Fresh reads after a map change: until this target's walk of the new map has ended with no
+failure, a copy it holds may be older than one another target holds, so a read checks first.
+
+How a copy here gets older than another: while this target was away (stopped, cut off, dropped
+after ``--rebuild-after``) the name was rewritten or deleted on the targets that held it then
+(or a write was refused for want of this target's copy after the other holder had stored it);
+or the map placed the name elsewhere for a while (a target joined, then left) and it was
+rewritten there. Back as the name's first holder, this target served its older copy until a
+walk reached the name: a reader saw the new version, then the old one for seconds (a new
+user's run, 2026-11-27).
+
+    a read of a name held here (GET, HEAD, archive member, S3 GET and HEAD, CopyObject's
+    source, GetBatch entries, a neighbour's GFN) while ``Freshness.active``:
+        ask the targets that may hold a newer copy (``holdings.others``: its other holders,
+        and the ones that hold it without this target) what they have, one request per
+        target per 256 names
+        the latest event is a delete after our copy was written: delete ours (keeping the
+        tombstone), the read answers 404
+        a version written after ours: that target sends its copy here (``holdings.ask_push``),
+        committed only over our version; the read serves it
+        then the read goes on as always, from what is here
+
+Invariants:
+- Active from the process's start, from every map change, and from the moment no gateway has
+  probed this target for AWAY_SECONDS (it may be cut off, or have been stopped, and dropped
+  from the map without knowing yet) until a walk that began after it ends with no failure
+  (``Rebalancer``) while probes arrive; inactive, a read costs nothing more.
+- A name is checked once per activation (``_checked``, at most CHECKED_MAX names): a later
+  write reaches this target, one of its holders, like any write.
+- One pull per name at a time (``_pulls``); a pull replaces only the version we looked at, so
+  a write that lands meanwhile is never overwritten (``expect``, ``replicas.copy_precondition``).
+- A target that does not answer within ASK_SECONDS is not asked again for SKIP_SECONDS (a hung
+  one costs a read one wait, not every read one); the names it was asked about are checked
+  again on their next read. A newer copy that cannot be brought here is a 503, never our
+  older bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+import aiohttp
+from aiohttp import web
+
+from server.api import replicas
+from server.api.daemon_api import NODE_INFO
+from server.api.holdings import ASK_FAILED, PAGE, SourceChanged, ask_names, ask_push, newest, others, same_version
+from server.api.state import MEMBERSHIP, NODE
+from server.cluster.smap import ClusterMap
+from server.errors import NotFound, StoreError
+from server.store.meta import ObjectMeta
+
+log = logging.getLogger(__name__)
+
+FRESHNESS = web.AppKey("freshness", object)
+ASK_SECONDS = 5.0  # a busy target (every one walks after a map change) is waited for; a hung one skipped
+SKIP_SECONDS = 10.0
+PULLS_AT_ONCE = 8  # a GetBatch's stale entries are brought this many at a time
+# gateways probe every target every second (every 2 s while one is hung: a round waits for its
+# 1 s probe timeout, ``gateway_health``); none for this long, this target may be out of the map
+# (a primary drops a target after ``--rebuild-after``: 120 s, 2 s in tests)
+AWAY_SECONDS = 3.0
+CHECKED_MAX = 100_000  # names remembered as checked (a few hundred bytes each); then asked again
+
+
+class Freshness:
+    def __init__(self, app: web.Application):
+        self.app = app
+        self.epoch = 0  # activations so far: a walk settles only the one it began in
+        self.active = False
+        self._checked: set[tuple[str, str]] = set()
+        self._pulls: dict[tuple[str, str], asyncio.Future] = {}
+        self._skip: dict[str, float] = {}  # target id -> monotonic time until which it is not asked
+        self.counts = {"asked": 0, "pulled": 0, "deleted": 0}
+        self._heard: float | None = None  # when a gateway last probed this target (monotonic)
+        self._away = False  # not probed for AWAY_SECONDS (until the next probe)
+        self.on_back = lambda: None  # a probe after an absence: walk again (``Rebalancer``)
+
+    def begin(self) -> None:
+        """The map changed (or this process started): reads check until a walk settles it."""
+        self.epoch += 1
+        self.active = True
+        self._checked.clear()
+
+    def heard(self) -> None:
+        """A gateway probed this target (a signed health probe). After a gap of AWAY_SECONDS —
+        noticed here if no read came in between (a review: a stopped target's first request
+        after it resumes is often a queued probe) — reads check until the next walk."""
+        now = time.monotonic()
+        if self._heard is not None and now - self._heard > AWAY_SECONDS and not self._away:
+            self._went_away(now - self._heard)
+        self._heard = now
+        if self._away:
+            self._away = False
+            log.info("probed by a gateway again: reads check other targets' copies until the next walk is done")
+            self.on_back()
+
+    def _went_away(self, seconds: float) -> None:
+        self._away = True
+        self.begin()
+        log.warning("no gateway probed this target for %.1f s: it may be out of the cluster's map; reads check "
+                    "other targets' copies until a walk after the probes are back", seconds)
+
+    def checking(self) -> bool:
+        """Whether reads check now (``active``, or no probe for AWAY_SECONDS: then active)."""
+        if self._heard is not None and not self._away and time.monotonic() - self._heard > AWAY_SECONDS:
+            self._went_away(time.monotonic() - self._heard)
+        return self.active
+
+    def settled(self, epoch: int) -> None:
+        """A walk that began in activation ``epoch`` ended with no failure (not while away)."""
+        if epoch == self.epoch and self.active and not self._away:
+            self.active = False
+            self._checked.clear()
+            log.info("copies here are as new as the other targets' (map walked): reads no longer check")
+
+    async def ensure(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Make this target's copies of ``pairs`` (bucket, name) — those it holds — no older than
+        the other targets' (module docstring). NotFound-free: a name deleted elsewhere is
+        deleted here and its read then answers 404 as any; ``replicas.CopyFailed`` (503) if a
+        newer copy could not be brought."""
+        if not self.checking():
+            return
+        member = self.app.get(MEMBERSHIP)
+        smap = member.smap if member is not None else None
+        if smap is None or len(smap.targets) < 2:
+            return
+        by_bucket: dict[str, list[str]] = {}
+        for bucket, name in pairs:
+            if (bucket, name) not in self._checked:
+                by_bucket.setdefault(bucket, []).append(name)
+        for bucket, names in by_bucket.items():
+            await self._ensure_bucket(smap, bucket, list(dict.fromkeys(names)))
+
+    async def _ensure_bucket(self, smap: ClusterMap, bucket: str, names: list[str], again: bool = True) -> None:
+        metas = await asyncio.to_thread(_held, self.app[NODE], bucket, names)
+        if not metas:
+            return
+        epoch = self.epoch
+        answers, unanswered = await self.ask(smap, bucket, list(metas))
+        slots, changed = asyncio.Semaphore(PULLS_AT_ONCE), []
+
+        async def one(name: str, meta: ObjectMeta) -> None:
+            verdict = newest(meta, answers.get(name, {}))
+            if verdict is not None:
+                async with slots:
+                    try:
+                        await self.bring(smap, bucket, name, meta, verdict)
+                    except SourceChanged:
+                        if not again:
+                            raise
+                        changed.append(name)  # (it changed there since it answered: asked once more)
+                        return
+            if name not in unanswered and epoch == self.epoch and len(self._checked) < CHECKED_MAX:
+                self._checked.add((bucket, name))
+
+        async with asyncio.TaskGroup() as tg:
+            for name, meta in metas.items():
+                tg.create_task(one(name, meta))
+        if changed:
+            await self._ensure_bucket(smap, bucket, changed, again=False)
+
+    async def ask(self, smap: ClusterMap, bucket: str, names: list[str],
+                  timeout: float = ASK_SECONDS) -> tuple[dict[str, dict[str, tuple]], set[str]]:
+        """What the targets that may hold a newer copy hold of ``names``: name -> {target id ->
+        answer}, and the names some target was not asked about or did not answer."""
+        me, now = self.app[NODE_INFO]["id"], time.monotonic()
+        asks: dict[str, list[str]] = {}
+        nodes = {}
+        unanswered: set[str] = set()
+        for name in names:
+            for n in others(smap, me, bucket, name):
+                if self._skip.get(n.id, 0) > now:
+                    unanswered.add(name)
+                    continue
+                asks.setdefault(n.id, []).append(name)
+                nodes[n.id] = n
+        answers: dict[str, dict[str, tuple]] = {}
+
+        async def one(node_id: str, batch: list[str]) -> None:
+            for k in range(0, len(batch), PAGE):
+                page = batch[k:k + PAGE]
+                try:
+                    got = await ask_names(self.app, nodes[node_id], smap, bucket, page,
+                                          aiohttp.ClientTimeout(total=timeout))
+                except ASK_FAILED as e:
+                    self._skip[node_id] = time.monotonic() + SKIP_SECONDS
+                    unanswered.update(batch[k:])
+                    log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS,
+                             e or type(e).__name__)
+                    return
+                self.counts["asked"] += len(page)
+                for name, answer in zip(page, got):
+                    answers.setdefault(name, {})[node_id] = answer
+
+        await asyncio.gather(*(one(n, batch) for n, batch in asks.items()))
+        return answers, unanswered
+
+    async def bring(self, smap: ClusterMap, bucket: str, name: str, meta: ObjectMeta, verdict: tuple) -> int:
+        """Act on ``holdings.newest``'s verdict about our copy ``meta``: delete it, or have the
+        target with the newer version send it here. The bytes brought (0 for a delete, or when
+        a pull of the same name was already under way)."""
+        if verdict[0] == "deleted":
+            await asyncio.to_thread(_drop_stale, self.app[NODE], bucket, name, meta, verdict[1])
+            self.counts["deleted"] += 1
+            return 0
+        key = (bucket, name)
+        pull = self._pulls.get(key)
+        if pull is not None:  # another read of the name is bringing it
+            try:
+                await asyncio.shield(pull)
+            except replicas.CopyRefused:
+                pass  # ours changed meanwhile: what is here now is a newer write
+            return 0
+        node = smap.node(verdict[1])
+        if node is None:
+            raise replicas.CopyFailed(f"ais://{bucket}/{name}: a newer copy is on {verdict[1]}, not in the map")
+        me = smap.node(self.app[NODE_INFO]["id"])
+        pull = asyncio.ensure_future(ask_push(self.app, node, me, bucket, name, verdict[2], meta.cksum))
+        self._pulls[key] = pull
+        pull.add_done_callback(self._pulled)
+        try:
+            await asyncio.shield(pull)
+        except replicas.CopyRefused:
+            return 0  # ours changed since we looked: what is here now is a newer write
+        self.counts["pulled"] += 1
+        log.info("ais://%s/%s: the copy here was older than %s's; brought its version", bucket, name, node.id)
+        return meta.size
+
+
+    def _pulled(self, pull: asyncio.Future) -> None:
+        self._pulls = {k: f for k, f in self._pulls.items() if f is not pull}
+        if not pull.cancelled():
+            pull.exception()  # retrieved: its readers may all have gone (a review)
+
+
+def _held(node, bucket: str, names: list[str]) -> dict[str, ObjectMeta]:
+    """The names this target holds a copy of, with that copy's metadata."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = node.lookup(bucket, name)
+        except StoreError:  # absent here (a read then asks its neighbours), or no such bucket
+            continue
+    return out
+
+
+def _drop_stale(node, bucket: str, name: str, meta: ObjectMeta, deleted_ns: int) -> None:
+    """Delete our copy if it is still ``meta``'s version, remembering the delete made elsewhere."""
+    try:
+        node.delete(bucket, name, same_version(meta), deleted_ns)
+    except (NotFound, replicas.CopyRefused):
+        pass
+
+
+def heard(app: web.Application) -> None:
+    """A gateway's signed health probe reached this target."""
+    fresh = app.get(FRESHNESS)
+    if fresh is not None:
+        fresh.heard()
+
+
+def active(app: web.Application) -> bool:
+    """Whether reads here check the other targets' copies first (never on a single node)."""
+    fresh = app.get(FRESHNESS)
+    return fresh is not None and fresh.checking()
+
+
+async def ensure(app: web.Application, pairs: Iterable[tuple[str, str]]) -> None:
+    """``Freshness.ensure`` on a target of a cluster; nothing on a single node."""
+    if active(app):
+        await app[FRESHNESS].ensure(pairs)

@@ -1,0 +1,122 @@
+"""A target back after being away serves no copy older than another target's
+(server/api/freshness.py), with real processes.
+
+The target is killed and dropped from the map; names it was the first holder of are rewritten
+and deleted meanwhile (in a bucket of two copies, and in one of one copy, whose newer version
+then lives on a target that is not its holder once the first one is back). Every walk is paced
+(``--rebalance-rate``), so after the target rejoins its stale copies stay on its disks for
+seconds — before freshness, the gateway sent readers to it and they got the old bytes. Every
+read from the moment it rejoins until every walk is done must see the new bytes: native GET
+and HEAD through the gateway, a GET straight from it (``direct=True``'s path), GetBatch, S3.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+
+import httpx
+
+from tests.cluster.conftest import Cluster, holds, ranked, signed_for
+from tests.support.getbatch import moss, sdk_client
+
+
+def _get(url: str, bucket: str, name: str) -> httpx.Response:
+    return httpx.get(f"{url}/v1/objects/{bucket}/{name}", timeout=30, follow_redirects=True)
+
+
+def _read_everything(cluster: Cluster, victim_url: str, want: dict[tuple[str, str], bytes | None]) -> int:
+    """Read every name, newest-last names first (a walk goes in name order), every way; the
+    number of reads. A name whose value is None was deleted: 404."""
+    n = 0
+    for (bucket, name), data in sorted(want.items(), reverse=True):
+        for url in (cluster.url, victim_url):  # through the gateway (to the first holder), and at the victim
+            r = _get(url, bucket, name)
+            if data is None:
+                assert r.status_code == 404, (bucket, name, url, r.status_code, r.content[:40])
+            else:
+                assert r.status_code == 200 and r.content == data, (bucket, name, url, r.status_code, r.content[:40])
+            n += 1
+        h = httpx.head(f"{cluster.url}/v1/objects/{bucket}/{name}", timeout=30, follow_redirects=True)
+        assert h.status_code == (404 if data is None else 200), (bucket, name, h.status_code)
+        if data is not None:
+            assert int(h.headers["Content-Length"]) == len(data), (bucket, name)
+    for bucket in ("back", "one"):
+        names = sorted(n for b, n in want if b == bucket and want[b, n] is not None)
+        r = moss(cluster.url, bucket, {"in": [{"objname": x} for x in reversed(names)], "strm": True})
+        assert r.status_code == 200, r.text[:300]
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
+            got = [(m.name, tf.extractfile(m).read()) for m in tf]
+        assert [d for _, d in got] == [want[bucket, x] for x in reversed(names)], bucket
+        s3 = httpx.get(f"{cluster.url}/s3/{bucket}/{names[-1]}", timeout=30)
+        assert s3.status_code == 200 and s3.content == want[bucket, names[-1]], (bucket, s3.status_code)
+    return n
+
+
+def test_a_returning_target_serves_no_copy_older_than_another(tmp_path):
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "2"),
+                      target_args=("--rebalance-rate", "8KiB"))
+    try:
+        cluster.start()
+        client = sdk_client(cluster.url)
+        client.bucket("back").create()
+        client.bucket("one").create()
+        r = httpx.patch(f"{cluster.url}/v1/buckets/one", json={"action": "set-bprops",
+                                                               "value": {"mirror": {"copies": 1}}}, timeout=10)
+        assert r.status_code == 200, r.text
+        names = {"back": [f"b/{i:03d}" for i in range(60)], "one": [f"o/{i:03d}" for i in range(30)]}
+        for bucket, ns in names.items():
+            for n in ns:
+                client.bucket(bucket).object(n).get_writer().put_content(f"old {bucket} {n} ".encode() * 200)
+        cluster.wait_rebalanced()
+        smap = cluster.smap()
+        victim_id, victim = cluster.target_id(0), cluster.targets[0]
+        mine = {(b, n) for b, ns in names.items() for n in ns if ranked(smap, b, n)[0] == victim_id}
+        assert sum(b == "back" for b, _ in mine) >= 8 and sum(b == "one" for b, _ in mine) >= 4
+
+        cluster.kill_until_dropped(0)
+        want: dict[tuple[str, str], bytes | None] = {}
+        for i, (bucket, n) in enumerate(sorted(mine)):
+            obj = client.bucket(bucket).object(n)
+            if bucket == "back" and i % 5 == 0:
+                obj.delete()
+                want[bucket, n] = None
+            else:
+                want[bucket, n] = f"new and longer {bucket} {n} ".encode() * 210
+                obj.get_writer().put_content(want[bucket, n])
+
+        # back on its data: its copies of those names are the old ones, and it is their first holder again
+        cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
+        cluster.wait_joined(3)
+        victim_url = cluster.targets[0].url
+        deadline, rounds, reads = time.monotonic() + 120, 0, 0
+        while True:  # until every walk is done, and once more after
+            settled = _walks_done(cluster)
+            reads += _read_everything(cluster, victim_url, want)
+            rounds += 1
+            if settled or time.monotonic() > deadline:
+                break
+        assert settled, "the walks did not end in 120 s"
+        assert rounds >= 2, "every walk was done before the first round of reads: nothing was tested"
+        # the push (a target sending its newer copy) is a cluster route: refused without the signature
+        r = httpx.post(f"{victim_url}/v1/cluster/rebalance/push", timeout=10,
+                       json={"bucket": "back", "name": "b/000", "cksum": "x", "to": victim_id, "url": victim_url,
+                             "expect": "y"})
+        assert r.status_code == 403, r.text
+        for (bucket, n), data in want.items():  # the returning target's own copies: the new ones, or none
+            assert holds(victim_url, bucket, n) == (data is not None), (bucket, n)
+            if data is not None:
+                path = f"/v1/objects/{bucket}/{n}?gfn=1"
+                r = httpx.get(victim_url + path, timeout=10, headers=signed_for(victim_url, "GET", path))
+                assert r.content == data, (bucket, n)
+    finally:
+        cluster.stop()
+
+
+def _walks_done(cluster: Cluster) -> bool:
+    try:
+        cluster.wait_rebalanced(timeout=0.1)
+        return True
+    except TimeoutError:
+        return False
