@@ -57,6 +57,10 @@ def _first_failure(answers, ok=(200,)) -> web.Response | None:
     return None
 
 
+# a target seen down, asked anyway (it may be back and not seen up yet), answers within this
+DOWN_SECONDS = 3.0
+
+
 async def on_every_target(request: web.Request, gw: Gateway, body: bytes, path_qs: str | None = None,
                           down_ok: bool = False) -> list[tuple[int, dict, bytes]]:
     """``body`` sent to every target at once, their answers (``Gateway.forward``'s). With
@@ -65,8 +69,9 @@ async def on_every_target(request: web.Request, gw: Gateway, body: bytes, path_q
     made the bucket on the others). Sent to the live ones only, a target just back but not yet
     seen up missed the bucket, and a PUT to it right after got 404."""
     async def one(t: ClusterNode) -> tuple[int, dict, bytes] | None:
-        try:
-            return await gw.forward(request, t, body, path_qs)
+        seen_down = down_ok and t.id in gw.down
+        try:  # (one seen down is given DOWN_SECONDS: a stopped one held a create for a minute, an attack)
+            return await gw.forward(request, t, body, path_qs, seconds=DOWN_SECONDS if seen_down else None)
         except Unavailable:
             if down_ok and t.id in gw.down:
                 return None

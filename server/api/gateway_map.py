@@ -344,13 +344,17 @@ class Gateway(GatewayElections, GatewayHealth):
         return ts
 
     async def forward(self, request: web.Request, target: ClusterNode, body: bytes | None = None,
-                      path_qs: str | None = None, method: str | None = None) -> tuple[int, dict, bytes]:
+                      path_qs: str | None = None, method: str | None = None,
+                      seconds: float | None = None) -> tuple[int, dict, bytes]:
+        """The request (or ``body``, ``path_qs``, ``method``) sent to ``target``: its answer;
+        Unavailable if it does not answer (within ``seconds``, else FANOUT_TIMEOUT_SECONDS)."""
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
         path_qs = path_qs or request.rel_url.raw_path_qs
+        extra = {} if seconds is None else {"timeout": aiohttp.ClientTimeout(total=seconds)}
         try:  # signed: the target tells a gateway's fan-out from a client's request to it alone
             async with peers.signed(self.session, self.secret, method or request.method, target.url, path_qs, to=target.id,
-                                    body=body or b"", headers=headers) as r:
+                                    body=body or b"", headers=headers, **extra) as r:
                 return r.status, dict(r.headers), await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unavailable(f"target {target.id} ({target.url}) did not answer: {e}") from None

@@ -48,6 +48,8 @@ WRITTEN_PARAM = "written"  # a copy: when its version was written (ns): kept, an
 VERSION_PARAM = "ver"  # a copy: its version's number, kept (every holder's ETag and Ais-Version agree)
 DELETED_HEADER = "Batchfs-Deleted-Ns"  # on a refusal or a peer's 404: when the name was deleted there
 COPY_PIECE_BYTES = 8 << 20
+COPY_STALL_SECONDS = 30.0  # a copy's receiver that takes no byte, or does not answer, this long: failed
+COPY_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=COPY_STALL_SECONDS)
 
 
 class CopyFailed(StoreError):
@@ -278,20 +280,40 @@ async def pieces(read, size: int):
 async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str, extra_query: str, cksum: str,
                 body, size: int) -> None:
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(cksum, safe='')}{extra_query}"
+    loop = asyncio.get_running_loop()
     try:
-        async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs, to=node.id,
-                                body=body, body_signed=False, headers={"Content-Length": str(size)}) as r:
-            if r.status == 412:
-                deleted = r.headers.get(DELETED_HEADER, "")
-                if deleted.isdigit():
-                    raise CopyDeleted(await r.text(), int(deleted))
-                raise CopyRefused(await r.text())
-            if r.status != 200:
-                raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} failed: HTTP {r.status}: "
-                                 f"{(await r.text())[:300]}")
+        # a receiver that takes no byte of the body, or does not answer, for COPY_STALL_SECONDS
+        # fails the copy: a stopped (hung) target held a client's PUT for ever (an attack)
+        async with asyncio.timeout(COPY_STALL_SECONDS) as stall:
+            if hasattr(body, "__aiter__"):
+                body = _progressing(body, lambda: stall.reschedule(loop.time() + COPY_STALL_SECONDS))
+            async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs, to=node.id,
+                                    body=body, body_signed=False, headers={"Content-Length": str(size)},
+                                    timeout=COPY_TIMEOUT) as r:
+                stall.reschedule(None)  # it answered: the short reply's read is bounded by sock_read
+                await _copy_answer(r, bucket, name, node)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise CopyFailed(f"ais://{bucket}/{name}: stored, but its copy on target {node.id} ({node.url}) "
-                         f"failed ({e}); not acknowledged — retry the PUT") from None
+                         f"failed ({e or type(e).__name__}); not acknowledged — retry the PUT") from None
+
+
+async def _progressing(body, progress):
+    """``body``'s pieces, calling ``progress()`` as each is asked for (the one before was taken)."""
+    async for piece in body:
+        progress()
+        yield piece
+
+
+async def _copy_answer(r: aiohttp.ClientResponse, bucket: str, name: str, node: ClusterNode) -> None:
+    """A copy's answer: nothing if taken, else the refusal or failure it says."""
+    if r.status == 412:
+        deleted = r.headers.get(DELETED_HEADER, "")
+        if deleted.isdigit():
+            raise CopyDeleted(await r.text(), int(deleted))
+        raise CopyRefused(await r.text())
+    if r.status != 200:
+        raise CopyFailed(f"ais://{bucket}/{name}: its copy on target {node.id} failed: HTTP {r.status}: "
+                         f"{(await r.text())[:300]}")
 
 
 def manifest(store, meta: ObjectMeta) -> bytes:

@@ -119,3 +119,43 @@ def test_copies_survive_a_dead_target(cluster):
     _wait_alive(cluster, victim_id, True)
     for name, data in objs.items():
         assert b.object(name).get_reader().read_all() == data, name
+
+
+def test_a_stopped_target_fails_writes_instead_of_holding_them(tmp_path):
+    """An attack: with a target stopped (SIGSTOP, not dropped), a PUT whose copy was to go to it
+    got no answer for minutes (the copy waited on it with no bound), and a bucket create waited
+    a minute for it. Now the copy fails after COPY_STALL_SECONDS without a byte taken or an
+    answer (503: not acknowledged), and a create gives a target seen down DOWN_SECONDS."""
+    from server.api.gateway_jobs import DOWN_SECONDS
+    from server.api.replicas import COPY_STALL_SECONDS
+    from tests.cluster.conftest import Cluster
+
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "600"))
+    try:
+        cluster.start()
+        sdk_client(cluster.url).bucket("hung").create()
+        smap = cluster.smap()
+        victim_id = cluster.target_id(0)
+        second = next(f"n/{i}" for i in range(200) if ranked(smap, "hung", f"n/{i}")[1] == victim_id)
+        elsewhere = next(f"n/{i}" for i in range(200) if victim_id not in ranked(smap, "hung", f"n/{i}")[:2])
+        victim = cluster.targets[0].proc
+        victim.send_signal(19)  # SIGSTOP
+        try:
+            _wait_alive(cluster, victim_id, False)
+            t0 = time.monotonic()
+            r = httpx.post(f"{cluster.url}/v1/buckets/made", json={"action": "create-bck"}, timeout=120)
+            assert r.status_code == 200 and time.monotonic() - t0 < DOWN_SECONDS + 5, (r.status_code, r.text)
+            t0 = time.monotonic()
+            r = httpx.put(f"{cluster.url}/v1/objects/hung/{second}", content=b"x" * 5000, timeout=300,
+                          follow_redirects=True)
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and took < COPY_STALL_SECONDS + 15, (r.status_code, took, r.text[:300])
+            assert "not acknowledged" in r.text
+            r = httpx.put(f"{cluster.url}/v1/objects/hung/{elsewhere}", content=b"y", timeout=60, follow_redirects=True)
+            assert r.status_code == 200, r.text
+        finally:
+            victim.send_signal(18)  # SIGCONT
+        _wait_alive(cluster, victim_id, True)
+        assert httpx.get(f"{cluster.url}/v1/objects/hung/{elsewhere}", timeout=30, follow_redirects=True).content == b"y"
+    finally:
+        cluster.stop()
