@@ -24,9 +24,11 @@ Invariants:
 - Active from the process's start, from every map change, and from the moment no gateway has
   probed this target for AWAY_SECONDS (it may be cut off, or have been stopped, and dropped
   from the map without knowing yet) until a walk that began after it ends with no failure
-  (``Rebalancer``) while probes arrive; inactive, a read costs nothing more.
+  (``Rebalancer``) — after an absence, a walk after a join sent since was answered (the answer
+  says whether this target is in the map); inactive, a read costs nothing more.
 - A name is checked once per activation (``_checked``, at most CHECKED_MAX names): a later
-  write reaches this target, one of its holders, like any write.
+  write reaches this target, one of its holders, like any write — but on every read while
+  away (no probe for AWAY_SECONDS): it may be out of the map, so writes go to the others only.
 - One pull per name at a time (``_pulls``); a pull replaces only the version we looked at, so
   a write that lands meanwhile is never overwritten (``expect``, ``replicas.copy_precondition``).
 - A target that does not answer within ASK_SECONDS is not asked again for SKIP_SECONDS (a hung
@@ -76,8 +78,9 @@ class Freshness:
         self._skip: dict[str, float] = {}  # target id -> monotonic time until which it is not asked
         self.counts = {"asked": 0, "pulled": 0, "deleted": 0}
         self._heard: float | None = None  # when a gateway last probed this target (monotonic)
-        self._away = False  # not probed for AWAY_SECONDS (until the next probe)
-        self.on_back = lambda: None  # a probe after an absence: walk again (``Rebalancer``)
+        self._away = False  # not probed for AWAY_SECONDS, and no join answered since
+        self._away_at = 0.0  # when that was seen (monotonic)
+        self.on_back = lambda: None  # a join answered after an absence: walk again (``Rebalancer``)
 
     def begin(self) -> None:
         """The map changed (or this process started): reads check until a walk settles it."""
@@ -86,20 +89,27 @@ class Freshness:
         self._checked.clear()
 
     def heard(self) -> None:
-        """A gateway probed this target (a signed health probe). After a gap of AWAY_SECONDS —
-        noticed here if no read came in between (a review: a stopped target's first request
-        after it resumes is often a queued probe) — reads check until the next walk."""
+        """A gateway probed this target (a signed health probe). A gap of AWAY_SECONDS is noticed
+        here too if no read came in between (a review: a stopped target's first request after
+        it resumes is often a queued probe). A probe does not end an absence: one queued while
+        the target was stopped, from before it was dropped, is handled after (an attack)."""
         now = time.monotonic()
         if self._heard is not None and now - self._heard > AWAY_SECONDS and not self._away:
             self._went_away(now - self._heard)
         self._heard = now
-        if self._away:
+
+    def joined(self, sent_at: float) -> None:
+        """The primary answered a join (or keepalive) this target sent at ``sent_at`` (monotonic)
+        with the map, which it took if newer (``Membership``): sent after an absence was seen,
+        its answer says whether this target is in the map now — so the absence ends, and a walk
+        settles it (one taken back into the map walks for the new map anyway)."""
+        if self._away and sent_at > self._away_at:
             self._away = False
-            log.info("probed by a gateway again: reads check other targets' copies until the next walk is done")
+            log.info("a join answered after the absence: reads check other targets' copies until the next walk")
             self.on_back()
 
     def _went_away(self, seconds: float) -> None:
-        self._away = True
+        self._away, self._away_at = True, time.monotonic()
         self.begin()
         log.warning("no gateway probed this target for %.1f s: it may be out of the cluster's map; reads check "
                     "other targets' copies until a walk after the probes are back", seconds)
@@ -111,7 +121,8 @@ class Freshness:
         return self.active
 
     def settled(self, epoch: int) -> None:
-        """A walk that began in activation ``epoch`` ended with no failure (not while away)."""
+        """A walk that began in activation ``epoch`` ended with no failure (not while away: out
+        of the map without knowing it, a walk by its old map proves nothing — an attack)."""
         if epoch == self.epoch and self.active and not self._away:
             self.active = False
             self._checked.clear()
@@ -154,7 +165,10 @@ class Freshness:
                             raise
                         changed.append(name)  # (it changed there since it answered: asked once more)
                         return
-            if name not in unanswered and epoch == self.epoch and len(self._checked) < CHECKED_MAX:
+            # not while away: dropped from the map without knowing it yet, this target is no
+            # holder, and a write made after this check goes to the others only (an attack)
+            if name not in unanswered and epoch == self.epoch and not self._away \
+                    and len(self._checked) < CHECKED_MAX:
                 self._checked.add((bucket, name))
 
         async with asyncio.TaskGroup() as tg:

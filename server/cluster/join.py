@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class Membership:
         self.ballots = Ballots()  # this node's votes when a gateway would replace the primary
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
         self.on_removed: list = []  # called once, with the reason, when this node is removed from its cluster
+        self.on_joined: list = []  # called with the monotonic time each answered join was sent (freshness)
         self.removed = ""  # why, once removed
         self.removed_before_joining = False  # removed before this process joined (started after its removal)
         self._not_who: set[str] = set()  # gateway URLs whose node refused a join signed for the map's id there
@@ -143,6 +145,7 @@ class Membership:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
                 body = json.dumps(doc).encode()
                 try:
+                    sent_at = time.monotonic()
                     to = self._gateway_id() or await peers.who(session, self.secret, self.gateway_url, timeout=10)
                     async with peers.signed(session, self.secret, "POST", self.gateway_url, path, to=to, body=body,
                                             headers={"Content-Type": "application/json"}) as r:
@@ -161,6 +164,8 @@ class Membership:
                             log.info("in cluster %s map v%d via %s", self.smap.uuid, self.smap.version,
                                      self.gateway_url)
                         self.joined.set()
+                        for fn in self.on_joined:
+                            fn(sent_at)
                         delay = KEEPALIVE_SECONDS
                         self._to_primary(self.smap)  # answered through another gateway: back to the primary
                 except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as e:

@@ -120,3 +120,56 @@ def _walks_done(cluster: Cluster) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
+    """An attack: a target stopped (SIGSTOP) until the gateway dropped it, resumed before its
+    next join tells it so. A name read straight from it then (checked: unchanged), rewritten or
+    deleted through the gateway — which writes to the other targets only, this one being out of
+    its map — and read straight from it again: the old bytes, since a name was checked once per
+    activation. Now, while no gateway probes it, every read checks."""
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "0.5"))
+    try:
+        cluster.start()
+        sdk_client(cluster.url).bucket("away").create()
+        names = [f"n/{i:03d}" for i in range(60)]
+        for n in names:
+            assert httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=b"v1 " + n.encode(), timeout=30,
+                             follow_redirects=True).status_code == 200
+        cluster.wait_rebalanced()
+        smap, victim = cluster.smap(), cluster.targets[0]
+        victim_id = cluster.target_id(0)
+        mine = [n for n in names if ranked(smap, "away", n)[0] == victim_id]
+        # joins come every 10 s from the target's start: stop it just after one, so that it is
+        # resumed (once dropped) seconds before the next one takes it back
+        victim.stop()
+        victim = cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
+        started = time.monotonic()
+        cluster.wait_joined(3)
+        cluster.wait_rebalanced()
+        time.sleep(max(0.0, started + 10.3 - time.monotonic()))
+        victim.proc.send_signal(19)  # SIGSTOP
+        deadline = time.monotonic() + 30
+        while victim_id in cluster.smap()["tmap"]:
+            assert time.monotonic() < deadline, "not dropped"
+            time.sleep(0.1)
+        victim.proc.send_signal(18)  # SIGCONT
+        out_of_map, stale = 0, []
+        for i, n in enumerate(mine):
+            assert _get(victim.url, "away", n).status_code == 200, n  # (the name checked here)
+            gone = i % 3 == 0
+            r = (httpx.delete(f"{cluster.url}/v1/objects/away/{n}", timeout=30, follow_redirects=True) if gone else
+                 httpx.put(f"{cluster.url}/v1/objects/away/{n}", content=b"v2 " + n.encode(), timeout=30,
+                           follow_redirects=True))
+            assert r.status_code == 200, r.text
+            out_of_map += victim_id not in cluster.smap()["tmap"]
+            r = _get(victim.url, "away", n)
+            if (r.status_code, r.content) != ((404, r.content) if gone else (200, b"v2 " + n.encode())):
+                stale.append((n, r.status_code, r.content[:20]))
+        assert out_of_map, "the target was back in the map before the first write: nothing was tested"
+        assert not stale, stale
+    finally:
+        for t in cluster.targets:
+            if t.proc is not None and t.proc.poll() is None:
+                t.proc.send_signal(18)  # (SIGCONT: a stopped one would not stop)
+        cluster.stop()

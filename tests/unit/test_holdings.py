@@ -50,7 +50,7 @@ def test_reads_check_from_a_change_until_a_walk_that_began_after_it_settles(monk
     assert not f.checking()
 
 
-def test_no_probe_for_a_while_makes_reads_check_until_probed_and_walked(monkeypatch):
+def test_no_probe_for_a_while_makes_reads_check_until_a_join_sent_since_is_answered(monkeypatch):
     f = freshness.Freshness(app=None)
     walks = []
     f.on_back = lambda: walks.append(1)
@@ -58,13 +58,18 @@ def test_no_probe_for_a_while_makes_reads_check_until_probed_and_walked(monkeypa
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     f.heard()
     assert not f.checking()
+    before = now[0]
     now[0] += freshness.AWAY_SECONDS + 0.1  # stopped, or cut off: maybe dropped from the map meanwhile
     assert f.checking()
-    f.settled(f.epoch)  # a walk while still away settles nothing: writes may still go elsewhere
+    f.settled(f.epoch)  # a walk while away settles nothing: by its old map, writes may go elsewhere
     assert f.checking()
-    f.heard()
-    assert walks == [1]  # back: a walk is asked for
-    assert f.checking()
+    f.heard()  # a probe (maybe queued from before the stop: an attack) does not end it
+    f.joined(before)  # nor does the answer to a join sent before the absence was seen
+    f.settled(f.epoch)
+    assert f.checking() and walks == []
+    now[0] += 1
+    f.joined(now[0])  # a join sent since, answered: the map says where it stands
+    assert walks == [1] and f.checking()
     f.settled(f.epoch)
     assert not f.checking()
 
@@ -73,13 +78,15 @@ def test_a_gap_between_two_probes_is_an_absence_even_with_no_read_in_it(monkeypa
     """A review: a stopped target's first request after it resumes is often a queued probe; the
     gap must still count (before, the probe reset the clock and nothing checked)."""
     f = freshness.Freshness(app=None)
-    walks = []
-    f.on_back = lambda: walks.append(1)
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     f.heard()
     now[0] += 60
     f.heard()
-    assert f.checking() and walks == [1]
+    assert f.checking()
+    f.settled(f.epoch)
+    assert f.checking()  # still away: no join answered since
+    now[0] += 1
+    f.joined(now[0])
     f.settled(f.epoch)
     assert not f.checking()
