@@ -343,8 +343,9 @@ async def delete_copies(request: web.Request, bucket: str, name: str) -> int:
     found = 0
     holders = {n.id for n in copy_targets(app, bucket, name)}
     for node in delete_targets(app, bucket, name):
-        # a leaving target is not waited on for long: down, every delete would wait on it
-        timeout = {} if node.id in holders else {"timeout": LEAVING_DELETE_TIMEOUT}
+        # a leaving target is not waited on for long: down, every delete would wait on it; a
+        # holder, as long as a copy (a stopped one held the DELETE for ever: an attack)
+        timeout = {"timeout": COPY_TIMEOUT if node.id in holders else LEAVING_DELETE_TIMEOUT}
         try:
             async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "DELETE", node.url, path_qs, to=node.id,
                                     **timeout) as r:

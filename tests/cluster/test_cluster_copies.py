@@ -151,6 +151,10 @@ def test_a_stopped_target_fails_writes_instead_of_holding_them(tmp_path):
             took = time.monotonic() - t0
             assert r.status_code == 503 and took < COPY_STALL_SECONDS + 15, (r.status_code, took, r.text[:300])
             assert "not acknowledged" in r.text
+            t0 = time.monotonic()
+            r = httpx.delete(f"{cluster.url}/v1/objects/hung/{second}", timeout=300, follow_redirects=True)
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and took < COPY_STALL_SECONDS + 15, (r.status_code, took, r.text[:300])
             r = httpx.put(f"{cluster.url}/v1/objects/hung/{elsewhere}", content=b"y", timeout=60, follow_redirects=True)
             assert r.status_code == 200, r.text
         finally:
