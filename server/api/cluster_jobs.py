@@ -133,9 +133,11 @@ async def copy_to_holder(app: web.Application, src: str, name: str, dst: str, ne
         holders, size, failed = list(smap.holders(dst, new)), obj.meta.size, []
         for node in holders:  # the first that answers stores it (and its copies)
             try:
-                async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new), to=node.id,
-                                        body=replicas.pieces(obj.pread, size) if size else b"", body_signed=False,
-                                        headers={"Content-Length": str(size)}) as r:
+                async with (replicas.bounded(replicas.pieces(obj.pread, size) if size else b"") as (body, answered),
+                            peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, object_path(dst, new),
+                                         to=node.id, body=body, body_signed=False, timeout=replicas.COPY_TIMEOUT,
+                                         headers={"Content-Length": str(size)}) as r):
+                    answered()  # (a stopped holder held the job for ever: a review)
                     if r.status == 200:
                         return size
                     there = next((n for n in smap.nodes if n.url and r.headers.get("Location", "").startswith(n.url + "/")), None)

@@ -73,7 +73,7 @@ async def on_every_target(request: web.Request, gw: Gateway, body: bytes, path_q
         try:  # (one seen down is given DOWN_SECONDS: a stopped one held a create for a minute, an attack)
             return await gw.forward(request, t, body, path_qs, seconds=DOWN_SECONDS if seen_down else None)
         except Unavailable:
-            if down_ok and t.id in gw.down:
+            if seen_down or (down_ok and t.id in gw.down):  # (seen down when sent, though up since: a review)
                 return None
             raise
     answers = await asyncio.gather(*(one(t) for t in gw.targets()))

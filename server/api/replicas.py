@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from urllib.parse import quote
@@ -280,21 +281,31 @@ async def pieces(read, size: int):
 async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str, extra_query: str, cksum: str,
                 body, size: int) -> None:
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(cksum, safe='')}{extra_query}"
-    loop = asyncio.get_running_loop()
     try:
-        # a receiver that takes no byte of the body, or does not answer, for COPY_STALL_SECONDS
-        # fails the copy: a stopped (hung) target held a client's PUT for ever (an attack)
-        async with asyncio.timeout(COPY_STALL_SECONDS) as stall:
-            if hasattr(body, "__aiter__"):
-                body = _progressing(body, lambda: stall.reschedule(loop.time() + COPY_STALL_SECONDS))
+        async with bounded(body) as (body, answered):
             async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs, to=node.id,
                                     body=body, body_signed=False, headers={"Content-Length": str(size)},
                                     timeout=COPY_TIMEOUT) as r:
-                stall.reschedule(None)  # it answered: the short reply's read is bounded by sock_read
+                answered()
                 await _copy_answer(r, bucket, name, node)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise CopyFailed(f"ais://{bucket}/{name}: stored, but its copy on target {node.id} ({node.url}) "
                          f"failed ({e or type(e).__name__}); not acknowledged — retry the PUT") from None
+
+
+@contextlib.asynccontextmanager
+async def bounded(body):
+    """``body`` (bytes, or an async iterator of pieces) of a request to another target, under
+    a deadline that moves on with every piece the request takes: none taken for
+    COPY_STALL_SECONDS, or no answer within that of the last, raises TimeoutError. Yields the
+    body to send and ``answered()``, to call once the answer came (its read is then bounded by
+    ``COPY_TIMEOUT``'s sock_read). Why: a stopped (hung) target held a client's PUT, whose copy
+    went to it, for ever (an attack)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(COPY_STALL_SECONDS) as stall:
+        if hasattr(body, "__aiter__"):
+            body = _progressing(body, lambda: stall.reschedule(loop.time() + COPY_STALL_SECONDS))
+        yield body, lambda: stall.reschedule(None)
 
 
 async def _progressing(body, progress):
