@@ -49,7 +49,7 @@ from aiohttp import web
 
 from server.api import replicas
 from server.api.daemon_api import NODE_INFO
-from server.api.holdings import ASK_FAILED, PAGE, SourceChanged, ask_names, ask_push, newest, others, same_version
+from server.api.holdings import SourceChanged, ask_others, ask_push, newest, same_version
 from server.api.state import MEMBERSHIP, NODE
 from server.cluster.smap import ClusterMap
 from server.errors import NotFound, StoreError
@@ -93,10 +93,8 @@ class Freshness:
         here too if no read came in between (a review: a stopped target's first request after
         it resumes is often a queued probe). A probe does not end an absence: one queued while
         the target was stopped, from before it was dropped, is handled after (an attack)."""
-        now = time.monotonic()
-        if self._heard is not None and now - self._heard > AWAY_SECONDS and not self._away:
-            self._went_away(now - self._heard)
-        self._heard = now
+        self._note_gap()
+        self._heard = time.monotonic()
 
     def joined(self, sent_at: float) -> None:
         """The primary answered a join (or keepalive) this target sent at ``sent_at`` (monotonic)
@@ -116,9 +114,14 @@ class Freshness:
 
     def checking(self) -> bool:
         """Whether reads check now (``active``, or no probe for AWAY_SECONDS: then active)."""
-        if self._heard is not None and not self._away and time.monotonic() - self._heard > AWAY_SECONDS:
-            self._went_away(time.monotonic() - self._heard)
+        self._note_gap()
         return self.active
+
+    def _note_gap(self) -> None:
+        """No probe for AWAY_SECONDS (and not already away): an absence begins."""
+        gap = time.monotonic() - self._heard if self._heard is not None else 0.0
+        if gap > AWAY_SECONDS and not self._away:
+            self._went_away(gap)
 
     def settled(self, epoch: int) -> None:
         """A walk that began in activation ``epoch`` ended with no failure (not while away: out
@@ -180,37 +183,22 @@ class Freshness:
     async def ask(self, smap: ClusterMap, bucket: str, names: list[str],
                   timeout: float = ASK_SECONDS) -> tuple[dict[str, dict[str, tuple]], set[str]]:
         """What the targets that may hold a newer copy hold of ``names``: name -> {target id ->
-        answer}, and the names some target was not asked about or did not answer."""
-        me, now = self.app[NODE_INFO]["id"], time.monotonic()
-        asks: dict[str, list[str]] = {}
-        nodes = {}
-        unanswered: set[str] = set()
-        for name in names:
-            for n in others(smap, me, bucket, name):
-                if self._skip.get(n.id, 0) > now:
-                    unanswered.add(name)
-                    continue
-                asks.setdefault(n.id, []).append(name)
-                nodes[n.id] = n
+        answer}, and the names some target was not asked about or did not answer. A target that
+        did not answer is not asked again for SKIP_SECONDS."""
+        now = time.monotonic()
+        skip = frozenset(node_id for node_id, until in self._skip.items() if until > now)
+        got, failed = await ask_others(self.app, smap, self.app[NODE_INFO]["id"], bucket, names,
+                                       aiohttp.ClientTimeout(total=timeout), skip)
+        for node_id, e in failed.items():
+            self._skip[node_id] = time.monotonic() + SKIP_SECONDS
+            log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS, e or type(e).__name__)
         answers: dict[str, dict[str, tuple]] = {}
-
-        async def one(node_id: str, batch: list[str]) -> None:
-            for k in range(0, len(batch), PAGE):
-                page = batch[k:k + PAGE]
-                try:
-                    got = await ask_names(self.app, nodes[node_id], smap, bucket, page,
-                                          aiohttp.ClientTimeout(total=timeout))
-                except ASK_FAILED as e:
-                    self._skip[node_id] = time.monotonic() + SKIP_SECONDS
-                    unanswered.update(batch[k:])
-                    log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS,
-                             e or type(e).__name__)
-                    return
-                self.counts["asked"] += len(page)
-                for name, answer in zip(page, got):
-                    answers.setdefault(name, {})[node_id] = answer
-
-        await asyncio.gather(*(one(n, batch) for n, batch in asks.items()))
+        unanswered: set[str] = set()
+        for name, by_target in got.items():
+            answers[name] = {t: a for t, a in by_target.items() if isinstance(a, tuple)}
+            if len(answers[name]) < len(by_target):
+                unanswered.add(name)
+            self.counts["asked"] += len(answers[name])
         return answers, unanswered
 
     async def bring(self, smap: ClusterMap, bucket: str, name: str, meta: ObjectMeta, verdict: tuple) -> int:
@@ -287,3 +275,4 @@ async def ensure(app: web.Application, pairs: Iterable[tuple[str, str]]) -> None
     """``Freshness.ensure`` on a target of a cluster; nothing on a single node."""
     if active(app):
         await app[FRESHNESS].ensure(pairs)
+

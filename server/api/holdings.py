@@ -64,6 +64,47 @@ async def ask_names(app: web.Application, node: ClusterNode, smap: ClusterMap, b
     return [(int(status), str(cksum), int(when)) for status, cksum, when in answers]
 
 
+async def ask_others(app: web.Application, smap: ClusterMap, me: str, bucket: str, names: list[str],
+                     timeout: aiohttp.ClientTimeout = ASK_TIMEOUT, skip: frozenset[str] = frozenset()
+                     ) -> tuple[dict[str, dict[str, tuple | Exception]], dict[str, Exception]]:
+    """Ask every target that may hold a newer copy of ``names`` (``others``) what it holds: one
+    request per target per ``PAGE`` names, the targets at once. Returns name -> {target id ->
+    its answer, or the exception that kept it from answering} and target id -> that exception
+    (a target in ``skip`` is not asked: its names get ``NotAsked``; after a failed page, the
+    target's later names get the same exception, unasked)."""
+    asks: dict[str, list[str]] = {}
+    nodes: dict[str, ClusterNode] = {}
+    answers: dict[str, dict[str, tuple | Exception]] = {}
+    for name in names:
+        for n in others(smap, me, bucket, name):
+            if n.id in skip:
+                answers.setdefault(name, {})[n.id] = NotAsked(f"target {n.id} is not asked for a while")
+                continue
+            asks.setdefault(n.id, []).append(name)
+            nodes[n.id] = n
+    failed: dict[str, Exception] = {}
+
+    async def one(node_id: str, batch: list[str]) -> None:
+        for k in range(0, len(batch), PAGE):
+            page = batch[k:k + PAGE]
+            try:
+                got: list = await ask_names(app, nodes[node_id], smap, bucket, page, timeout)
+            except ASK_FAILED as e:
+                failed[node_id] = e
+                page, got = batch[k:], [e] * (len(batch) - k)
+            for name, answer in zip(page, got):
+                answers.setdefault(name, {})[node_id] = answer
+            if node_id in failed:
+                return
+
+    await asyncio.gather(*(one(n, batch) for n, batch in asks.items()))
+    return answers, failed
+
+
+class NotAsked(replicas.CopyFailed):
+    """A target that may hold a newer copy was not asked (it failed to answer a moment ago)."""
+
+
 def others(smap: ClusterMap, me: str, bucket: str, name: str) -> list[ClusterNode]:
     """The targets that may hold a newer copy than this one: the name's other holders, and the
     ones that hold it when this target is out of the map (it was away and dropped: writes went

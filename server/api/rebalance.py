@@ -63,7 +63,7 @@ from aiohttp import web
 
 from server.api import replicas
 from server.api.freshness import FRESHNESS, Freshness
-from server.api.holdings import ASK_FAILED, PAGE, ask_names, newest, others, same_version
+from server.api.holdings import PAGE, ask_others, newest, others, same_version
 from server.api.daemon_api import NODE_INFO
 from server.api.neighbours import ASK_TIMEOUT
 from server.api.state import CLUSTER_SECRET, CONFIG, INFLIGHT, MEMBERSHIP, METRICS, NODE, PEERS
@@ -260,25 +260,8 @@ class Rebalancer:
     async def _check_page(self, smap: ClusterMap, bucket: str, names: list[str]) -> dict:
         """What every other holder of these names has: (holder id, name) -> (status, checksum,
         time) as ``check_names`` answers, or the exception that kept the holder from answering."""
-        app, me = self.app, self.app[NODE_INFO]["id"]
-        asks: dict[str, list[str]] = {}
-        nodes: dict[str, ClusterNode] = {}
-        for name in names:
-            for h in others(smap, me, bucket, name):  # (its other holders among them)
-                asks.setdefault(h.id, []).append(name)
-                nodes[h.id] = h
-        seen: dict[tuple[str, str], tuple | Exception] = {}
-
-        async def ask(holder: str, batch: list[str]) -> None:
-            try:
-                for name, answer in zip(batch, await ask_names(app, nodes[holder], smap, bucket, batch)):
-                    seen[holder, name] = answer
-            except ASK_FAILED as e:
-                for name in batch:
-                    seen[holder, name] = e
-
-        await asyncio.gather(*(ask(h, batch) for h, batch in asks.items()))
-        return seen
+        answers, _ = await ask_others(self.app, smap, self.app[NODE_INFO]["id"], bucket, names)
+        return {(holder, name): answer for name, by_holder in answers.items() for holder, answer in by_holder.items()}
 
     async def _one(self, smap: ClusterMap, bucket: str, name: str, checked: dict) -> None:
         node, me = self.app[NODE], self.app[NODE_INFO]["id"]
