@@ -19,6 +19,8 @@ user's run, 2026-11-27).
         a version written after ours: that target sends its copy here (``holdings.ask_push``),
         committed only over our version; the read serves it
         then the read goes on as always, from what is here
+    a listing page at this target while ``Freshness.active`` (``listed``): its names checked
+        so, the page made again until no unchecked name is in it (a deleted one drops out)
 
 Invariants:
 - Active from the process's start, from every map change, and from the moment no gateway has
@@ -42,7 +44,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -66,6 +69,8 @@ PULLS_AT_ONCE = 8  # a GetBatch's stale entries are brought this many at a time
 # (a primary drops a target after ``--rebuild-after``: 120 s, 2 s in tests)
 AWAY_SECONDS = 3.0
 CHECKED_MAX = 100_000  # names remembered as checked (a few hundred bytes each); then asked again
+LISTING_ROUNDS = 16  # a listing page made again at most this many times (names checked each time)
+Page = TypeVar("Page")
 
 
 class Freshness:
@@ -276,3 +281,22 @@ async def ensure(app: web.Application, pairs: Iterable[tuple[str, str]]) -> None
     if active(app):
         await app[FRESHNESS].ensure(pairs)
 
+
+async def listed(app: web.Application, bucket: str, make: Callable[[], Page],
+                 names: Callable[[Page], Iterable[str]]) -> Page:
+    """A listing page (``make``, blocking: run in a thread) of copies no older than the other
+    targets': while reads check, the page's names are checked as a read's are and the page made
+    again until it holds no unchecked name — a name deleted elsewhere drops out of it (the next
+    one comes in: checked in turn), a newer version is here before it is listed. At most
+    LISTING_ROUNDS pages; the cost is nothing when reads do not check."""
+    done: set[str] = set()
+    for _ in range(LISTING_ROUNDS):
+        page = await asyncio.to_thread(make)
+        if not active(app):
+            return page
+        new = [n for n in names(page) if n not in done]
+        if not new:
+            return page
+        await app[FRESHNESS].ensure((bucket, n) for n in new)
+        done.update(new)
+    return page

@@ -16,7 +16,7 @@ import msgpack
 from aiohttp import web
 
 from server import bucket_ops, jobs
-from server.api import cluster_jobs, daemon_api, replicas, spread_deletes
+from server.api import cluster_jobs, daemon_api, freshness, replicas, spread_deletes
 from server.api.guard import MSG_KEY, accepts, bool_param
 from server.api.state import MEMBERSHIP, NODE, OP_KEY, copies_of
 from server.errors import BadRequest, NotFound
@@ -225,10 +225,13 @@ async def list_objects(request: web.Request) -> web.Response:
     if flags & LS_NOT_CACHED:  # "not present in the cluster": nothing, on ais:// buckets
         entries, next_token = [], ""
     elif flags & LS_NO_RECURSION:
-        entries, next_token = await asyncio.to_thread(
-            _list_level, node, bucket, prefix, token, limit, not flags & LS_NO_DIRS)
+        entries, next_token = await freshness.listed(
+            request.app, bucket, lambda: _list_level(node, bucket, prefix, token, limit, not flags & LS_NO_DIRS),
+            lambda page: (e["n"] for e in page[0] if e["f"] != ENTRY_IS_DIR))
     else:
-        page, next_token = await asyncio.to_thread(node.list_page, bucket, prefix, token, limit)
+        page, next_token = await freshness.listed(request.app, bucket,
+                                                  lambda: node.list_page(bucket, prefix, token, limit),
+                                                  lambda page: (m.name for m in page[0]))
         entries = [_entry(m) for m in page]
     copies = copies_of(request.app, bucket)
     for e in entries:

@@ -136,8 +136,10 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     for what, value in (("prefix", prefix), ("delimiter", delimiter), ("marker", after)):
         if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise S3Error(400, "InvalidArgument", f"{what} longer than {MAX_NAME_BYTES} bytes")
-    page = await asyncio.to_thread(list_objects, request.app[NODE], bucket_name, prefix, delimiter,
-                                   after, max_keys)
+    page = await freshness.listed(
+        request.app, bucket_name,
+        lambda: list_objects(request.app[NODE], bucket_name, prefix, delimiter, after, max_keys),
+        lambda page: (m.name for m in page.contents))
     next_token = base64.urlsafe_b64encode(page.last.encode("utf-8", "surrogatepass")).decode()
     return xml_response(list_objects_doc(
         v2=v2, bucket=bucket_name, prefix=prefix, delimiter=delimiter, marker=marker, max_keys=max_keys,

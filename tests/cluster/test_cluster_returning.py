@@ -7,7 +7,8 @@ then lives on a target that is not its holder once the first one is back). Every
 (``--rebalance-rate``), so after the target rejoins its stale copies stay on its disks for
 seconds — before freshness, the gateway sent readers to it and they got the old bytes. Every
 read from the moment it rejoins until every walk is done must see the new bytes: native GET
-and HEAD through the gateway, a GET straight from it (``direct=True``'s path), GetBatch, S3.
+and HEAD through the gateway, a GET straight from it (``direct=True``'s path), GetBatch, S3;
+and every listing the new sizes and no deleted name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import io
 import tarfile
 import time
+from xml.etree import ElementTree
 
 import httpx
 
@@ -52,6 +54,34 @@ def _read_everything(cluster: Cluster, victim_url: str, want: dict[tuple[str, st
         s3 = httpx.get(f"{cluster.url}/s3/{bucket}/{names[-1]}", timeout=30)
         assert s3.status_code == 200 and s3.content == want[bucket, names[-1]], (bucket, s3.status_code)
     return n
+
+
+def _list_everything(cluster: Cluster, victim_url: str, want: dict[tuple[str, str], bytes | None]) -> None:
+    """Listings (before any read of the round: a read brings the name up to date) through the
+    gateway, native and S3, and the victim's own share: new sizes, no deleted name."""
+    for bucket in ("back", "one"):
+        for where, listed in (("victim", _listing(victim_url, bucket)), ("gateway", _listing(cluster.url, bucket)),
+                              ("s3", _s3_listing(cluster.url, bucket))):
+            for (b, name), data in want.items():
+                if b == bucket and (where != "victim" or name in listed or data is None):
+                    assert listed.get(name) == (None if data is None else len(data)), (where, bucket, name)
+
+
+def _listing(url: str, bucket: str) -> dict[str, int]:
+    """Name -> size, as a native listing at ``url`` answers (JSON)."""
+    r = httpx.request("GET", f"{url}/v1/buckets/{bucket}", timeout=30, headers={"Accept": "application/json"},
+                      json={"action": "list", "value": {"props": "name,size", "pagesize": 1000}})
+    assert r.status_code == 200, r.text[:300]
+    assert not r.json()["ContinuationToken"]
+    return {e["n"]: e["s"] for e in r.json()["Entries"]}
+
+
+def _s3_listing(url: str, bucket: str) -> dict[str, int]:
+    r = httpx.get(f"{url}/s3/{bucket}?list-type=2", timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    root = ElementTree.fromstring(r.content)
+    ns = root.tag[:root.tag.index("}") + 1]
+    return {c.findtext(f"{ns}Key"): int(c.findtext(f"{ns}Size")) for c in root.iter(f"{ns}Contents")}
 
 
 def test_a_returning_target_serves_no_copy_older_than_another(tmp_path):
@@ -93,6 +123,7 @@ def test_a_returning_target_serves_no_copy_older_than_another(tmp_path):
         deadline, rounds, reads = time.monotonic() + 120, 0, 0
         while True:  # until every walk is done, and once more after
             settled = _walks_done(cluster)
+            _list_everything(cluster, victim_url, want)
             reads += _read_everything(cluster, victim_url, want)
             rounds += 1
             if settled or time.monotonic() > deadline:
