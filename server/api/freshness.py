@@ -19,8 +19,9 @@ user's run, 2026-11-27).
         a version written after ours: that target sends its copy here (``holdings.ask_push``),
         committed only over our version; the read serves it
         then the read goes on as always, from what is here
-    a listing page at this target while ``Freshness.active`` (``listed``): its names checked
-        so, the page made again until no unchecked name is in it (a deleted one drops out)
+    a listing page at this target while ``Freshness.active`` (``listed``): its names asked so;
+        a later delete deletes ours, and the page is made again (the next names checked in
+        turn); a name with a newer version elsewhere is left out of the page (not brought)
 
 Invariants:
 - Active from the process's start, from every map change, and from the moment no gateway has
@@ -52,7 +53,7 @@ from aiohttp import web
 
 from server.api import replicas
 from server.api.daemon_api import NODE_INFO
-from server.api.holdings import SourceChanged, ask_others, ask_push, newest, same_version
+from server.api.holdings import PAGE, SourceChanged, ask_others, ask_push, newest, same_version
 from server.api.state import MEMBERSHIP, NODE
 from server.cluster.smap import ClusterMap
 from server.errors import NotFound, StoreError
@@ -69,7 +70,7 @@ PULLS_AT_ONCE = 8  # a GetBatch's stale entries are brought this many at a time
 # (a primary drops a target after ``--rebuild-after``: 120 s, 2 s in tests)
 AWAY_SECONDS = 3.0
 CHECKED_MAX = 100_000  # names remembered as checked (a few hundred bytes each); then asked again
-LISTING_ROUNDS = 16  # a listing page made again at most this many times (names checked each time)
+LOOKAHEAD = PAGE  # names past a listing page's last one checked with it (one request per target)
 Page = TypeVar("Page")
 
 
@@ -179,9 +180,12 @@ class Freshness:
                     and len(self._checked) < CHECKED_MAX:
                 self._checked.add((bucket, name))
 
-        async with asyncio.TaskGroup() as tg:
-            for name, meta in metas.items():
-                tg.create_task(one(name, meta))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for name, meta in metas.items():
+                    tg.create_task(one(name, meta))
+        except ExceptionGroup as group:  # the read's answer: the first refusal (503), not a 500 (a review)
+            raise _first_store_error(group) from None
         if changed:
             await self._ensure_bucket(smap, bucket, changed, again=False)
 
@@ -192,11 +196,8 @@ class Freshness:
         did not answer is not asked again for SKIP_SECONDS."""
         now = time.monotonic()
         skip = frozenset(node_id for node_id, until in self._skip.items() if until > now)
-        got, failed = await ask_others(self.app, smap, self.app[NODE_INFO]["id"], bucket, names,
-                                       aiohttp.ClientTimeout(total=timeout), skip)
-        for node_id, e in failed.items():
-            self._skip[node_id] = time.monotonic() + SKIP_SECONDS
-            log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS, e or type(e).__name__)
+        got, _ = await ask_others(self.app, smap, self.app[NODE_INFO]["id"], bucket, names,
+                                  aiohttp.ClientTimeout(total=timeout), skip, self._failed)
         answers: dict[str, dict[str, tuple]] = {}
         unanswered: set[str] = set()
         for name, by_target in got.items():
@@ -205,6 +206,36 @@ class Freshness:
                 unanswered.add(name)
             self.counts["asked"] += len(answers[name])
         return answers, unanswered
+
+    def _failed(self, node_id: str, e: Exception) -> None:
+        """A target did not answer: not asked for SKIP_SECONDS — from now, not once every
+        target of this question has answered (other reads would wait on it meanwhile)."""
+        self._skip[node_id] = time.monotonic() + SKIP_SECONDS
+        log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS, e or type(e).__name__)
+
+    async def check_listed(self, bucket: str, names: list[str]) -> tuple[int, set[str]]:
+        """For a listing: our copies of ``names`` deleted elsewhere later are deleted here (how
+        many), and the names with a newer version elsewhere are returned — left out of this
+        target's page, not brought here (the target holding it lists it; a listing does not
+        wait on whole objects). Nothing is marked checked: a read still checks."""
+        member = self.app.get(MEMBERSHIP)
+        smap = member.smap if member is not None else None
+        if smap is None or len(smap.targets) < 2:
+            return 0, set()
+        node = self.app[NODE]
+        metas = await asyncio.to_thread(_held, node, bucket, names)
+        answers, _ = await self.ask(smap, bucket, list(metas))
+        gone, newer = [], set()
+        for name, meta in metas.items():
+            verdict = newest(meta, answers.get(name, {}))
+            if verdict is not None and verdict[0] == "deleted":
+                gone.append((name, meta, verdict[1]))
+            elif verdict is not None:
+                newer.add(name)
+        if gone:
+            await asyncio.to_thread(lambda: [_drop_stale(node, bucket, *g) for g in gone])
+            self.counts["deleted"] += len(gone)
+        return len(gone), newer
 
     async def bring(self, smap: ClusterMap, bucket: str, name: str, meta: ObjectMeta, verdict: tuple) -> int:
         """Act on ``holdings.newest``'s verdict about our copy ``meta``: delete it, or have the
@@ -242,6 +273,16 @@ class Freshness:
         self._pulls = {k: f for k, f in self._pulls.items() if f is not pull}
         if not pull.cancelled():
             pull.exception()  # retrieved: its readers may all have gone (a review)
+
+
+def _first_store_error(group: BaseExceptionGroup) -> BaseException:
+    """The first refusal (``StoreError``) in a task group's failure, however nested; the
+    group itself if there is none (a bug: a 500 as before)."""
+    for e in group.exceptions:
+        found = _first_store_error(e) if isinstance(e, BaseExceptionGroup) else e
+        if isinstance(found, StoreError):
+            return found
+    return group
 
 
 def _held(node, bucket: str, names: list[str]) -> dict[str, ObjectMeta]:
@@ -282,21 +323,26 @@ async def ensure(app: web.Application, pairs: Iterable[tuple[str, str]]) -> None
         await app[FRESHNESS].ensure(pairs)
 
 
-async def listed(app: web.Application, bucket: str, make: Callable[[], Page],
-                 names: Callable[[Page], Iterable[str]]) -> Page:
-    """A listing page (``make``, blocking: run in a thread) of copies no older than the other
-    targets': while reads check, the page's names are checked as a read's are and the page made
-    again until it holds no unchecked name — a name deleted elsewhere drops out of it (the next
-    one comes in: checked in turn), a newer version is here before it is listed. At most
-    LISTING_ROUNDS pages; the cost is nothing when reads do not check."""
+async def listed(app: web.Application, bucket: str, prefix: str, make: Callable[[], Page],
+                 names: Callable[[Page], Iterable[str]], drop: Callable[[Page, set[str]], Page]) -> Page:
+    """A listing page (``make``, blocking: run in a thread) as the newest copies have it, while
+    reads here check: its names and the LOOKAHEAD after them (so that a small page over many
+    deleted names takes one round, not one per name) are checked (``check_listed``); if some
+    were deleted here for being deleted elsewhere, the page is made again (the next names come
+    in, checked in turn) until a round deletes none; names with a newer version elsewhere are
+    left out (``drop``). Nothing more when reads do not check."""
+    fresh, node = app.get(FRESHNESS), app[NODE]
     done: set[str] = set()
-    for _ in range(LISTING_ROUNDS):
+    newer: set[str] = set()
+    while True:
         page = await asyncio.to_thread(make)
-        if not active(app):
-            return page
-        new = [n for n in names(page) if n not in done]
-        if not new:
-            return page
-        await app[FRESHNESS].ensure((bucket, n) for n in new)
-        done.update(new)
-    return page
+        new = [n for n in names(page) if n not in done] if fresh is not None and fresh.checking() else []
+        if new:
+            ahead, _ = await asyncio.to_thread(node.list_page, bucket, prefix, max(new), LOOKAHEAD)
+            new += [m.name for m in ahead if m.name not in done]
+            deleted, stale = await fresh.check_listed(bucket, new)
+            done.update(new)
+            newer |= stale
+            if deleted:
+                continue
+        return drop(page, newer) if newer else page

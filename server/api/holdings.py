@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -65,13 +66,15 @@ async def ask_names(app: web.Application, node: ClusterNode, smap: ClusterMap, b
 
 
 async def ask_others(app: web.Application, smap: ClusterMap, me: str, bucket: str, names: list[str],
-                     timeout: aiohttp.ClientTimeout = ASK_TIMEOUT, skip: frozenset[str] = frozenset()
+                     timeout: aiohttp.ClientTimeout = ASK_TIMEOUT, skip: frozenset[str] = frozenset(),
+                     on_fail: Callable[[str, Exception], None] = lambda node_id, e: None
                      ) -> tuple[dict[str, dict[str, tuple | Exception]], dict[str, Exception]]:
     """Ask every target that may hold a newer copy of ``names`` (``others``) what it holds: one
     request per target per ``PAGE`` names, the targets at once. Returns name -> {target id ->
     its answer, or the exception that kept it from answering} and target id -> that exception
     (a target in ``skip`` is not asked: its names get ``NotAsked``; after a failed page, the
-    target's later names get the same exception, unasked)."""
+    target's later names get the same exception, unasked; ``on_fail(target id, exception)`` is
+    called as it happens)."""
     asks: dict[str, list[str]] = {}
     nodes: dict[str, ClusterNode] = {}
     answers: dict[str, dict[str, tuple | Exception]] = {}
@@ -91,6 +94,7 @@ async def ask_others(app: web.Application, smap: ClusterMap, me: str, bucket: st
                 got: list = await ask_names(app, nodes[node_id], smap, bucket, page, timeout)
             except ASK_FAILED as e:
                 failed[node_id] = e
+                on_fail(node_id, e)
                 page, got = batch[k:], [e] * (len(batch) - k)
             for name, answer in zip(page, got):
                 answers.setdefault(name, {})[node_id] = answer

@@ -41,6 +41,7 @@ like a multipart ETag, so rclone and s3fs do not compare them with an MD5 of the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import time
 
@@ -136,10 +137,11 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     for what, value in (("prefix", prefix), ("delimiter", delimiter), ("marker", after)):
         if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise S3Error(400, "InvalidArgument", f"{what} longer than {MAX_NAME_BYTES} bytes")
+    node = request.app[NODE]
     page = await freshness.listed(
-        request.app, bucket_name,
-        lambda: list_objects(request.app[NODE], bucket_name, prefix, delimiter, after, max_keys),
-        lambda page: (m.name for m in page.contents))
+        request.app, bucket_name, prefix, lambda: list_objects(node, bucket_name, prefix, delimiter, after, max_keys),
+        lambda page: (m.name for m in page.contents),
+        lambda page, newer: dataclasses.replace(page, contents=[m for m in page.contents if m.name not in newer]))
     next_token = base64.urlsafe_b64encode(page.last.encode("utf-8", "surrogatepass")).decode()
     return xml_response(list_objects_doc(
         v2=v2, bucket=bucket_name, prefix=prefix, delimiter=delimiter, marker=marker, max_keys=max_keys,

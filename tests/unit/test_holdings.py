@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 
-from server.api import freshness
+import pytest
+from aiohttp import web
+
+from server.api import freshness, replicas
+from server.api.daemon_api import NODE_INFO
+from server.api.state import MEMBERSHIP, NODE
 from server.api.holdings import newest
 from server.store.meta import ObjectMeta
 
@@ -90,3 +97,25 @@ def test_a_gap_between_two_probes_is_an_absence_even_with_no_read_in_it(monkeypa
     f.joined(now[0])
     f.settled(f.epoch)
     assert not f.checking()
+
+
+def test_a_newer_copy_that_cannot_be_brought_is_the_reads_refusal(monkeypatch):
+    """Pulls run in a task group: its failure is the group, which the error boundary answered
+    as a 500 (a review); the read's answer is the first refusal itself (503)."""
+    app = web.Application()
+    app[NODE] = SimpleNamespace(lookup=lambda bucket, name: _ours())
+    app[NODE_INFO] = {"id": "t1"}
+    app[MEMBERSHIP] = SimpleNamespace(smap=SimpleNamespace(targets={"t1": None, "t2": None}))
+    f = freshness.Freshness(app)
+    f.begin()
+
+    async def ask(smap, bucket, names, timeout=5.0):
+        return {n: {"t2": (200, "bbb", 200)} for n in names}, set()
+
+    async def bring(*args):
+        raise replicas.CopyFailed("target t2 did not send its newer copy")
+
+    monkeypatch.setattr(f, "ask", ask)
+    monkeypatch.setattr(f, "bring", bring)
+    with pytest.raises(replicas.CopyFailed):
+        asyncio.run(f.ensure([("b", "n1"), ("b", "n2")]))
