@@ -112,6 +112,14 @@ class Freshness:
             log.info("a join answered after the absence: reads check other targets' copies until the next walk")
             self.on_back()
 
+    def dropped(self) -> None:
+        """A newer map leaves this target out (``Membership``: the primary tells a target it
+        drops): away, as after a gap in the probes — which a target whose probes arrive while
+        their answers are lost never sees until the probes stop (a review)."""
+        if not self._away:
+            self._away, self._away_at = True, time.monotonic()
+            self.begin()
+
     def _went_away(self, seconds: float) -> None:
         self._away, self._away_at = True, time.monotonic()
         self.begin()

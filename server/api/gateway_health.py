@@ -13,11 +13,14 @@ target objects are placed on, nor one parked in maintenance.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
+import aiohttp
+
 from server.api.gateway_election import REPLACED_CHECK_SECONDS
-from server.cluster import election
+from server.cluster import election, peers
 from server.cluster.smap import PROXY, TARGET, ClusterNode
 from server.errors import Unavailable
 
@@ -25,6 +28,7 @@ log = logging.getLogger("server.api.gateway_map")
 
 HEALTH_SECONDS = 1.0  # how often every node's health is probed
 BACK_SETTLE_SECONDS = 3.0  # a target back up this long makes every target walk again
+TELL_DROPPED_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
 class GatewayHealth:
@@ -79,6 +83,21 @@ class GatewayHealth:
                 log.warning("%s %s down for %.0f s, not dropped: %s", gone.kind, tid, self.rebuild_after, e)
                 return
             self.probes.forget(tid)
+            self.spawn(self._tell_dropped(gone))
+
+    async def _tell_dropped(self, gone: ClusterNode) -> None:
+        """Send the map that dropped ``gone`` to it too (best effort; its answer is not needed).
+        A node seen down only because its answers were lost (a one-way cut) runs on, probed, and
+        would serve copies older than what is written to the others now until the probes stop
+        for long enough (``server.api.freshness``); told, it checks at once and joins again."""
+        body = json.dumps(self.smap.to_json()).encode()
+        try:
+            async with peers.signed(self.session, self.secret, "POST", gone.url, "/v1/cluster/map", to=gone.id,
+                                    body=body, headers={"Content-Type": "application/json"},
+                                    timeout=TELL_DROPPED_TIMEOUT) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.info("%s %s not told it was dropped (%s): it is down", gone.kind, gone.id, e or type(e).__name__)
 
     async def _after_return(self) -> None:
         """Targets that restarted (a new boot id in their join) or were seen down and are up

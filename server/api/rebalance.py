@@ -369,6 +369,7 @@ def add_routes(app: web.Application, membership) -> None:
     r = Rebalancer(app)
     app[FRESHNESS].on_back = r._wake.set  # back from an absence: a walk to settle it
     membership.on_joined.append(app[FRESHNESS].joined)
+    membership.on_dropped.append(app[FRESHNESS].dropped)
     app[REBALANCER] = r
     membership.on_change.append(r.changed)
     app.on_startup.append(r.start)

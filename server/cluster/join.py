@@ -26,6 +26,7 @@ answers its join 410; ``on_removed`` then runs (the server stops) and no map is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -67,6 +68,8 @@ class Membership:
         self.on_change: list = []  # called with each newer map taken (the rebalancer)
         self.on_removed: list = []  # called once, with the reason, when this node is removed from its cluster
         self.on_joined: list = []  # called with the monotonic time each answered join was sent (freshness)
+        self.on_dropped: list = []  # called when a newer map leaves this node out (freshness)
+        self._poke = asyncio.Event()  # join now, not at the next keepalive
         self.removed = ""  # why, once removed
         self.removed_before_joining = False  # removed before this process joined (started after its removal)
         self._not_who: set[str] = set()  # gateway URLs whose node refused a join signed for the map's id there
@@ -85,6 +88,16 @@ class Membership:
         if self.node_id in new.removed and new.node(self.node_id) is None:
             self._removed(f"cluster map v{new.version} of cluster {new.uuid} removes it")
             return False  # its own map stays: this node is no longer placed by the cluster's
+        if new.node(self.node_id) is None and self.joined.is_set():
+            # dropped (down for --rebuild-after as the gateways saw it, though it runs: their
+            # probes' answers were lost). Not taken — this node would walk a map it is not in —
+            # but said (reads check: writes go to the others now) and answered by a join at once
+            log.warning("cluster map v%d leaves this %s (%s) out: joining again now", new.version, self.kind,
+                        self.node_id)
+            for fn in self.on_dropped:
+                fn()
+            self._poke.set()
+            return False
         self.smap = new
         self._not_who.clear()
         self._to_primary(new)
@@ -145,6 +158,7 @@ class Membership:
                     doc["cluster"] = self.smap.uuid  # a gateway of another cluster refuses it (409)
                 body = json.dumps(doc).encode()
                 try:
+                    self._poke.clear()  # this join answers every poke until now
                     sent_at = time.monotonic()
                     to = self._gateway_id() or await peers.who(session, self.secret, self.gateway_url, timeout=10)
                     async with peers.signed(session, self.secret, "POST", self.gateway_url, path, to=to, body=body,
@@ -172,4 +186,5 @@ class Membership:
                     log.warning("joining %s: %s (retrying)", self.gateway_url, e)
                     delay = min(RETRY_MAX_SECONDS, delay * 2) if delay < KEEPALIVE_SECONDS else 0.5
                     self._next_gateway()
-                await asyncio.sleep(delay)
+                with contextlib.suppress(asyncio.TimeoutError):  # (a poke while the join was out: at once)
+                    await asyncio.wait_for(self._poke.wait(), delay)

@@ -20,8 +20,10 @@ from xml.etree import ElementTree
 
 import httpx
 
-from tests.cluster.conftest import Cluster, holds, ranked, signed_for
+from tests.cluster.conftest import Cluster, free_port, holds, ranked, signed_for, until
 from tests.support.getbatch import moss, sdk_client
+from tests.support.oneway import OneWay
+from tests.support.processes import ServerProcess
 
 
 def _get(url: str, bucket: str, name: str) -> httpx.Response:
@@ -176,6 +178,13 @@ def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
     its map — and read straight from it again: the old bytes, since a name was checked once per
     activation. Now, while no gateway probes it, every read checks."""
     cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "0.5"))
+    # reached through a line that is cut while it is stopped: the map that drops it is lost
+    # too (told, it would join again at once: ``test_a_target_whose_answers_are_lost_...``)
+    line = OneWay()
+    port = line.upstream_port = free_port()
+    first = cluster.targets[0]
+    cluster.targets[0] = ServerProcess(first.data_dirs, *first.args, "--listen", f"127.0.0.1:{port}",
+                                       "--advertise-url", line.url)
     try:
         cluster.start()
         sdk_client(cluster.url).bucket("away").create()
@@ -185,7 +194,7 @@ def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
                              follow_redirects=True).status_code == 200
         cluster.wait_rebalanced()
         smap, victim = cluster.smap(), cluster.targets[0]
-        victim_id = cluster.target_id(0)
+        victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == line.url)
         mine = [n for n in names if ranked(smap, "away", n)[0] == victim_id]
         # joins come every 10 s from the target's start: stop it just after one, so that it is
         # resumed (once dropped) seconds before the next one takes it back
@@ -195,12 +204,15 @@ def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
         cluster.wait_joined(3)
         cluster.wait_rebalanced()
         time.sleep(max(0.0, started + 10.3 - time.monotonic()))
+        line.block()
         victim.proc.send_signal(19)  # SIGSTOP
         deadline = time.monotonic() + 30
         while victim_id in cluster.smap()["tmap"]:
             assert time.monotonic() < deadline, "not dropped"
             time.sleep(0.1)
+        time.sleep(0.3)  # (the map that dropped it sent, and lost)
         victim.proc.send_signal(18)  # SIGCONT
+        line.unblock()
         out_of_map, stale = 0, []
         for i, n in enumerate(mine):
             assert _get(victim.url, "away", n).status_code == 200, n  # (the name checked here)
@@ -212,11 +224,58 @@ def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
             out_of_map += victim_id not in cluster.smap()["tmap"]
             r = _get(victim.url, "away", n)
             if (r.status_code, r.content) != ((404, r.content) if gone else (200, b"v2 " + n.encode())):
-                stale.append((n, r.status_code, r.content[:20]))
+                stale.append((n, r.status_code, r.content[:300]))
         assert out_of_map, "the target was back in the map before the first write: nothing was tested"
         assert not stale, stale
     finally:
         for t in cluster.targets:
             if t.proc is not None and t.proc.poll() is None:
                 t.proc.send_signal(18)  # (SIGCONT: a stopped one would not stop)
+        line.unblock()
         cluster.stop()
+        line.close()
+
+
+def test_a_target_whose_answers_are_lost_is_told_it_was_dropped(tmp_path):
+    """A one-way cut: the gateway's probes reach the target, their answers are lost. Seen down,
+    it is dropped; it runs on — before, it noticed nothing until the probes had stopped for
+    AWAY_SECONDS (3 s: up to 2 s after the drop), and meanwhile a read straight at it was not
+    checked, though writes went to the other targets only. Now the primary sends it the map
+    that dropped it: its reads check at once, and it joins again."""
+    line = OneWay()
+    cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "1"))
+    port = line.upstream_port = free_port()
+    first = cluster.targets[0]
+    cluster.targets[0] = ServerProcess(first.data_dirs, *first.args, "--listen", f"127.0.0.1:{port}",
+                                       "--advertise-url", line.url)
+    direct = f"http://127.0.0.1:{port}"
+    try:
+        cluster.start()
+        sdk_client(cluster.url).bucket("cut").create()
+        for i in range(20):
+            assert httpx.put(f"{cluster.url}/v1/objects/cut/n{i}", content=b"v1", timeout=30,
+                             follow_redirects=True).status_code == 200
+        cluster.wait_rebalanced()
+        victim_id = next(i for i, n in cluster.smap()["tmap"].items() if n["public_net"]["direct_url"] == line.url)
+
+        def checking() -> bool:
+            path = "/v1/cluster/rebalance"
+            r = httpx.get(direct + path, timeout=10, headers=signed_for(direct, "GET", path, to=victim_id))
+            assert r.status_code == 200, r.text
+            return r.json()["fresh"]["checking"]
+
+        assert not checking()
+        line.cut.set()
+        deadline = time.monotonic() + 30
+        while victim_id in cluster.smap()["tmap"]:
+            assert time.monotonic() < deadline, "not dropped"
+            time.sleep(0.05)
+        dropped = time.monotonic()
+        until(checking, 1.0, "the dropped target's reads to check")  # (without: >= 1 s later)
+        assert time.monotonic() - dropped < 1.0
+        line.cut.clear()
+        cluster.wait_joined(3, timeout=15)  # (it joined again at once; seen up once its answers arrive)
+    finally:
+        line.cut.clear()
+        cluster.stop()
+        line.close()
