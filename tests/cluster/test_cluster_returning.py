@@ -241,7 +241,8 @@ def test_a_target_whose_answers_are_lost_is_told_it_was_dropped(tmp_path):
     it is dropped; it runs on — before, it noticed nothing until the probes had stopped for
     AWAY_SECONDS (3 s: up to 2 s after the drop), and meanwhile a read straight at it was not
     checked, though writes went to the other targets only. Now the primary sends it the map
-    that dropped it: its reads check at once, and it joins again."""
+    that dropped it: its reads check at once (``Freshness.dropped``, tests/unit/test_holdings.py),
+    and it joins again."""
     line = OneWay()
     cluster = Cluster(tmp_path, targets=3, gateway_args=("--rebuild-after", "1"))
     port = line.upstream_port = free_port()
@@ -266,15 +267,11 @@ def test_a_target_whose_answers_are_lost_is_told_it_was_dropped(tmp_path):
 
         assert not checking()
         line.cut.set()
-        deadline = time.monotonic() + 30
-        while victim_id in cluster.smap()["tmap"]:
-            assert time.monotonic() < deadline, "not dropped"
-            time.sleep(0.05)
-        dropped = time.monotonic()
-        until(checking, 1.0, "the dropped target's reads to check")  # (without: >= 1 s later)
-        assert time.monotonic() - dropped < 1.0
+        # told, it joins again at once: the drop may be over before a poll of the map sees it
+        until(lambda: any("leaves this target" in line_ for line_ in cluster.targets[0].output), 30,
+              "the dropped target to be told")  # (without the push: never)
         line.cut.clear()
-        cluster.wait_joined(3, timeout=15)  # (it joined again at once; seen up once its answers arrive)
+        cluster.wait_joined(3, timeout=15)
     finally:
         line.cut.clear()
         cluster.stop()

@@ -119,3 +119,21 @@ def test_a_newer_copy_that_cannot_be_brought_is_the_reads_refusal(monkeypatch):
     monkeypatch.setattr(f, "bring", bring)
     with pytest.raises(replicas.CopyFailed):
         asyncio.run(f.ensure([("b", "n1"), ("b", "n2")]))
+
+
+def test_told_it_was_dropped_reads_check_until_a_join_sent_since_is_answered(monkeypatch):
+    f = freshness.Freshness(app=None)
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    f.heard()
+    assert not f.checking()
+    f.dropped()  # probes may still arrive (answers lost): heard() does not end it
+    assert f.checking()
+    now[0] += 0.5
+    f.heard()
+    f.joined(999.0)  # a join sent before: not the answer
+    f.settled(f.epoch)
+    assert f.checking()
+    f.joined(now[0])
+    f.settled(f.epoch)
+    assert not f.checking()
