@@ -45,7 +45,7 @@ from server.api.relay import relay
 from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, RESERVED_AT_ROOT
 from server.api.s3_listing import MAX_KEYS
 from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
-from server.api.state import API_KEY, OP_KEY
+from server.api.state import API_KEY, OP_KEY, read_upto
 from server.cluster import peers
 from server.cluster.smap import ClusterNode
 
@@ -103,7 +103,7 @@ async def _each(request: web.Request, targets: list[ClusterNode], body: bytes,
     async def one(t: ClusterNode) -> tuple[int, dict, bytes]:
         r = await _send(request, t, body)
         async with r:
-            data = await r.content.read(limit + 1)
+            data = await read_upto(r.content, limit)
             if len(data) > limit:
                 raise S3Error(502, "InternalError", f"target {t.id} answered more than {limit} bytes")
             return r.status, _reply_headers(r), data
@@ -120,7 +120,7 @@ def _first_failure(answers: list[tuple[int, dict, bytes]]) -> web.Response | Non
 async def _read_capped(request: web.Request, cap: int, what: str) -> bytes:
     if (request.content_length or 0) > cap:
         raise S3Error(400, "MalformedXML", f"{what} is limited to {cap} bytes")
-    data = await request.content.read(cap + 1)
+    data = await read_upto(request.content, cap)
     if len(data) > cap:
         raise S3Error(400, "MalformedXML", f"{what} is limited to {cap} bytes")
     return data

@@ -146,6 +146,23 @@ def test_boto3_through_the_gateway(s3cluster):
                for u in urls)
 
 
+def test_pages_and_deletes_of_a_thousand_long_keys(s3cluster):
+    """A target's listing page over ~128 KiB, and a DeleteObjects body as large: both were cut
+    (``read(n)`` returns what has arrived, not n bytes), the listing answered 500 (an attack)."""
+    c = s3(s3cluster.url)
+    c.create_bucket(Bucket="long")
+    keys = [f"{'some/longer/prefix/' * 6}name-{i:05d}" for i in range(1000)]
+    with httpx.Client(timeout=30, follow_redirects=True, headers=s3cluster.headers) as h:
+        for k in keys:
+            assert h.put(f"{s3cluster.url}/v1/objects/long/{k}", content=b"x").status_code == 200
+    page = c.list_objects_v2(Bucket="long", MaxKeys=1000)
+    assert [o["Key"] for o in page["Contents"]] == keys and not page["IsTruncated"]
+    done = c.delete_objects(Bucket="long", Delete={"Objects": [{"Key": k} for k in keys]})
+    assert len(done["Deleted"]) == 1000 and not done.get("Errors")
+    assert c.list_objects_v2(Bucket="long").get("KeyCount") == 0
+    c.delete_bucket(Bucket="long")
+
+
 def test_targets_serve_s3_only_to_a_gateway(s3cluster):
     for t in s3cluster.targets:
         assert code(s3(t.url).list_buckets) == (501, "NotImplemented")
