@@ -19,9 +19,8 @@ user's run, 2026-11-27).
         a version written after ours: that target sends its copy here (``holdings.ask_push``),
         committed only over our version; the read serves it
         then the read goes on as always, from what is here
-    a listing page at this target while ``Freshness.active`` (``listed``): its names asked so;
-        a later delete deletes ours, and the page is made again (the next names checked in
-        turn); a name with a newer version elsewhere is left out of the page (not brought)
+    a listing page at this target while ``Freshness.active`` (``listed``): its names checked
+        so (not marked), and the page made again if a copy here changed
 
 Invariants:
 - Active from the process's start, from every map change, and from the moment no gateway has
@@ -163,13 +162,16 @@ class Freshness:
         for bucket, names in by_bucket.items():
             await self._ensure_bucket(smap, bucket, list(dict.fromkeys(names)))
 
-    async def _ensure_bucket(self, smap: ClusterMap, bucket: str, names: list[str], again: bool = True) -> None:
+    async def _ensure_bucket(self, smap: ClusterMap, bucket: str, names: list[str], again: bool = True,
+                             mark: bool = True) -> int:
+        """``ensure`` for one bucket's names; how many copies here were deleted or replaced.
+        ``mark``: remember the names checked (reads; a listing does not fill the set)."""
         metas = await asyncio.to_thread(_held, self.app[NODE], bucket, names)
         if not metas:
-            return
+            return 0
         epoch = self.epoch
         answers, unanswered = await self.ask(smap, bucket, list(metas))
-        slots, changed = asyncio.Semaphore(PULLS_AT_ONCE), []
+        slots, changed, acted = asyncio.Semaphore(PULLS_AT_ONCE), [], [0]
 
         async def one(name: str, meta: ObjectMeta) -> None:
             verdict = newest(meta, answers.get(name, {}))
@@ -177,6 +179,7 @@ class Freshness:
                 async with slots:
                     try:
                         await self.bring(smap, bucket, name, meta, verdict)
+                        acted[0] += 1
                     except SourceChanged:
                         if not again:
                             raise
@@ -184,7 +187,7 @@ class Freshness:
                         return
             # not while away: dropped from the map without knowing it yet, this target is no
             # holder, and a write made after this check goes to the others only (an attack)
-            if name not in unanswered and epoch == self.epoch and not self._away \
+            if mark and name not in unanswered and epoch == self.epoch and not self._away \
                     and len(self._checked) < CHECKED_MAX:
                 self._checked.add((bucket, name))
 
@@ -195,7 +198,8 @@ class Freshness:
         except ExceptionGroup as group:  # the read's answer: the first refusal (503), not a 500 (a review)
             raise _first_store_error(group) from None
         if changed:
-            await self._ensure_bucket(smap, bucket, changed, again=False)
+            acted[0] += await self._ensure_bucket(smap, bucket, changed, again=False, mark=mark)
+        return acted[0]
 
     async def ask(self, smap: ClusterMap, bucket: str, names: list[str],
                   timeout: float = ASK_SECONDS) -> tuple[dict[str, dict[str, tuple]], set[str]]:
@@ -221,29 +225,15 @@ class Freshness:
         self._skip[node_id] = time.monotonic() + SKIP_SECONDS
         log.info("fresh reads: target %s not asked for %ss (%s)", node_id, SKIP_SECONDS, e or type(e).__name__)
 
-    async def check_listed(self, bucket: str, names: list[str]) -> tuple[int, set[str]]:
-        """For a listing: our copies of ``names`` deleted elsewhere later are deleted here (how
-        many), and the names with a newer version elsewhere are returned — left out of this
-        target's page, not brought here (the target holding it lists it; a listing does not
-        wait on whole objects). Nothing is marked checked: a read still checks."""
+    async def check_listed(self, bucket: str, names: list[str]) -> int:
+        """For a listing: our copies of ``names`` made as new as the other targets' (deleted, or
+        the newer version brought here), as for reads — but not marked checked (a read still
+        checks; a listing of a large bucket would fill the set). How many changed here."""
         member = self.app.get(MEMBERSHIP)
         smap = member.smap if member is not None else None
         if smap is None or len(smap.targets) < 2:
-            return 0, set()
-        node = self.app[NODE]
-        metas = await asyncio.to_thread(_held, node, bucket, names)
-        answers, _ = await self.ask(smap, bucket, list(metas))
-        gone, newer = [], set()
-        for name, meta in metas.items():
-            verdict = newest(meta, answers.get(name, {}))
-            if verdict is not None and verdict[0] == "deleted":
-                gone.append((name, meta, verdict[1]))
-            elif verdict is not None:
-                newer.add(name)
-        if gone:
-            await asyncio.to_thread(lambda: [_drop_stale(node, bucket, *g) for g in gone])
-            self.counts["deleted"] += len(gone)
-        return len(gone), newer
+            return 0
+        return await self._ensure_bucket(smap, bucket, list(dict.fromkeys(names)), mark=False)
 
     async def bring(self, smap: ClusterMap, bucket: str, name: str, meta: ObjectMeta, verdict: tuple) -> int:
         """Act on ``holdings.newest``'s verdict about our copy ``meta``: delete it, or have the
@@ -332,25 +322,23 @@ async def ensure(app: web.Application, pairs: Iterable[tuple[str, str]]) -> None
 
 
 async def listed(app: web.Application, bucket: str, prefix: str, make: Callable[[], Page],
-                 names: Callable[[Page], Iterable[str]], drop: Callable[[Page, set[str]], Page]) -> Page:
+                 names: Callable[[Page], Iterable[str]]) -> Page:
     """A listing page (``make``, blocking: run in a thread) as the newest copies have it, while
     reads here check: its names and the LOOKAHEAD after them (so that a small page over many
-    deleted names takes one round, not one per name) are checked (``check_listed``); if some
-    were deleted here for being deleted elsewhere, the page is made again (the next names come
-    in, checked in turn) until a round deletes none; names with a newer version elsewhere are
-    left out (``drop``). Nothing more when reads do not check."""
+    deleted names takes one round, not one per name) are checked as reads are
+    (``check_listed``: a later delete elsewhere deletes ours, a newer version is brought here)
+    and, if any copy here changed, the page is made again (the next names come in, checked in
+    turn) until a round changes none. Nothing more when reads do not check."""
     fresh, node = app.get(FRESHNESS), app[NODE]
     done: set[str] = set()
-    newer: set[str] = set()
     while True:
         page = await asyncio.to_thread(make)
         new = [n for n in names(page) if n not in done] if fresh is not None and fresh.checking() else []
-        if new:
-            ahead, _ = await asyncio.to_thread(node.list_page, bucket, prefix, max(new), LOOKAHEAD)
-            new += [m.name for m in ahead if m.name not in done]
-            deleted, stale = await fresh.check_listed(bucket, new)
-            done.update(new)
-            newer |= stale
-            if deleted:
-                continue
-        return drop(page, newer) if newer else page
+        if not new:
+            return page
+        ahead, _ = await asyncio.to_thread(node.list_page, bucket, prefix, max(new), LOOKAHEAD)
+        new += [m.name for m in ahead if m.name not in done]
+        changed = await fresh.check_listed(bucket, new)
+        done.update(new)
+        if not changed:
+            return page

@@ -227,12 +227,11 @@ async def list_objects(request: web.Request) -> web.Response:
     elif flags & LS_NO_RECURSION:
         entries, next_token = await freshness.listed(
             request.app, bucket, prefix, lambda: _list_level(node, bucket, prefix, token, limit, not flags & LS_NO_DIRS),
-            lambda page: (e["n"] for e in page[0] if e["f"] != ENTRY_IS_DIR),
-            lambda page, newer: ([e for e in page[0] if e["n"] not in newer], page[1]))
+            lambda page: (e["n"] for e in page[0] if e["f"] != ENTRY_IS_DIR))
     else:
         page, next_token = await freshness.listed(
             request.app, bucket, prefix, lambda: node.list_page(bucket, prefix, token, limit),
-            lambda page: (m.name for m in page[0]), lambda page, newer: ([m for m in page[0] if m.name not in newer], page[1]))
+            lambda page: (m.name for m in page[0]))
         entries = [_entry(m) for m in page]
     copies = copies_of(request.app, bucket)
     for e in entries:

@@ -41,7 +41,6 @@ like a multipart ETag, so rclone and s3fs do not compare them with an MD5 of the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import base64
 import time
 
@@ -140,8 +139,7 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     node = request.app[NODE]
     page = await freshness.listed(
         request.app, bucket_name, prefix, lambda: list_objects(node, bucket_name, prefix, delimiter, after, max_keys),
-        lambda page: (m.name for m in page.contents),
-        lambda page, newer: dataclasses.replace(page, contents=[m for m in page.contents if m.name not in newer]))
+        lambda page: (m.name for m in page.contents))
     next_token = base64.urlsafe_b64encode(page.last.encode("utf-8", "surrogatepass")).decode()
     return xml_response(list_objects_doc(
         v2=v2, bucket=bucket_name, prefix=prefix, delimiter=delimiter, marker=marker, max_keys=max_keys,
