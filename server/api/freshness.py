@@ -23,9 +23,10 @@ user's run, 2026-11-27).
         so (not marked), and the page made again if a copy here changed
 
 Invariants:
-- Active from the process's start, from every map change, and from the moment no gateway has
+- Active from the process's start, from every map change, from the moment no gateway has
   probed this target for AWAY_SECONDS (it may be cut off, or have been stopped, and dropped
-  from the map without knowing yet) until a walk that began after it ends with no failure
+  from the map without knowing yet) and from the moment the primary told it it was dropped
+  (``dropped``: away, as after a gap) until a walk that began after it ends with no failure
   (``Rebalancer``) — after an absence, a walk after a join sent since was answered (the answer
   says whether this target is in the map); inactive, a read costs nothing more.
 - A name is checked once per activation (``_checked``, at most CHECKED_MAX names): a later
