@@ -117,12 +117,14 @@ class Freshness:
         drops): away, as after a gap in the probes — which a target whose probes arrive while
         their answers are lost never sees until the probes stop (a review)."""
         if not self._away:
-            self._away, self._away_at = True, time.monotonic()
-            self.begin()
+            self._begin_absence()
 
-    def _went_away(self, seconds: float) -> None:
+    def _begin_absence(self) -> None:
         self._away, self._away_at = True, time.monotonic()
         self.begin()
+
+    def _went_away(self, seconds: float) -> None:
+        self._begin_absence()
         log.warning("no gateway probed this target for %.1f s: it may be out of the cluster's map; reads check "
                     "other targets' copies until a walk after the probes are back", seconds)
 
@@ -152,9 +154,8 @@ class Freshness:
         newer copy could not be brought."""
         if not self.checking():
             return
-        member = self.app.get(MEMBERSHIP)
-        smap = member.smap if member is not None else None
-        if smap is None or len(smap.targets) < 2:
+        smap = self._peer_map()
+        if smap is None:
             return
         by_bucket: dict[str, list[str]] = {}
         for bucket, name in pairs:
@@ -162,6 +163,12 @@ class Freshness:
                 by_bucket.setdefault(bucket, []).append(name)
         for bucket, names in by_bucket.items():
             await self._ensure_bucket(smap, bucket, list(dict.fromkeys(names)))
+
+    def _peer_map(self) -> ClusterMap | None:
+        """The map to check against, or None when there is no other target to ask."""
+        member = self.app.get(MEMBERSHIP)
+        smap = member.smap if member is not None else None
+        return smap if smap is not None and len(smap.targets) >= 2 else None
 
     async def _ensure_bucket(self, smap: ClusterMap, bucket: str, names: list[str], again: bool = True,
                              mark: bool = True) -> int:
@@ -230,9 +237,8 @@ class Freshness:
         """For a listing: our copies of ``names`` made as new as the other targets' (deleted, or
         the newer version brought here), as for reads — but not marked checked (a read still
         checks; a listing of a large bucket would fill the set). How many changed here."""
-        member = self.app.get(MEMBERSHIP)
-        smap = member.smap if member is not None else None
-        if smap is None or len(smap.targets) < 2:
+        smap = self._peer_map()
+        if smap is None:
             return 0
         return await self._ensure_bucket(smap, bucket, list(dict.fromkeys(names)), mark=False)
 
