@@ -85,6 +85,13 @@ class CorruptData(StoreError):
     status = 500
 
 
+class NotServed(StoreError):
+    """Data this node stores but does not serve (a sparse member of a TAR shard): refused, not
+    approximated."""
+
+    status = 501
+
+
 class InsufficientStorage(StoreError):
     """A write found its data directory full; the PUT wrote nothing (its files are removed)."""
 

@@ -49,7 +49,7 @@ import zipfile
 import zlib
 from typing import NamedTuple, Protocol
 
-from server.errors import BadRequest, NotFound
+from server.errors import BadRequest, NotFound, NotServed
 from server.store.meta import ObjectMeta
 from server.store.reader import ObjectReader, OpenObject
 from server.store.store import Store
@@ -97,6 +97,9 @@ def norm_name(name: str) -> str:
     return name[2:] if name.startswith("./") else name
 
 
+SPARSE = -1  # a member's offset in the index: a sparse member, refused by ``find``
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardIndex:
     kind: str  # 'tar' | 'tgz' | 'zip'
@@ -121,6 +124,10 @@ class ShardIndex:
         hit = self.members.get(norm_name(archpath))
         if hit is None:
             raise NotFound(f"ais://{meta.bucket}/{meta.name}: no member {archpath!r} in the shard")
+        if hit[0] == SPARSE:
+            raise NotServed(f"ais://{meta.bucket}/{meta.name}: member {archpath!r} is a sparse file (GNU or "
+                            "PAX sparse), whose stored bytes are not its content; batchfs does not expand "
+                            "sparse members: repack the shard without --sparse")
         return hit
 
 
@@ -228,6 +235,14 @@ class GzStream(io.RawIOBase):
         return self.pos
 
 
+def _span(ti: tarfile.TarInfo) -> tuple[int, int]:
+    """A TAR member's (data offset, size) in the index — SPARSE for a sparse member: tarfile
+    counts it as a regular file, but its ``size`` is the expanded one while the archive holds
+    only the data between the holes (served as one run, the reply was the packed data and
+    then the next member's header: an attack)."""
+    return (SPARSE, ti.size) if ti.issparse() else (ti.offset_data, ti.size)
+
+
 def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
     meta = obj.meta
     head = obj.pread(0, min(meta.size, 4))
@@ -238,9 +253,9 @@ def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
             with tarfile.open(fileobj=buffered_reader(obj), mode="r:") as tf:
                 for ti in tf:
                     if ti.isreg():
-                        if ti.offset_data + ti.size > meta.size:
+                        if ti.offset_data + ti.size > meta.size and not ti.issparse():
                             raise tarfile.ReadError(f"member {ti.name!r} runs past the end of the shard")
-                        members[norm_name(ti.name)] = (ti.offset_data, ti.size)
+                        members[norm_name(ti.name)] = _span(ti)
                     tf.members.clear()  # the index is all we keep; tarfile would keep every TarInfo
         elif kind == "tgz":
             checkpoints: list[_Checkpoint] = []
@@ -248,7 +263,7 @@ def build_index(obj: OpenObject, work: WorkBound | None = None) -> ShardIndex:
             with tarfile.open(fileobj=io.BufferedReader(stream, _READ_BUFFER), mode="r:") as tf:
                 for ti in tf:
                     if ti.isreg():
-                        members[norm_name(ti.name)] = (ti.offset_data, ti.size)
+                        members[norm_name(ti.name)] = _span(ti)
                     tf.members.clear()
             return ShardIndex(kind, members, tuple(checkpoints))
         else:

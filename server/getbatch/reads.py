@@ -38,7 +38,7 @@ import dataclasses
 
 from batchfs.wire.getbatch import MISSING_DIR
 from server.archive.writers import TarWriter
-from server.errors import BadRequest, NotFound, RangeNotSatisfiable
+from server.errors import BadRequest, NotFound, NotServed, RangeNotSatisfiable
 from server.getbatch.budget import Work
 from server.getbatch.request import MossReq, Entry, span
 from server.archive.members import MemberSource, RangeSource, TgzReader, member_span, open_member
@@ -74,7 +74,7 @@ def _resolve(store: Store, cache: ShardIndexCache, e: Entry, coer: bool, work: W
         e.meta = meta
     except RangeNotSatisfiable:
         raise
-    except (NotFound, BadRequest) as err:  # missing object or member, corrupt shard
+    except (NotFound, BadRequest, NotServed) as err:  # missing object or member, corrupt shard, sparse member
         if not coer:
             raise
         e.kind, e.size, e.err = "missing", 0, err.message

@@ -5,8 +5,11 @@ TGZ and ZIP shards, small members (read whole) and large ones (streamed), and ev
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import random
+import subprocess
+import tarfile
 
 import httpx
 import pytest
@@ -138,3 +141,40 @@ def test_corrupt_member_is_never_served(tmp_path, member_size):
         assert s.corrupt_reads() >= before + 1
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+def test_a_sparse_member_is_refused_not_served_packed(server, tmp_path, fmt):
+    """A sparse member (GNU tar --sparse; PAX sparse with --format=posix) is stored as the data
+    between its holes: tarfile calls it a regular file of its expanded size, and served as one
+    run from its data offset the reply was the packed data and then the next member's header
+    (an attack). Refused (501) by archpath and by GetBatch, a placeholder under coer; the shard's
+    other members still read byte for byte."""
+    with open(tmp_path / "sparse.bin", "wb") as f:
+        f.write(b"A" * 4096)
+        f.seek(4096 + 65536)
+        f.write(b"B" * 4096)
+    after = os.urandom(20_000)
+    (tmp_path / "after.bin").write_bytes(after)
+    subprocess.run(["tar", f"--format={fmt}", "--sparse", "-cf", "s.tar", "sparse.bin", "after.bin"],
+                   cwd=tmp_path, check=True)
+    shard = (tmp_path / "s.tar").read_bytes()
+    with tarfile.open(tmp_path / "s.tar") as tf:
+        assert tf.getmember("sparse.bin").issparse()  # the shard is what the test is about
+    bucket = "sparse" + os.urandom(4).hex()
+    httpx.post(f"{server.url}/v1/buckets/{bucket}", json={"action": "create-bck"}).raise_for_status()
+    httpx.put(f"{server.url}/v1/objects/{bucket}/s.tar", content=shard).raise_for_status()
+    r = _get(server, bucket, "s.tar", archpath="sparse.bin")
+    assert r.status_code == 501 and "sparse" in r.json()["message"], (r.status_code, r.text[:300])
+    assert _get(server, bucket, "s.tar", archpath="after.bin").content == after
+    moss = f"{server.url}/v1/ml/moss/{bucket}"
+    entries = [{"objname": "s.tar", "archpath": "sparse.bin"}, {"objname": "s.tar", "archpath": "after.bin"}]
+    r = httpx.request("GET", moss, json={"in": entries, "strm": True}, timeout=30)
+    assert r.status_code == 501 and "sparse" in r.json()["message"], (r.status_code, r.text[:300])
+    r = httpx.request("GET", moss, json={"in": entries, "strm": True, "coer": True}, timeout=30)
+    assert r.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
+        names = tf.getnames()
+        assert names[0].startswith("__404__/") and names[1] == f"{bucket}/s.tar/after.bin", names
+        assert tf.extractfile(tf.getmembers()[0]).read() == b""
+        assert tf.extractfile(tf.getmembers()[1]).read() == after
