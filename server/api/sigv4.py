@@ -14,6 +14,9 @@ streams).
   ``UNSIGNED-PAYLOAD``, expiry enforced) are both accepted.
 - Paths: clients do not all percent-encode the path they send the way they encode the path
   they sign, so the raw path is tried first, then the canonical encoding of the decoded path.
+- Every ``x-amz-*`` header sent must be signed, presigned URLs included (S3's "headers present
+  in the request which were not signed"): ``x-amz-copy-source`` and its like change what a
+  request does, and the signature must cover what it does.
 - Clock skew beyond 15 minutes is refused (``RequestTimeTooSkewed``), as S3 does.
 - ``STREAMING-AWS4-HMAC-SHA256-PAYLOAD`` bodies (aws-chunked) carry a signature per chunk,
   chained from the header signature; ``aws_chunks`` decodes them and, with a verified
@@ -185,6 +188,12 @@ def verify(request: web.Request, access_key: str, secret_key: str, now: float | 
         raise _denied("SignatureDoesNotMatch", "the credential date does not match the request date")
     if "host" not in signed_headers:
         raise _denied("AccessDenied", "the host header must be signed")
+    unsigned = sorted({k.lower() for k in request.headers if k.lower().startswith("x-amz-")} - set(signed_headers))
+    if unsigned:
+        # as S3: an unsigned x-amz-* header would change what a signed request does — a
+        # presigned or replayed PUT given x-amz-copy-source copied any object into its key (an attack)
+        raise _denied("AccessDenied", "there were headers present in the request which were not signed: "
+                      + ", ".join(unsigned))
 
     auth = _Verifier(Credentials(access_key, secret_key), service, region)
     host = request.headers.get("Host", "")

@@ -461,6 +461,29 @@ def test_presigned_urls(keyed):
     assert r.status_code == 403 and "SigV4" in r.text
 
 
+def test_unsigned_amz_headers_are_refused(keyed):
+    """An x-amz-* header the signature does not cover is refused (403, as S3), changing nothing:
+    a presigned PUT URL, or a captured signed PUT replayed, given x-amz-copy-source copied any
+    object into its key (an attack, helper 61)."""
+    good = s3_client(keyed.url, ACCESS, SECRET, signature_version="s3v4")
+    with contextlib.suppress(ClientError):
+        good.create_bucket(Bucket="sig")
+    good.put_object(Bucket="sig", Key="secret", Body=b"private")
+    put_url = good.generate_presigned_url("put_object", Params={"Bucket": "sig", "Key": "upload"}, ExpiresIn=60)
+    r = httpx.put(put_url, headers={"x-amz-copy-source": "/sig/secret"})
+    assert r.status_code == 403 and "x-amz-copy-source" in r.text, r.text
+    assert error_of(good.head_object, Bucket="sig", Key="upload") == (404, "404")
+    req = AWSRequest(method="PUT", url=f"{keyed.url}/sig/upload", data=b"",
+                     headers={"x-amz-content-sha256": hashlib.sha256(b"").hexdigest()})
+    S3SigV4Auth(Credentials(ACCESS, SECRET), "s3", "us-east-1").add_auth(req)
+    signed = dict(req.headers.items())
+    r = httpx.put(f"{keyed.url}/sig/upload", content=b"", headers={**signed, "X-Amz-Copy-Source": "/sig/secret"})
+    assert r.status_code == 403 and ET.fromstring(r.content).find("Code").text == "AccessDenied", r.text
+    assert error_of(good.head_object, Bucket="sig", Key="upload") == (404, "404")
+    assert httpx.put(f"{keyed.url}/sig/upload", content=b"", headers=signed).status_code == 200  # as signed: taken
+    assert good.get_object(Bucket="sig", Key="upload")["Body"].read() == b""
+
+
 class StreamingSigner(S3SigV4Auth):
     """botocore's signer, declaring the aws-chunked signed payload (botocore only streams on https)."""
 
