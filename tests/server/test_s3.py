@@ -659,14 +659,18 @@ def test_conditional_reads(server, s3, bucket):
 
 
 @pytest.mark.fuse
+@pytest.mark.parametrize("keys", ["keyed", "open"])
 @pytest.mark.parametrize("tool", ["s3fs", "rclone"])
-def test_tools_write_small_files(tool, server, tmp_path):
+def test_tools_write_small_files(tool, keys, request, tmp_path):
     """What s3fs (through its mount) and rclone (copyto, as users upload) send on a write —
     x-amz-meta-*, Content-Type, Content-MD5, a zero-byte create then the content — is all
-    accepted by the refusal rules, and the bytes land exactly."""
+    accepted by the refusal rules, and the bytes land exactly; with keys, every x-amz-* header
+    they send is signed (an unsigned one is refused)."""
     _require(tool, "fusermount3")
-    client = s3_client(server.url)
-    bucket_name = f"w{tool}"
+    server = request.getfixturevalue("keyed" if keys == "keyed" else "server")
+    access, secret = (ACCESS, SECRET) if keys == "keyed" else ("x", "x")
+    client = s3_client(server.url, access, secret)
+    bucket_name = f"w{tool}{keys}"
     with contextlib.suppress(ClientError):
         client.create_bucket(Bucket=bucket_name)
     data = random.Random(tool).randbytes(150_000)
@@ -675,19 +679,19 @@ def test_tools_write_small_files(tool, server, tmp_path):
         src.write_bytes(data)
         env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
         subprocess.run(["rclone", "copyto", str(src), f":s3:{bucket_name}/dir/new.bin", "--s3-provider", "Other",
-                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", access, "--s3-secret-access-key", secret,
                         "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
                        env=env, check=True, capture_output=True, timeout=60)
         # rcat streams stdin of unknown size: a multipart upload of 5 MiB parts
         big = random.Random(5).randbytes(11 * 1024 * 1024 + 7)
         subprocess.run(["rclone", "rcat", f":s3:{bucket_name}/dir/streamed.bin", "--s3-provider", "Other",
-                        "--s3-endpoint", server.url, "--s3-access-key-id", "x", "--s3-secret-access-key", "x",
+                        "--s3-endpoint", server.url, "--s3-access-key-id", access, "--s3-secret-access-key", secret,
                         "--s3-force-path-style=true", "--config", str(tmp_path / "rclone.conf")],
                        input=big, env=env, check=True, capture_output=True, timeout=120)
         assert client.get_object(Bucket=bucket_name, Key="dir/streamed.bin")["Body"].read() == big
     else:
         mnt = tmp_path / "mnt"
-        cmd, env = _mount_cmd(tool, server.url, bucket_name, mnt, tmp_path, "x", "x")
+        cmd, env = _mount_cmd(tool, server.url, bucket_name, mnt, tmp_path, access, secret)
         with ExternalMount(cmd, mnt, tmp_path / f"{tool}.log", env) as m:
             (mnt / "dir").mkdir()
             (mnt / "dir" / "new.bin").write_bytes(data)
