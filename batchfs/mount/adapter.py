@@ -245,6 +245,8 @@ async def serve(config: MountConfig, on_ready: Callable[[], None]) -> None:
             finally:
                 batch_control.mgr.close()
                 await engine.aclose()
+                if rg_source is not None:
+                    rg_source.close()
                 if rg_store is not None:
                     with trio.CancelScope(shield=True):
                         await rg_store.flush(DISK_FLUSH_SECONDS)  # as the data cache's

@@ -11,7 +11,9 @@ Invariants:
 - A row group costs exactly its column chunks' byte ranges, fetched ``fetch_parallel`` at a time,
   every range pinned to the version the caller opened (``VersionChanged`` otherwise): arrays of
   two versions are never mixed.
-- Transforms run in threads, at most ``workers`` at once, never on the trio thread. Memory:
+- Transforms run in threads, at most ``workers`` at once, never on the trio thread; each
+  decodes its row group in a worker process (``decoder``: pyarrow aborts the process on some
+  corrupt files), which sends back no table larger than a transform may hold (``TooLarge``). Memory:
   ``memory_bytes`` is split in two halves — transformed groups kept for reuse (LRU by size), and
   transforms in progress, each reserving ``TRANSFORM_COPIES`` × its size (the Arrow table, the
   arrays, their ``.npy`` bytes) plus the bytes it fetches, before anything is fetched and waiting while the half
@@ -42,6 +44,7 @@ from batchfs.cache.entries import Parts
 from batchfs.errors import BatchfsError, TooLarge, TransformError
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
+from batchfs.rowgroups.decoder import Decoders, Oversize
 from batchfs.rowgroups.failures import FOOTER, Failures
 from batchfs.rowgroups.transforms import DEFAULT, Group, Transform, TransformFailed
 from batchfs.wire.units import MiB
@@ -162,8 +165,13 @@ class RowGroupSource:
         # groups made ahead by plans (rowgroups.plans), until a reader opens them: (group, pins)
         self._pinned: dict[tuple, list] = {}
         self._workers = trio.CapacityLimiter(config.workers)
+        self.decoders = Decoders(config.workers)  # pyarrow in worker processes: it may abort (decoder)
         self.transforms = 0  # row groups transformed (not served from a cache)
         self.failures = Failures()  # why a footer or a row group failed, for status.json
+
+    def close(self) -> None:
+        """End the decoding workers (the mount is going away)."""
+        self.decoders.close()
 
     async def _once(self, key: tuple, cache: cachetools.LRUCache, make):
         """``cache[key]``, made by ``make()`` by one caller at a time."""
@@ -192,8 +200,11 @@ class RowGroupSource:
                 footer = await self._fetch_footer(bucket, key, size, v)
                 if self.store is not None and info.version:
                     self.store.put(footer_key, footer)
+            def parse():
+                self.decoders.check_footer(size, footer)  # (pyarrow may abort: in a worker first)
+                return parquet.read_metadata(size, bytes(footer))
             try:
-                md = await trio.to_thread.run_sync(parquet.read_metadata, size, bytes(footer))
+                md = await trio.to_thread.run_sync(parse)
             except parquet.NotParquet as e:
                 raise TransformError(f"{bucket}/{key}: {e}") from None
             rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
@@ -304,12 +315,18 @@ class RowGroupSource:
             for off, n in spans:
                 nursery.start_soon(fetch, off, n)
 
+        most = self._transforming.capacity // TRANSFORM_COPIES  # the largest table any transform may hold
+
         def work() -> Group:
-            table = parquet.read_row_group(lay.size, md, got, rg)
+            table = self.decoders.decode(lay.size, md, got, rg, most)
             return self.transform(table)
 
         try:
             g = await trio.to_thread.run_sync(work, limiter=self._workers)
+        except Oversize as e:
+            raise TooLarge(f"{bucket}/{key}: row group {rg} decodes to {e.args[0]} bytes (its footer claims "
+                           f"{md.row_group(rg).total_byte_size}), over the {most} bytes a transform may hold "
+                           f"(a third of half the row-group memory)") from None
         except (parquet.NotParquet, TransformFailed) as e:
             raise TransformError(f"{bucket}/{key}: {e}") from None
         except Exception as e:  # a transform that raises: EIO for the reader, the traceback in the log

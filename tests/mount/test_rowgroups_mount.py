@@ -215,3 +215,44 @@ def test_rowgroup_plans_make_groups_ahead_and_the_stream_writes_them(server, buc
         for a, b in zip(plain, planned):
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
         assert [n for n in os.listdir(mnt / ".batch") if n.startswith("rg-")] == []  # deleted at the end
+
+
+ABORTS = os.path.join(os.path.dirname(__file__), "..", "data", "aborts-pyarrow.parquet")
+
+
+def test_a_file_that_aborts_pyarrow_is_eio_and_the_mount_lives(server, bucket, tmp_path):
+    """tests/data/aborts-pyarrow.parquet is a valid file of pyarrow's with one footer byte changed
+    (an attack's fuzzer): pyarrow 26 aborts the process (std::terminate) when asked for a row
+    group's column metadata, instead of raising. In the daemon it ended the mount for every file
+    and user; read first by a worker process (``rowgroups.decoder``), its footer is EIO with a
+    reason, and everything else reads on."""
+    import subprocess
+    import sys
+    # what the daemon did before: its footer, then each row group from its ranges, in-process
+    probe = ("import sys; from batchfs.rowgroups import parquet as P; d = open(sys.argv[1], 'rb').read(); "
+             "off, n = P.footer_span(len(d), d[-65536:]); md = P.read_metadata(len(d), d[off:off + n]); "
+             "[P.read_row_group(len(d), md, {o: d[o:o + k] for o, k in P.chunk_ranges(md, rg, size=len(d))}, rg) "
+             "for rg in range(md.num_row_groups)]")
+    r = subprocess.run([sys.executable, "-c", probe, ABORTS], capture_output=True, timeout=60)
+    if r.returncode >= 0:  # a pyarrow that raises (1) or reads it (0): the file no longer tests this
+        pytest.fail(f"pyarrow no longer aborts on the file (exit {r.returncode}): {r.stderr[-300:]!r}")
+    bad = open(ABORTS, "rb").read()
+    good = _parquet(4)
+    put(server, bucket, "bad.parquet", bad)
+    put(server, bucket, "good.parquet", good)
+    put(server, bucket, "ok.txt", b"hello")
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    with MountProcess(src, tmp_path / "m") as m:
+        d = m.mountpoint / ".rowgroups" / "bad.parquet"
+        with pytest.raises(OSError) as e:
+            os.listdir(d / "00000")
+        assert e.value.errno == errno.EIO
+        status = json.loads((d / "status.json").read_text())
+        assert "pyarrow ended the process" in status["errors"]["footer"]["error"], status
+        assert m.proc.poll() is None  # the daemon lives
+        assert (m.mountpoint / "ok.txt").read_bytes() == b"hello"
+        _check_group(m.mountpoint, "good.parquet", good, 1)
+        with pytest.raises(OSError) as e:  # and again: the pool was made again, the same answer
+            os.listdir(d / "00001")
+        assert e.value.errno == errno.EIO
+        _check_group(m.mountpoint, "good.parquet", good, 2)
