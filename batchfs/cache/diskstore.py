@@ -10,6 +10,8 @@ Invariants:
   what comes next (the Petastorm-at-Uber lesson). The quota counts what ``du`` counts: file blocks,
   a per-entry allowance for directories and SQLite rows, and fixed headroom for the SQLite files
   (whose WAL is kept small by pragmas).
+- Its directory is private (mode 0700, made so at open, with a warning if it was not): the
+  entries are object bytes and transformed arrays other users may not read through the mount.
 - The store only accelerates. Every entry carries its length and xxh3-64 (``cache.entries``); a
   truncated, corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
   (disk full, I/O error) stops further writes: read-through. A store that cannot be opened (its
@@ -135,7 +137,12 @@ class DiskStore:
     async def open(cls, directory: Path, quota_bytes: int, write_buffer_bytes: int = 64 * 1024 * 1024,
                    free_space_ratio: float = 0.0) -> "DiskStore":
         def do_open():
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # private: it holds object bytes the mount may not show other users (without
+            # allow_other they get EACCES on the mount, yet read the cache's files: an attack)
+            if directory.stat().st_mode & 0o077:
+                log.warning("disk cache %s was readable by other users: made private (mode 0700)", directory)
+                directory.chmod(0o700)
             cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
                                     statistics=False, sqlite_wal_autocheckpoint=64,
                                     sqlite_journal_size_limit=1024 * 1024)

@@ -202,3 +202,18 @@ async def test_large_entries_leave_the_page_cache_once_written_and_read(tmp_path
     assert await cache.get("big") == big  # read (and verified) from the disk ...
     assert resident_pages(big_file)[0] == 0  # ... and dropped again
     cache.close()
+
+
+@pytest.mark.trio
+async def test_the_store_directory_is_private(tmp_path: Path):
+    """Its entries are object bytes: other users may not read them (a new directory is made
+    0700; one found readable by others is made so, an attack read a cached object's bytes
+    from a mount that refused them EACCES)."""
+    fresh, shared = tmp_path / "a" / "new", tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    for d in (fresh, shared):
+        store = await DiskStore.open(d, 1 * MiB)
+        try:
+            assert d.stat().st_mode & 0o777 == 0o700, oct(d.stat().st_mode)
+        finally:
+            store.close()
