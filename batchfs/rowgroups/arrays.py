@@ -21,7 +21,10 @@ nulls get no such files.
 Invariants: the arrays of a row group equal what pyarrow reads for it, value for value; the
 output never contains Python objects (no ``dtype=object``, so no pickle); file names are the
 column name plus a fixed suffix, and a column whose name cannot be a file name (empty, ``.``,
-``..``, or with ``/`` or NUL) is unsupported rather than renamed.
+``..``, or with ``/`` or NUL) is unsupported rather than renamed; so are two columns of one
+name, and a column named as another's name plus a suffix (``x`` and ``x.null``: ``clashes``) —
+no file is ever written twice. Strings whose fixed-width form would be many times their size
+are unsupported (``_wide``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ import pyarrow.compute as pc
 
 
 STRING_OFFSET_MAX = 2**31 - 1  # the largest offset of an Arrow ``string`` (``large_string``: 64-bit)
+# Fixed-width strings take rows x longest x 4 bytes: one long value among short ones makes
+# them huge (one 10,000-character string among 10,000 one-character ones: 400 MB from a 903-byte
+# object, an attack). Past WIDE_MIN_BYTES and WIDE_RATIO times the column's Arrow bytes, refused.
+WIDE_MIN_BYTES = 16 << 20
+WIDE_RATIO = 16
+# the suffixes a column's files may add to its name (module table): another column named like
+# one of them would overwrite that file (an attack: x's null mask served as column "x.null")
+SUFFIXES = ("", ".null", ".values", ".offsets", ".items.null", ".values.null")
 
 
 class Unsupported(Exception):
@@ -42,6 +53,34 @@ class Unsupported(Exception):
 
 def file_name_ok(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def clashes(names: list[str]) -> dict[str, str]:
+    """Columns whose files could have another column's file names: ``{column: why}``. A name
+    given twice; or one that is another column's name plus a suffix its files may use — both
+    columns are refused whatever their types and data, so that every row group and ``meta.json``
+    agree."""
+    out: dict[str, str] = {}
+    seen = set()
+    for name in names:
+        if name in seen:
+            out[name] = f"column {name!r}: two columns have this name"
+        seen.add(name)
+    for name in seen:
+        for s in SUFFIXES[1:]:
+            if name + s in seen:
+                why = f"columns {name!r} and {name + s!r}: their files would have the same names"
+                out.setdefault(name, why)
+                out.setdefault(name + s, why)
+    return out
+
+
+def _wide(rows: int, width: int, arr: pa.Array, what: str) -> None:
+    need = rows * width * 4
+    if need > WIDE_MIN_BYTES and need > WIDE_RATIO * arr.nbytes:
+        raise Unsupported(f"{what}: as fixed-width NumPy strings its {rows} values of up to {width} "
+                          f"characters would take {need} bytes, {need // max(arr.nbytes, 1)}x the column's "
+                          "own size; write it as binary, or transform it with --rowgroup-transform")
 
 
 def _flat(arr: pa.Array, what: str) -> np.ndarray:
@@ -71,6 +110,7 @@ def _flat(arr: pa.Array, what: str) -> np.ndarray:
             raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
                               "strings cannot keep")
         width = max([len(v) for v in values] + [1])
+        _wide(len(values), width, arr, what)
         return np.array(values, dtype=f"<U{width}")
     raise Unsupported(f"{what}: Arrow type {t} has no NumPy form here (supported: numbers, bool, "
                       "timestamps, dates, durations, strings, binary, dictionaries, lists of those)")
@@ -88,6 +128,7 @@ def _ascii_strings(arr: pa.Array, what: str) -> np.ndarray:
         raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
                           "strings cannot keep")
     width = max(pc.max(pc.binary_length(arr)).as_py() or 0, 1)
+    _wide(len(arr), width, arr, what)
     if len(arr) * width > STRING_OFFSET_MAX and pa.types.is_string(arr.type):
         arr = arr.cast(pa.large_string())  # the padded values would overflow 32-bit offsets
     padded = pc.ascii_rpad(arr, width=width, padding="\0")  # NumPy's S dtype ends a value at a NUL

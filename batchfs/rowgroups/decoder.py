@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import multiprocessing
 import os
 import tempfile
@@ -81,7 +82,7 @@ def _check_footer(size: int, footer: bytes) -> None:
 
 def _warm() -> None:
     """Run once in each new worker: pyarrow's Parquet reader imported before the first decode."""
-    import pyarrow.parquet  # noqa: F401
+    importlib.import_module("pyarrow.parquet")
 
 
 class Decoders:

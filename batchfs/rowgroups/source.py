@@ -78,9 +78,10 @@ class Layout:
     def meta_json(self, name: str, transform: Transform = DEFAULT) -> bytes:
         md = self.metadata
         schema = md.schema.to_arrow_schema()
+        clash = arrays.clashes(schema.names)
         doc = {"object": name, "version": self.version, "size": self.size,
                "transform": transform.id, "row_groups": self.num_row_groups, "rows": list(self.rows),
-               "columns": [_column_doc(f) if transform.default else {"name": f.name, "arrow_type": str(f.type)}
+               "columns": [_column_doc(f, clash) if transform.default else {"name": f.name, "arrow_type": str(f.type)}
                            for f in schema],
                "files": "each row group directory holds NAME.npy per column (NAME.values.npy and "
                         "NAME.offsets.npy for lists and binary), plus NAME.null.npy when that group has "
@@ -111,8 +112,11 @@ def unpack(blob: bytes | memoryview) -> Group:
     return Group(files, head["unsupported"])
 
 
-def _column_doc(field) -> dict:
+def _column_doc(field, clash: dict[str, str]) -> dict:
     doc = {"name": field.name, "arrow_type": str(field.type)}
+    if field.name in clash:
+        doc["unsupported"] = clash[field.name]
+        return doc
     try:  # the type alone decides, except for data-dependent refusals (a string ending in NUL)
         doc["files"] = sorted(arrays.column_arrays(field.name, pa.array([], field.type)))
     except arrays.Unsupported as e:

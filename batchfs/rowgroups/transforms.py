@@ -43,10 +43,12 @@ class TransformFailed(Exception):
 
 def _default(table: pa.Table) -> Group:
     files: dict[str, bytes] = {}
-    unsupported: dict[str, str] = {}
-    for name in table.column_names:
+    unsupported = arrays.clashes(table.column_names)
+    for i, name in enumerate(table.column_names):
+        if name in unsupported:
+            continue
         try:
-            for fname, arr in arrays.column_arrays(name, table.column(name)).items():
+            for fname, arr in arrays.column_arrays(name, table.column(i)).items():
                 files[fname] = arrays.npy_bytes(arr)
         except arrays.Unsupported as e:
             unsupported[name] = str(e)

@@ -83,3 +83,44 @@ def test_editing_a_transform_changes_its_identity(module_dir):
 def test_unusable_specs_say_why(spec, why):
     with pytest.raises(ValueError, match=why):
         load(spec)
+
+
+def test_columns_whose_files_would_share_names_are_refused_not_overwritten():
+    """``x`` with nulls writes x.null.npy, a list ``a`` writes a.values.npy: a column named
+    ``x.null`` or ``a.values`` overwrote them (an attack: each served the other's data). Such
+    pairs, and two columns of one name, are unsupported with a reason; the rest is produced."""
+    t = pa.Table.from_arrays(
+        [pa.array([1, None, 3]), pa.array([True, False, True]), pa.array([[1], [2, 3], []]),
+         pa.array([7, 8, 9]), pa.array([1, 2, 3]), pa.array([4, 5, 6]), pa.array([0.5, 1.5, 2.5])],
+        names=["x", "x.null", "a", "a.values", "dup", "dup", "ok"])
+    g = DEFAULT(t)
+    assert sorted(g.files) == ["ok.npy"]
+    assert set(g.unsupported) == {"x", "x.null", "a", "a.values", "dup"}
+    assert "same names" in g.unsupported["x.null"] and "two columns" in g.unsupported["dup"]
+    assert np.array_equal(np.load(io.BytesIO(bytes(g.files["ok.npy"]))), [0.5, 1.5, 2.5])
+
+
+def test_strings_far_wider_than_their_data_are_refused():
+    """One 10,000-character string among 10,000 short ones: 400 MB as fixed-width NumPy strings
+    from a column of ~50 KB (an attack: the transform's memory bound did not hold)."""
+    for long in ("é" * 10_000, "a" * 10_000):  # the non-ASCII path and the ASCII one
+        t = pa.table({"s": [long] + ["b"] * 9_999, "n": np.arange(10_000)})
+        g = DEFAULT(t)
+        assert list(g.files) == ["n.npy"] and "fixed-width" in g.unsupported["s"], g.unsupported
+    g = DEFAULT(pa.table({"s": ["x" * 40] * 10_000}))  # as wide as its data: produced
+    assert np.load(io.BytesIO(bytes(g.files["s.npy"]))).dtype == np.dtype("<U40")
+
+
+def test_meta_json_names_the_clashing_columns_unsupported():
+    import json
+
+    import pyarrow.parquet as pq
+
+    from batchfs.rowgroups.source import Layout
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, None], "x.null": [True, False], "ok": [1, 2]}), buf)
+    md = pq.ParquetFile(io.BytesIO(buf.getvalue())).metadata
+    doc = json.loads(Layout(len(buf.getvalue()), "v", md, (2,)).meta_json("t.parquet"))
+    cols = {c["name"]: c for c in doc["columns"]}
+    assert "same names" in cols["x"]["unsupported"] and "same names" in cols["x.null"]["unsupported"]
+    assert cols["ok"]["files"] == ["ok.npy"] and "unsupported" not in cols["ok"]
