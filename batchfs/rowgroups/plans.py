@@ -49,15 +49,26 @@ class RowGroupPlanConfig:
     memory_bytes: int = 256 * 2**20  # made groups pinned across plans (see the invariants)
 
 
+def group_number(name: str) -> int | None:
+    """The row group a directory name stands for — its number written as ``f"{n:05d}"``
+    (``00042``; six digits from 100000 on) — else None: one spelling per group, ASCII digits
+    only (``str.isdigit`` takes "²" and Arabic-Indic digits: an alias opened group 1, and
+    ``int`` refused "0000²" with an EIO — an attack)."""
+    if not (name.isascii() and name.isdigit()):
+        return None
+    n = int(name)
+    return n if name == f"{n:0{GROUP_DIGITS}d}" else None
+
+
 def parse_entry(path: str) -> tuple[str, int]:
     """(table path under the mount, row group) of a plan entry under ``.rowgroups/``."""
     parts = path.split("/")
     if parts[0] != DIR_NAME:
         raise InvalidArgument(f"{path!r} is not under {DIR_NAME}/")
     for i in range(1, len(parts) - 1):
-        g = parts[i + 1]
-        if parts[i].endswith(SUFFIX) and len(g) == GROUP_DIGITS and g.isdigit() and len(parts) - i <= 3:
-            return "/".join(parts[1:i + 1]), int(g)
+        g = group_number(parts[i + 1])
+        if parts[i].endswith(SUFFIX) and g is not None and len(parts) - i <= 3:
+            return "/".join(parts[1:i + 1]), g
     raise InvalidArgument(f"{path!r}: a row-group plan entry names a row-group directory "
                           f"({DIR_NAME}/…/NAME{SUFFIX}/00000) or a file in one")
 

@@ -37,7 +37,7 @@ from batchfs.engine.namespace import ROOT_INODE, Namespace
 from batchfs.engine.tree import SELF, WRITE_FLAGS, Attr, Caller, Opened, ReadOnlyTree
 from batchfs.errors import BatchfsError, IsADirectory, NotADirectory, NotFound, ReadOnly
 from batchfs.objclient.base import ObjectInfo
-from batchfs.rowgroups.plans import DIR_NAME, GROUP_DIGITS, SUFFIX, RowGroupPlanner
+from batchfs.rowgroups.plans import DIR_NAME, GROUP_DIGITS, SUFFIX, RowGroupPlanner, group_number
 from batchfs.rowgroups.source import RowGroupSource
 
 BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
@@ -168,8 +168,9 @@ class RowGroupTree(ReadOnlyTree):
             if name == STATUS:
                 return await self._looked_up(self._intern("status", p.ns_ino))
             lay = await self._layout(p)
-            if len(name) == GROUP_DIGITS and name.isdigit() and int(name) < lay.num_row_groups:
-                return await self._looked_up(self._intern("group", p.ns_ino, int(name)))
+            rg = group_number(name)
+            if rg is not None and rg < lay.num_row_groups:
+                return await self._looked_up(self._intern("group", p.ns_ino, rg))
             raise NotFound(f"{name}: not a row group of this table ({lay.num_row_groups} groups)")
         if p.kind == "group":
             info = await self._info(p)

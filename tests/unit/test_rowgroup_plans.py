@@ -38,8 +38,13 @@ def test_entries_parse_to_table_and_group():
     assert parse_entry(".rowgroups/t.parquet/00003") == ("t.parquet", 3)
     assert parse_entry(".rowgroups/a/b/t.parquet/00012/x.npy") == ("a/b/t.parquet", 12)
     assert parse_entry(".rowgroups/x.parquet/y.parquet/00001") == ("x.parquet/y.parquet", 1)
+    assert parse_entry(".rowgroups/t.parquet/123456") == ("t.parquet", 123456)  # past 99999: six digits
+    # one spelling per group, ASCII digits only: "²" and Arabic-Indic digits passed str.isdigit
+    # (an alias of group 1; int() refused "0000²": EIO and a plan stuck running — an attack)
     for bad in (".rowgroups", ".rowgroups/t.parquet", ".rowgroups/t.parquet/meta.json", ".rowgroups/t.parquet/3",
-                ".rowgroups/t.parquet/00001/x.npy/more", ".rowgroups/t.csv/00001", "t.parquet/00001"):
+                ".rowgroups/t.parquet/00001/x.npy/more", ".rowgroups/t.csv/00001", "t.parquet/00001",
+                ".rowgroups/t.parquet/0000\u00b2", ".rowgroups/t.parquet/\u0660\u0660\u0660\u0660\u0661",
+                ".rowgroups/t.parquet/000001", ".rowgroups/t.parquet/012345"):
         with pytest.raises(InvalidArgument):
             parse_entry(bad)
 
