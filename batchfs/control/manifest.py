@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from batchfs.errors import InvalidArgument
 from batchfs.wire.getbatch import RANGE_RULE, Target, range_ok
-from batchfs.wire.units import MiB
+from batchfs.wire.units import MiB, is_decimal
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: longer paths could not be opened through the mount anyway
@@ -182,7 +182,7 @@ def _plan_directive(text: str, lineno: int, limits: Limits) -> PlanSpec:
     fields: dict[str, int] = {}
     for word in text.split():
         key, sep, value = word.partition("=")
-        if not sep or key not in ("batch_size", "window") or not value.isdigit():
+        if not sep or key not in ("batch_size", "window") or not is_decimal(value):
             raise ManifestError(f"line {lineno}: bad plan directive {word!r} (expected batch_size=N window=K)")
         fields[key] = int(value)
     return _plan_spec(fields, limits)

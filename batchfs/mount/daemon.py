@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchfs.engine.config import MountConfig
+from batchfs.wire.units import is_decimal
 
 log = logging.getLogger("batchfs")
 
@@ -52,7 +53,7 @@ def _unescape_mountinfo(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+        if field[i] == "\\" and is_decimal(field[i + 1:i + 4]):
             out.append(chr(int(field[i + 1:i + 4], 8)))
             i += 4
         else:

@@ -36,6 +36,7 @@ from batchfs.objclient.config import ClientConfig
 from batchfs.wire.retry import retryable
 from batchfs.wire.urls import bucket_path, object_path
 from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
+from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _total_size(h, body_len: int) -> int | None:
     if cr is None:
         return body_len
     total = cr.rpartition("/")[2]
-    return int(total) if total.isdigit() else None
+    return int(total) if is_decimal(total) else None
 
 
 def check_whole(h, data, what: str) -> None:

@@ -40,6 +40,7 @@ from batchfs.objclient.config import ClientConfig
 from batchfs.errors import BackendError, RequestTimeout
 from batchfs.wire.retry import WAIT_STATUSES, backoff_seconds, keep_trying, retryable
 from batchfs.wire.urls import MAX_REDIRECTS, REDIRECT_STATUS
+from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class _PooledTransport(httpx.AsyncHTTPTransport):
     def http1_pool(self, netloc: str) -> Http1Pool:
         pool = self.http1.get(netloc)
         if pool is None:
-            host, _, port = netloc.rpartition(":") if netloc.rpartition(":")[2].isdigit() else (netloc, "", "80")
+            host, _, port = netloc.rpartition(":") if is_decimal(netloc.rpartition(":")[2]) else (netloc, "", "80")
             pool = self.http1[netloc] = Http1Pool(
                 host.strip("[]"), int(port), host_header=netloc, max_connections=self.config.parallel_total + 8,
                 connect_timeout_seconds=self.config.connect_timeout_seconds, read_bytes=self.config.http_read_bytes,

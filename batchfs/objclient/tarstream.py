@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import httpx
 
+from batchfs.wire.units import is_decimal
+
 BLOCK = tarfile.BLOCKSIZE
 
 
@@ -169,6 +171,6 @@ async def next_header(r: TarStream) -> _Head | None:
             info.name = long_name
         if "path" in pax:
             info.name = pax["path"]
-        if "size" in pax and pax["size"].isdigit():
+        if "size" in pax and is_decimal(pax["size"]):
             info.size = int(pax["size"])
         return _Head(info.name, info.size, int(info.mtime))

@@ -9,6 +9,7 @@ One range per request: neither the SDK nor the mount sends several.
 from __future__ import annotations
 
 from batchfs.wire.errors import RangeUnsatisfiable, WireError
+from batchfs.wire.units import is_decimal
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:
@@ -25,7 +26,7 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
     first, sep, last = spec.partition("-")
     if not sep:
         raise WireError(f"invalid Range header {header!r}")
-    if not (first.isdigit() or first == "") or not (last.isdigit() or last == "") or first == last == "":
+    if not (is_decimal(first) or first == "") or not (is_decimal(last) or last == "") or first == last == "":
         raise WireError(f"invalid Range header {header!r}")
     if first == "":
         n = int(last)

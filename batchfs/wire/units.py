@@ -17,6 +17,13 @@ SECONDS = 1.0
 _MULT = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
 
 
+def is_decimal(text: str) -> bool:
+    """ASCII digits only, at least one: what ``int`` takes as a plain number. ``str.isdigit``
+    also takes "²" and other scripts' digits, which ``int`` refuses or reads as numbers no
+    one wrote (an attack: an Arabic-Indic alias of row group 1)."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_size(text: str | int) -> int:
     """Bytes in '8MiB', '8M', '64k', '1.5G' or a plain byte count. The sign is kept: whether a
     negative or zero size is allowed is the caller's rule (a quota may be 0, a chunk may not)."""

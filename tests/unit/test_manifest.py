@@ -85,6 +85,8 @@ def test_plan_markers():
     (b"{not json", "not valid JSON"),
     (b"[" * 100_000, "not valid JSON"),
     (b"# plan: speed=9\na\n", "bad plan directive"),
+    ("# plan: batch_size=\u00b2\na\n".encode(), "bad plan directive"),  # str.isdigit took it; int() did not
+    ("# plan: window=\u0661\na\n".encode(), "bad plan directive"),  # (an Arabic-Indic 1)
 ])
 def test_rejections_carry_a_reason(data, reason):
     with pytest.raises(ManifestError) as exc:
