@@ -141,6 +141,9 @@ _TUNABLES = [
     ("--body-timeout", "body_timeout_seconds", float, "SECONDS",
      "a request body (PUT) that pauses this long is aborted and the connection closed; nothing is "
      "stored", f"{_D.body_timeout_seconds:g}"),
+    ("--send-timeout", "send_timeout_seconds", float, "SECONDS",
+     "a reply whose client reads nothing for this long (its socket buffer full) is aborted and what it "
+     "holds (connection, open files) freed", f"{_D.send_timeout_seconds:g}"),
     ("--admin-listen", "admin_listen", lambda t: "%s:%d" % _listen(t), "HOST:PORT",
      "a second address serving only /v1/health and /metrics, with its own 64 connections",
      "none"),
@@ -286,11 +289,12 @@ def _conn_limits(config: ServerConfig, log: logging.Logger) -> connlimits.Limits
         reserve=reserve, reserve_per_client=max(1, reserve // 8),
         header_timeout_seconds=config.header_timeout_seconds,
         idle_timeout_seconds=config.idle_timeout_seconds,
-        body_timeout_seconds=config.body_timeout_seconds)
+        body_timeout_seconds=config.body_timeout_seconds,
+        send_timeout_seconds=config.send_timeout_seconds)
     log.info("connections: at most %d (%s), %d per client address, %d reserve; descriptors %d; "
-             "timeouts: header %gs, idle %gs, body %gs", limits.max_connections, why, limits.max_per_client,
+             "timeouts: header %gs, idle %gs, body %gs, send %gs", limits.max_connections, why, limits.max_per_client,
              reserve, nofile, limits.header_timeout_seconds, limits.idle_timeout_seconds,
-             limits.body_timeout_seconds)
+             limits.body_timeout_seconds, limits.send_timeout_seconds)
     return limits
 
 

@@ -88,6 +88,9 @@ class ServerConfig:
     header_timeout_seconds: float = 30 * SECONDS
     idle_timeout_seconds: float = 60 * SECONDS
     body_timeout_seconds: float = 60 * SECONDS
+    # A reply the client stops reading (the socket's buffer full) for this long is aborted: a
+    # GET held forever held its connection and every chunk file of its object (an attack).
+    send_timeout_seconds: float = 60 * SECONDS
     # Optional second address ("HOST:PORT") serving only /v1/health and /metrics, with its
     # own few connections, so monitoring works whatever the data address is under.
     admin_listen: str | None = None
@@ -193,7 +196,7 @@ _ALIASES = {"data": "data_dirs", "shutdown_timeout": "shutdown_timeout_seconds",
             "getbatch_stall_timeout": "getbatch_stall_timeout_seconds",
             "getbatch_max_time": "getbatch_max_time_seconds",
             "header_timeout": "header_timeout_seconds", "idle_timeout": "idle_timeout_seconds",
-            "body_timeout": "body_timeout_seconds", "join": "join_url",
+            "body_timeout": "body_timeout_seconds", "send_timeout": "send_timeout_seconds", "join": "join_url",
             "rebuild_after": "rebuild_after_seconds", "election_after": "election_after_seconds"}
 
 

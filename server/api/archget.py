@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from aiohttp import web
 
@@ -45,7 +44,7 @@ from server.errors import BadRequest, NotFound, StoreError
 from server.getbatch.budget import Cancelled, Work
 from server.archive.members import MemberSource, RangeSource, member_span, open_member
 from server.archive.shards import ShardIndexCache
-from server.api.state import CONFIG, METRICS, NODE, OP_KEY
+from server.api.state import CONFIG, METRICS, NODE, OP_KEY, sendfile_within
 from server.api import spread
 from server.store.reader import verify_in_thread, verify_pieces
 from server.store.store import ChunksElsewhere
@@ -160,17 +159,13 @@ async def _stop_when_gone(request: web.Request, work: Work) -> None:
 async def _stream(request: web.Request, resp: web.StreamResponse, src: MemberSource, size: int) -> None:
     transport = request.transport
     if isinstance(src, RangeSource):  # a TAR member: its bytes lie in the shard's chunk files
-        loop = asyncio.get_running_loop()
         obj, (start, end) = src.span()
         for lo, hi in verify_pieces(obj, start, end):
             err = await verify_in_thread(obj, lo, hi)  # checked before sendfile sends it
             if err is not None:
                 raise err
             for _, fd, off, count in obj.segments(lo, hi):
-                if transport is None or transport.is_closing():
-                    raise ConnectionResetError("client disconnected")
-                with os.fdopen(fd, "rb", closefd=False) as f:
-                    await loop.sendfile(transport, f, off, count)
+                await sendfile_within(request, fd, off, count)
         return
     left = size
     while left > 0:  # one thread hop per piece: a client that leaves stops the decompression

@@ -44,6 +44,8 @@ Invariants:
   ``body_timeout``; else the connection is closed, which the PUT path already treats as a
   client that went away (temp files removed, nothing committed). Time during which *we* paused
   reading (flow control, the handler is slower than the client) does not count.
+- Writing paused (the client reads nothing) for ``send_timeout`` aborts the connection: the
+  handler's write fails and it lets go (``state.sendfile_within`` bounds sendfile alike).
 - Every counter is decremented exactly once: in ``connection_lost`` (asyncio calls it once
   for every ``connection_made``), or, for a socket that never reached ``connection_made``, in
   ``ConnectionGuard.accept``'s done-callback.
@@ -98,6 +100,7 @@ class Limits:
     header_timeout_seconds: float
     idle_timeout_seconds: float
     body_timeout_seconds: float
+    send_timeout_seconds: float = 60.0
 
 
 def _error_body(status: int, message: str, method: str = "", path: str = "") -> bytes:
@@ -126,8 +129,7 @@ class ConnMetrics:
 
 
 class _Tier:
-    ADMITTED = "admitted"
-    RESERVE = "reserve"
+    ADMITTED, RESERVE = "admitted", "reserve"
 
 
 class ConnectionGuard:
@@ -277,7 +279,7 @@ class _Guarded(asyncio.Protocol):
     """One accepted connection: limits at accept, timers while it lives, aiohttp inside."""
 
     __slots__ = ("guard", "inner", "transport", "peer", "tier", "status", "_header_handle", "_header_mark",
-                 "_header_bytes", "_body_handle", "_last_rx")
+                 "_header_bytes", "_body_handle", "_last_rx", "_send_handle")
 
     def __init__(self, guard: ConnectionGuard, tier: str, status: int, peer: str) -> None:
         self.guard = guard
@@ -291,6 +293,7 @@ class _Guarded(asyncio.Protocol):
         self._header_bytes = 0  # bytes of the header being received
         self._body_handle: asyncio.TimerHandle | None = None
         self._last_rx = 0.0
+        self._send_handle: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     # --- asyncio.Protocol ---
 
@@ -337,18 +340,23 @@ class _Guarded(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
+        if self._send_handle is None:  # (resume_writing disarms it)
+            self._send_handle = self.guard._loop.call_later(self.guard.limits.send_timeout_seconds, self._send_expired)
 
     def resume_writing(self) -> None:
+        if self._send_handle is not None:
+            self._send_handle.cancel()
+            self._send_handle = None
         if self.inner is not None:
             self.inner.resume_writing()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.tier is None:
             return
-        for handle in (self._header_handle, self._body_handle):
+        for handle in (self._header_handle, self._body_handle, self._send_handle):
             if handle is not None:
                 handle.cancel()
-        self._header_handle = self._body_handle = None
+        self._header_handle = self._body_handle = self._send_handle = None
         inner, self.inner = self.inner, None
         self.guard.release(self.peer, self.tier)
         self.tier = None
@@ -392,6 +400,13 @@ class _Guarded(asyncio.Protocol):
             self.transport.write(_canned(status, reason, message))
         if self.inner is not None:
             self.inner.force_close()
+
+    def _send_expired(self) -> None:
+        self._send_handle = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.guard.count_timeout("send")
+            log.info("aborting connection from %s: no reply byte read for %.0fs", self.peer, self.guard.limits.send_timeout_seconds)
+            self.transport.abort()
 
     def _check_body(self) -> None:
         """Runs at last byte + body_timeout while a request may still be receiving its body."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from aiohttp import web
 
@@ -35,7 +34,7 @@ from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, l
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
 from server.validate import check_bucket, check_objname, parse_range
-from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, copies_of, read_json
+from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, copies_of, read_json, sendfile_within
 from server.store.meta import CKSUM_TYPE, ObjectMeta
 from server.store.reader import discard, verify_in_thread, verify_pieces, OpenObject
 
@@ -357,7 +356,6 @@ async def send_object(request: web.Request, obj: OpenObject | spread.Streamed,
     resp = web.StreamResponse(status=status, headers=headers)
     resp.content_length = end - start
     await resp.prepare(request)
-    loop = asyncio.get_running_loop()
     transport = request.transport
     ahead = None
     try:
@@ -378,10 +376,7 @@ async def send_object(request: web.Request, obj: OpenObject | spread.Streamed,
             if k + 1 < len(pieces):
                 ahead = verify_in_thread(obj, *pieces[k + 1])
             for _, fd, off, count in obj.segments(lo, hi):
-                if transport is None or transport.is_closing():
-                    raise ConnectionResetError("client disconnected")
-                with os.fdopen(fd, "rb", closefd=False) as f:
-                    await loop.sendfile(transport, f, off, count)
+                await sendfile_within(request, fd, off, count)
                 metrics.bytes_out.labels(request.get(OP_KEY, "get")).inc(count)
     finally:
         if ahead is not None:

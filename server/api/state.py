@@ -4,6 +4,7 @@ shared by the API modules (JSON bodies under a cap, operation labels)."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgspec
 from aiohttp import web
@@ -88,6 +89,34 @@ async def read_json(request: web.Request, *, required: bool = True):
             raise BadRequest("missing JSON request body")
         return None
     return parse_json(raw)
+
+
+SENDFILE_STEP = 1 << 20  # one sendfile call at most: the send timeout bounds each
+
+
+async def sendfile_within(request: web.Request, fd: int, off: int, count: int) -> None:
+    """``loop.sendfile`` of the file's bytes [off, off + count) to the client, in steps of at
+    most SENDFILE_STEP, each within ``send_timeout_seconds``: a client that reads nothing has
+    its connection aborted (ConnectionResetError here) instead of holding it, and the files of
+    its object, for ever (an attack held 50 GETs of a 64 MiB object 40 s and more, 400 chunk
+    files open). sendfile bypasses the transport's buffer, so the connection guard's own send
+    timer (``connlimits``) does not see it."""
+    loop = asyncio.get_running_loop()
+    transport = request.transport
+    limit = request.app[CONFIG].send_timeout_seconds
+    end = off + count
+    with os.fdopen(fd, "rb", closefd=False) as f:
+        while off < end:
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("client disconnected")
+            n = min(SENDFILE_STEP, end - off)
+            try:
+                # (wait_for cancels the sendfile before the abort: it must give back its writer first)
+                await asyncio.wait_for(loop.sendfile(transport, f, off, n), limit)
+            except TimeoutError:
+                transport.abort()
+                raise ConnectionResetError(f"the client read nothing for {limit:g} s (send_timeout)") from None
+            off += n
 
 
 async def read_upto(stream, limit: int) -> bytes:

@@ -41,6 +41,7 @@ RESERVE = 32  # one address may hold RESERVE // 8 = 4
 HEADER_TIMEOUT = 5.0
 IDLE_TIMEOUT = 6.0  # > HEADER_TIMEOUT: aiohttp's keep-alive timer also runs from accept
 BODY_TIMEOUT = 3.0
+SEND_TIMEOUT = 3.0
 MARGIN = 6.0  # seconds of slack on every "closed after its timeout" (2 shared cores)
 RSS_BOUND_MIB = 300  # server RSS while holding MAX_CONNS + RESERVE attack connections
 
@@ -392,6 +393,64 @@ def test_stalled_put_body_is_aborted_and_leaves_nothing(server, tmp_path):
                   headers={"Content-Length": "5000"})
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/v1/objects/b/slow", timeout=10).content == b"z" * 5000
+
+
+def test_replies_the_client_does_not_read_are_aborted(tmp_path):
+    """GETs whose client reads nothing were held for ever, each with its connection and every
+    chunk file of its object open (an attack: 8 of them pinned ~920 descriptors, and another
+    client's GET then failed with 'Too many open files'). With --send-timeout they are aborted:
+    a whole-object GET (sendfile), a range of it, and a TGZ member (written through the
+    transport's buffer). The descriptors come back; the object still reads for a reader."""
+    import io as _io
+    import tarfile as _tarfile
+    srv = _server(tmp_path, "--send-timeout", str(SEND_TIMEOUT), "--chunk-size", "64KiB")
+    try:
+        data = os.urandom(8 << 20)  # 128 chunks
+        member = os.urandom(6 << 20)
+        shard = _io.BytesIO()
+        with _tarfile.open(fileobj=shard, mode="w:gz", compresslevel=1) as tf:
+            info = _tarfile.TarInfo("m.bin")
+            info.size = len(member)
+            tf.addfile(info, _io.BytesIO(member))
+        with httpx.Client(timeout=30) as c:
+            assert c.post(srv.url + "/v1/buckets/b", json={"action": "create-bck"}).status_code == 200
+            assert c.put(srv.url + "/v1/objects/b/big", content=data).status_code == 200
+            assert c.put(srv.url + "/v1/objects/b/s.tgz", content=shard.getvalue()).status_code == 200
+        before = fd_count(srv.proc.pid)
+        host, port = _addr(srv.url)
+        socks = []
+        for path, extra in (("/v1/objects/b/big", ""), ("/v1/objects/b/big", "Range: bytes=100-7000000\r\n"),
+                            ("/v1/objects/b/s.tgz?archpath=m.bin", "")) * 2:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: a small window)
+            s.connect((host, port))
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+            socks.append(s)
+        time.sleep(1.0)
+        assert fd_count(srv.proc.pid) >= before + len(socks) + 16  # each holds its connection and chunk files
+        started = time.monotonic()
+        deadline = started + SEND_TIMEOUT + MARGIN + 5
+        while fd_count(srv.proc.pid) > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        assert fd_count(srv.proc.pid) <= before, (fd_count(srv.proc.pid), before)
+        assert took >= SEND_TIMEOUT - 1.5, took
+        for s in socks:  # what the server had sent is still readable, then the connection ends
+            s.settimeout(10)
+            got = 0
+            try:
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert got < len(data)
+            s.close()
+        assert _metric(srv, "batchfs_connection_timeouts_total", 'kind="send"') >= 1  # the buffered one
+        with httpx.Client(timeout=30) as c:
+            assert c.get(srv.url + "/v1/objects/b/big").content == data
+            assert c.get(srv.url + "/v1/objects/b/s.tgz", params={"archpath": "m.bin"}).content == member
+    finally:
+        srv.stop()
 
 
 def test_oversized_header_refused(server):
