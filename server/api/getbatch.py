@@ -287,6 +287,18 @@ async def _local_share(request: web.Request, items: LocalItems, sub):
 
 
 async def moss(request: web.Request) -> web.StreamResponse:
+    """The handler (``_moss``), its parsed request's memory charged to the byte budget first
+    (``Admission.charge``: its Content-Length, else the JSON cap), before the body is read."""
+    state, cap = request.app[GB_STATE], request.app[CONFIG].max_json_bytes
+    held = state.admission.charge(min(cap if request.content_length is None else request.content_length, cap))
+    try:
+        return await _moss(request)
+    finally:
+        state.budget.release(held)
+        trim_if_idle(state.budget)
+
+
+async def _moss(request: web.Request) -> web.StreamResponse:
     request[OP_KEY] = "getbatch"
     if request.method != "GET":
         raise web.HTTPMethodNotAllowed(request.method, ["GET"], text=f"moss: method {request.method} not allowed; use GET")

@@ -113,6 +113,12 @@ class ByteBudget:
             fut.set_result(None)
 
 
+# A parsed GetBatch request's memory per byte of its JSON body: the decoded entries, then their
+# checked form and plan. Measured 4.25 (68 MiB of RSS for a 16 MB body of 100,000 entries); 32
+# such requests held 2.2 GiB that no budget counted (an attack).
+REQUEST_BYTES_PER_BODY_BYTE = 5
+
+
 class Admission:
     """Requests in progress, counted at once. ``admit`` refuses (429) or counts the request and
     says whether to throttle it; every admitted request calls ``leave`` exactly once."""
@@ -136,6 +142,20 @@ class Admission:
         self.pending += 1
         self._metrics.gb_pending.set(self.pending)
         return 2 * self.pending > self.max_pending or 2 * b.used >= b.capacity
+
+    def charge(self, body_bytes: int) -> int:
+        """Reserve in the budget what a request of ``body_bytes`` of JSON takes parsed
+        (REQUEST_BYTES_PER_BODY_BYTE per byte, at most half the budget, so that one request
+        alone always passes), before its body is read; the bytes held (the caller releases
+        them), or 429 as when the budget is full."""
+        b = self.budget
+        n = min(REQUEST_BYTES_PER_BODY_BYTE * body_bytes, b.capacity // 2)
+        if not b.try_acquire(n):
+            self._metrics.gb_rejected_n.inc()
+            raise TooManyRequests(f"moss: too busy: a request of {body_bytes} bytes needs {n} bytes of the "
+                                  f"GetBatch budget to be parsed, and {b.used} of {b.capacity} are taken "
+                                  "(getbatch_max_buffered_bytes); retry later")
+        return n
 
     async def throttle(self, seconds: float) -> None:
         self.throttled += 1

@@ -259,6 +259,37 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
         assert peak["rss"] - rss0 < cap + 64 * MiB, (peak["rss"] - rss0) / MiB
 
 
+def test_parsed_requests_are_charged_to_the_byte_budget(tmp_path):
+    """A request's parsed entries take memory no read-ahead counted: 32 requests of 100,000
+    entries (16 MB bodies) that nobody read held 2.2 GiB while the budget showed 320 KB and
+    none got a 429 (an attack). Each is now charged 5 bytes per body byte before its body is
+    read: with a 36 MiB budget three requests of ~2 MB bodies are held, the fourth gets 429,
+    and once they are gone a request is served."""
+    with ServerProcess([tmp_path / "d"], "--getbatch-max-buffered", "36MiB", "--getbatch-window", "1MiB",
+                       "--getbatch-stall-timeout", "30") as srv:
+        b = new_bucket(srv.url)
+        put(srv.url, b, "o/0", b"x" * 16)
+        entries = [{"objname": "o/0"}] * 100_000  # ~2.1 MB of JSON: charged ~10.5 MB
+        socks = []
+        try:
+            for _ in range(3):
+                s = raw_moss(srv.url, b, entries)
+                s.settimeout(30)
+                assert s.recv(12)[9:12] == b"200"
+                socks.append(s)
+            assert srv.metrics()["getbatch_buffered_bytes"] >= 3 * 5 * 2_000_000
+            r = httpx.request("GET", f"{srv.url}/v1/ml/moss/{b}", json={"in": entries, "strm": True}, timeout=60)
+            assert r.status_code == 429 and "to be parsed" in r.text, (r.status_code, r.text[:300])
+        finally:
+            for s in socks:
+                s.close()
+        wait_for(lambda: srv.metrics()["getbatch_buffered_bytes"] == 0, 30, "the charges given back")
+        r = moss(srv.url, b, entries[:1000], strm=True)
+        assert r.status_code == 200
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
+            assert len(tf.getmembers()) == 1000
+
+
 def test_request_past_its_time_limit_is_stopped(tmp_path):
     with ServerProcess([tmp_path / "d"], "--getbatch-max-time", "1", "--getbatch-stall-timeout", "600") as srv:
         b = new_bucket(srv.url)
