@@ -357,10 +357,18 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
     precondition = put_precondition(request)
     s3_copy.early_check(node, bucket_name, key, precondition)
     uploads.forget(up)  # from here the upload is this request's: a second Complete gets 404
+    kept = False
     try:
         meta = await asyncio.to_thread(s3_multipart.assemble, node, up, numbers, precondition)
+    except s3_multipart.PartChanged as e:  # that part dropped, the upload kept: it can be sent again
+        up.parts.pop(e.number, None)
+        up.changed.add(e.number)
+        uploads.keep(up)
+        kept = True
+        raise
     finally:
-        await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
+        if not kept:
+            await asyncio.shield(asyncio.to_thread(s3_multipart.remove_files, up))
     meta = await spread.after_put(request, bucket_name, key, meta)
     return xml_response(upload_doc("CompleteMultipartUploadResult", bucket_name, key,
                                    Location=f"/{bucket_name}/{key}", ETag=f'"{meta.etag}"'))

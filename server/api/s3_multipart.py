@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from server.api.s3_xml import S3Error
+from server.errors import CorruptData
 from server.node import LocalNode
 from server.store.meta import ObjectMeta
 
@@ -51,6 +52,16 @@ class Upload:
     dir: Path
     parts: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)  # number: (size, md5 hex)
     touched: float = dataclasses.field(default_factory=time.monotonic)  # last create, part or complete
+    changed: set[int] = dataclasses.field(default_factory=set)  # parts found changed on disk (PartChanged)
+
+
+class PartChanged(CorruptData):
+    """A part's file is not the part uploaded (its MD5 or size differs): the Complete fails
+    (500), the part is dropped and the upload kept, so that the part can be uploaded again."""
+
+    def __init__(self, message: str, number: int):
+        super().__init__(message)
+        self.number = number
 
 
 class Uploads:
@@ -86,6 +97,10 @@ class Uploads:
                           "(aborted, completed, or lost in a server restart)")
         up.touched = time.monotonic()
         return up
+
+    def keep(self, up: Upload) -> None:
+        """Put back an upload a failed Complete took (``PartChanged``)."""
+        self._uploads[up.id] = up
 
     def forget(self, up: Upload) -> None:
         """Drop the upload from the table (the caller then removes its files)."""
@@ -137,6 +152,9 @@ def check_parts(up: Upload, listed: list[tuple[int, str]]) -> list[int]:
         raise S3Error(400, "InvalidPartOrder", "parts must be listed in ascending order, each once")
     for n, etag in listed:
         have = up.parts.get(n)
+        if have is None and n in up.changed:
+            raise S3Error(400, "InvalidPart", f"part {n} changed on disk after it was uploaded (a failing disk?): "
+                          "upload it again")
         if have is None or etag.strip().strip('"') != have[1]:
             raise S3Error(400, "InvalidPart", f"part {n} was not uploaded, or its ETag is not {etag}")
     total = 0
@@ -156,9 +174,19 @@ def assemble(node: LocalNode, up: Upload, numbers: list[int], precondition) -> O
     writer = node.writer(up.bucket, up.key)
     try:
         for n in numbers:
+            # each part checked against the MD5 taken as it arrived: a part file changed on
+            # disk since (a bad disk, or a hand) would else become a version with fresh, valid
+            # checksums of the wrong bytes (an attack flipped one byte: served, never counted)
+            md5, size = hashlib.md5(), 0
             with open(up.dir / str(n), "rb") as f:
                 while piece := f.read(COPY_PIECE):
+                    md5.update(piece)
+                    size += len(piece)
                     writer.write(piece)
+            if (size, md5.hexdigest()) != tuple(up.parts[n]):
+                raise PartChanged(f"multipart upload {up.id}: part {n} on disk is not the part uploaded "
+                                  f"({size} bytes, MD5 {md5.hexdigest()}; uploaded {up.parts[n][0]} bytes, "
+                                  f"MD5 {up.parts[n][1]}): upload part {n} again, then complete", n)
         return writer.commit_if(precondition)
     except BaseException:
         writer.abort()
