@@ -103,6 +103,37 @@ async def test_memory_bound_holds_back_all_but_the_cursor():
 
 
 @pytest.mark.trio
+async def test_many_plans_pin_no_more_than_the_bound():
+    """Every plan's cursor step passed the bound: 40 one-entry plans of one user pinned 40
+    groups, 714 MiB over a 16 MiB bound (an attack). Past the bound only one group is held
+    (the first cursor's); the others wait, and a reader's open still gets its group at once."""
+    client = memory_client()
+    client.put("b", "data/t.parquet", _parquet(rows=8000, group=500))  # 16 groups
+    planner = _planner(client, window=2, memory_bytes=1)
+    plans = [planner.add(f"p{rg}.plan", [f".rowgroups/t.parquet/{rg:05d}"], None) for rg in range(16)]
+    async with trio.open_nursery() as nursery:
+        for plan in plans:
+            nursery.start_soon(plan.run)
+        with trio.fail_after(10):
+            while sum(p.counts["made"] for p in plans) < 1:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        assert sum(p.counts["made"] for p in plans) == 1  # one group over the bound, not sixteen
+        waiting = next(p for p in plans if p.counts["made"] == 0)
+        rg = plans.index(waiting)
+        info = (await client.head("b", "data/t.parquet")).info
+        with trio.fail_after(10):  # a reader of a held-back step is not held back
+            await planner.source.group("b", "data/t.parquet", info, rg)
+        for rg in range(16):  # readers open every step: each plan moves on, one group at a time
+            planner.opened("b", "data/t.parquet", rg)
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    for plan in plans:
+        plan.cancel()
+    assert planner.held == 0
+
+
+@pytest.mark.trio
 async def test_errors_are_consumed_and_cancel_unpins():
     client = memory_client()
     client.put("b", "data/t.parquet", _parquet())
