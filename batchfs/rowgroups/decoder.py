@@ -1,28 +1,31 @@
-"""Row groups decoded by pyarrow in worker processes, so that a corrupt file cannot end the mount.
+"""Parquet footers read through by pyarrow in a worker process before the daemon reads them, so
+that a corrupt footer cannot end the mount.
 
 pyarrow (26.0.1) ends the whole process — ``std::terminate`` on a C++ ``ParquetException`` it
 does not catch — on some corrupt footers: a string column whose physical type was changed to
 INT64, a definition-level histogram of the wrong size (an attack's fuzzer found six in 2,700
-one-byte mutations of a footer), through ``read_row_group`` and ``iter_batches`` alike, from a
-file or a buffer. In the FUSE daemon that unmounted every file for every user. Here the decode
-runs in a worker process: one that dies makes that row group a ``parquet.NotParquet`` (EIO, the
-reason in ``status.json``), and the pool is made again. pyarrow also aborts when the daemon only
-asks a footer for a row group's column offsets; so a footer is first read through, every part the
-daemon uses, by a worker (``check_footer``), before the daemon parses it.
+one-byte mutations of a footer). It does so when a row group's column metadata is first built —
+which the daemon does to find the column chunks — and then in ``read_row_group``. In the FUSE
+daemon that unmounted every file for every user. Here a worker first touches every part of the
+footer the daemon reads (``check_footer``); one that dies makes the footer a
+``parquet.NotParquet`` (EIO, the reason in ``status.json``), and the pool is made again.
+
+Row groups are decoded in the daemon: all six aborts the fuzzer found were in the footer, and
+decoding in a worker cost a cold epoch 35-45 % of its rows/s (the arrays crossing processes;
+measured, docs/rowgroups.md). A row group whose footer passes and whose data aborts pyarrow
+would still end the mount (none found).
 
 Invariants:
-- A worker sends back the decoded table (an Arrow IPC stream) only if its buffers hold at most
-  ``limit`` bytes, else ``Oversize`` with the size: a footer's sizes are the file's own claims,
-  and repetitive or dictionary-encoded columns decode to many times what they claim (an attack:
-  a 355 KB object of 24 M labels). So the daemon never receives a table it could not transform.
-- A pool broken by a worker's death fails every decode in flight there (which row group killed
-  it is not known): each is tried once more in a new pool, where only the culprit dies again.
-- Workers are started by ``spawn``: the daemon runs threads, whose locks ``fork`` would copy
-  (so a worker imports the program's main module again, as ``spawn`` does: the ``batchfs``
-  command's is guarded).
-- Whatever a corrupt file makes pyarrow raise is ``NotParquet`` with the exception's name and
-  message (EIO with the reason in ``status.json``, not an "unexpected error").
-- ``close()`` ends the workers; a decode asked after it fails (``NotParquet``).
+- Deterministic: pyarrow builds the same metadata from the same bytes, so a footer that passed
+  here does not abort the daemon when it reads the same parts.
+- Whatever else a corrupt footer makes pyarrow raise is ``NotParquet`` with the exception's name
+  and message (EIO with the reason, not an "unexpected error").
+- A pool broken by a worker's death fails every call in flight there (which footer killed it is
+  not known): each is tried once more in a new pool, where only the culprit dies again.
+- Workers are started by ``spawn`` (the daemon runs threads, whose locks ``fork`` would copy),
+  so a worker imports the program's main module again (the ``batchfs`` command's is guarded),
+  and end when the daemon does, however it ends (``_warm``: they watch their parent).
+- ``close()`` ends the workers; a check asked after it fails (``NotParquet``).
 """
 
 from __future__ import annotations
@@ -31,35 +34,11 @@ import concurrent.futures
 import importlib
 import multiprocessing
 import os
-import tempfile
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 
-import pyarrow as pa
-
 from batchfs.rowgroups import parquet
-
-
-_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk (else the temp dir)
-
-
-class Oversize(Exception):
-    """The decoded table is larger than the caller's ``limit`` (``args``: its size in bytes)."""
-
-
-def _decode(size: int, metadata, ranges: dict[int, bytes], rg: int, limit: int, out: str) -> None:
-    """In a worker: row group ``rg`` written to the file ``out`` as an Arrow IPC stream, or
-    ``Oversize``."""
-    try:
-        table = parquet.read_row_group(size, metadata, ranges, rg)
-    except parquet.NotParquet:
-        raise
-    except Exception as e:  # e.g. ArrowNotImplementedError, UnicodeDecodeError of a corrupt file
-        raise parquet.NotParquet(f"row group {rg}: {type(e).__name__}: {e}") from None
-    if table.nbytes > limit:
-        raise Oversize(table.nbytes)
-    with pa.OSFile(out, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
 
 
 def _check_footer(size: int, footer: bytes) -> None:
@@ -80,13 +59,22 @@ def _check_footer(size: int, footer: bytes) -> None:
         raise parquet.NotParquet(f"corrupt footer: {type(e).__name__}: {e}") from None
 
 
-def _warm() -> None:
-    """Run once in each new worker: pyarrow's Parquet reader imported before the first decode."""
+def _warm(parent: int) -> None:
+    """Run once in each new worker: pyarrow's Parquet reader imported before the first check,
+    and a thread that ends the worker once its parent is gone (killed, crashed: nothing else
+    would tell it, and an attack's SIGKILL of the daemon left workers running under init)."""
     importlib.import_module("pyarrow.parquet")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="watch-parent").start()
 
 
 class Decoders:
-    """A pool of ``workers`` decoding processes, made again when one dies."""
+    """A pool of ``workers`` processes that read footers first, made again when one dies."""
 
     def __init__(self, workers: int):
         self.workers = max(1, workers)
@@ -101,7 +89,8 @@ class Decoders:
                 raise parquet.NotParquet("the mount is closing")
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm)
+                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm,
+                    initargs=(os.getpid(),))
             return self._pool
 
     def _broken(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -127,21 +116,6 @@ class Decoders:
     def check_footer(self, size: int, footer: bytes) -> None:
         """NotParquet unless the daemon may parse ``footer`` and read its row groups' metadata."""
         self._run("corrupt footer", _check_footer, size, bytes(footer))
-
-    def decode(self, size: int, metadata, ranges: dict[int, bytes], rg: int, limit: int) -> pa.Table:
-        """Row group ``rg`` decoded in a worker (blocking: call it from a thread). NotParquet for a
-        corrupt group or one that kills its worker (twice); Oversize past ``limit`` bytes."""
-        plain = {off: bytes(data) for off, data in ranges.items()}  # (a buffer does not pickle)
-        # the table comes back through a file in memory (tmpfs), mapped here: not pickled
-        # through the pool's pipe (a 23 MB table: 109 ms that way, against 33 ms decoded in-process)
-        fd, out = tempfile.mkstemp(prefix="batchfs-rowgroup-", suffix=".arrow", dir=_SHM)
-        os.close(fd)
-        try:
-            self._run(f"row group {rg}", _decode, size, metadata, plain, rg, limit, out)
-            with pa.memory_map(out) as mapped:
-                return pa.ipc.open_stream(mapped).read_all()  # (its buffers keep the mapping)
-        finally:
-            os.unlink(out)
 
     def close(self) -> None:
         with self._lock:

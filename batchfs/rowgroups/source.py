@@ -11,9 +11,10 @@ Invariants:
 - A row group costs exactly its column chunks' byte ranges, fetched ``fetch_parallel`` at a time,
   every range pinned to the version the caller opened (``VersionChanged`` otherwise): arrays of
   two versions are never mixed.
-- Transforms run in threads, at most ``workers`` at once, never on the trio thread; each
-  decodes its row group in a worker process (``decoder``: pyarrow aborts the process on some
-  corrupt files), which sends back no table larger than a transform may hold (``TooLarge``). Memory:
+- Transforms run in threads, at most ``workers`` at once, never on the trio thread; a decoded
+  table larger than a transform may hold is not transformed (``TooLarge``). Every footer is
+  read through by a worker process before the daemon parses it (``decoder``: pyarrow aborts the
+  process on some corrupt footers). Memory:
   ``memory_bytes`` is split in two halves — transformed groups kept for reuse (LRU by size), and
   transforms in progress, each reserving ``TRANSFORM_COPIES`` × its size (the Arrow table, the
   arrays, their ``.npy`` bytes) plus the bytes it fetches, before anything is fetched and waiting while the half
@@ -44,7 +45,7 @@ from batchfs.cache.entries import Parts
 from batchfs.errors import BatchfsError, TooLarge, TransformError
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
-from batchfs.rowgroups.decoder import Decoders, Oversize
+from batchfs.rowgroups.decoder import Decoders
 from batchfs.rowgroups.failures import FOOTER, Failures
 from batchfs.rowgroups.transforms import DEFAULT, Group, Transform, TransformFailed
 from batchfs.wire.units import MiB
@@ -156,6 +157,10 @@ class _ByteGate:
                 self._changed.notify_all()
 
 
+class Oversize(Exception):
+    """A decoded row group is larger than a transform may hold (``args``: its size in bytes)."""
+
+
 class RowGroupSource:
     def __init__(self, client: ObjectClient, store: DiskStore | None, config: RowGroupConfig = RowGroupConfig(),
                  transform: Transform = DEFAULT):
@@ -169,7 +174,7 @@ class RowGroupSource:
         # groups made ahead by plans (rowgroups.plans), until a reader opens them: (group, pins)
         self._pinned: dict[tuple, list] = {}
         self._workers = trio.CapacityLimiter(config.workers)
-        self.decoders = Decoders(config.workers)  # pyarrow in worker processes: it may abort (decoder)
+        self.decoders = Decoders(config.workers)  # footers read by pyarrow in a worker first: it may abort
         self.transforms = 0  # row groups transformed (not served from a cache)
         self.failures = Failures()  # why a footer or a row group failed, for status.json
 
@@ -322,7 +327,9 @@ class RowGroupSource:
         most = self._transforming.capacity // TRANSFORM_COPIES  # the largest table any transform may hold
 
         def work() -> Group:
-            table = self.decoders.decode(lay.size, md, got, rg, most)
+            table = parquet.read_row_group(lay.size, md, got, rg)
+            if table.nbytes > most:  # decoded larger than any transform may hold: not transformed
+                raise Oversize(table.nbytes)
             return self.transform(table)
 
         try:
