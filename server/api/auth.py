@@ -174,7 +174,10 @@ def _authorize(request: web.Request) -> None:
             # a grant stands in for the token a redirect lost; a client that kept its token
             # (curl --location-trusted, the SDK's own redirects) is checked on the token
             if secret is not None and GRANT_PARAM in request.query and "Authorization" not in request.headers:
-                if not secret.check_grant(request.method, request.rel_url.raw_path_qs):
+                if request.rel_url.path.startswith(GETBATCH_PATH):
+                    request[_GRANT_BODY] = True  # covers the body: checked with it (check_access)
+                    return
+                if not secret.check_grant(request.method, request.rel_url.raw_path_qs, _own_id(request.app)):
                     raise Unauthorized("invalid or expired redirect grant (bfs_grant): ask the gateway again")
                 return
             _check_bearer(request, config.auth_token_digests)
@@ -191,6 +194,8 @@ async def check_access(request: web.Request, handler):
     probe = ""
     try:
         authorize(request)
+        if request.get(_GRANT_BODY):
+            await _check_grant_with_body(request)
         kind = route_class(request.rel_url.path_safe)
         if kind == "cluster":
             await _check_cluster(request)
@@ -212,6 +217,21 @@ async def check_access(request: web.Request, handler):
         resp.headers[NODE_HEADER] = me
         resp.headers[PROOF_HEADER] = request.app[CLUSTER_SECRET].proof(probe, me)
     return resp
+
+
+GETBATCH_PATH = "/v1/ml/moss"  # its grants cover the body, which names the objects
+_GRANT_BODY = "batchfs.grant_body"  # request key: a GetBatch grant, checked with the body
+
+
+async def _check_grant_with_body(request: web.Request) -> None:
+    cap = request.app[CONFIG].max_json_bytes
+    if request.content_length is not None and request.content_length > cap:
+        raise Unauthorized("redirect grant (bfs_grant) with a body over the JSON cap")
+    body = await request.read()  # (kept by aiohttp: the handler reads the same bytes)
+    if not request.app[CLUSTER_SECRET].check_grant(request.method, request.rel_url.raw_path_qs,
+                                                   _own_id(request.app), body):
+        raise Unauthorized("invalid or expired redirect grant (bfs_grant) for this request and body: "
+                           "ask the gateway again")
 
 
 async def _check_cluster(request: web.Request, with_body: bool = True) -> None:

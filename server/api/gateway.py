@@ -62,16 +62,17 @@ async def object_redirect(request: web.Request) -> web.Response:
     path_qs = f"{request.rel_url.raw_path}?{qs + '&' if qs else ''}pid={gw.id}&utm={time.time_ns()}"
     # AIStore: 301 for GET (cacheable, the client follows it), 307 for the rest (method and body kept)
     status = 301 if request.method == "GET" else 307
-    return web.Response(status=status, headers={"Location": owner.url + _granted(request, path_qs)})
+    return web.Response(status=status, headers={"Location": owner.url + _granted(request, path_qs, owner.id)})
 
 
-def _granted(request: web.Request, path_qs: str) -> str:
-    """``path_qs`` with a redirect grant when this gateway checked a token (server.cluster.secret):
-    the client's HTTP library drops ``Authorization`` on the way to another port."""
+def _granted(request: web.Request, path_qs: str, to: str, body: bytes = b"") -> str:
+    """``path_qs`` with a redirect grant for target ``to`` (and a GetBatch's ``body``) when this
+    gateway checked a token (server.cluster.secret): the client's HTTP library drops
+    ``Authorization`` on the way to another port."""
     if not request.app[CONFIG].auth_token_digests:
         return path_qs
     gw = gateway_of(request)
-    return gw.secret.granted(request.method, path_qs, f"pid={gw.id}")
+    return gw.secret.granted(request.method, path_qs, f"pid={gw.id}", to, body)
 
 
 # -- buckets ----------------------------------------------------------------------------------
@@ -206,8 +207,9 @@ async def moss_redirect(request: web.Request) -> web.Response:
     targets = [t for t in targets if t.id not in gw.smap.leaving] or targets  # a leaving target is on its way out
     default_bucket = request.match_info.get("bucket") or None
     counts: dict[str, int] = {}
+    raw = await request.read()
     try:
-        doc = msgspec.json.decode(await request.read())
+        doc = msgspec.json.decode(raw)
         sample = [(item.get("bucket") or default_bucket, item.get("objname")) for item in (doc.get("in") or [])[:DT_SAMPLE]]
         sample = [(b, n) for b, n in sample if isinstance(b, str) and isinstance(n, str)]
         for ranked in gw.smap.holders_many(sample):
@@ -217,7 +219,9 @@ async def moss_redirect(request: web.Request) -> web.Response:
     except (ValueError, AttributeError, TypeError, RecursionError):
         pass  # the target answers the 400 (or 503) a single node gives
     dt = max(targets, key=lambda t: (counts.get(t.id, 0), t.id == targets[0].id))
-    return web.Response(status=307, headers={"Location": dt.url + _granted(request, request.rel_url.raw_path_qs)})
+    # the grant covers the body: it names the objects (a grant for the path alone read any)
+    return web.Response(status=307, headers={"Location": dt.url + _granted(request, request.rel_url.raw_path_qs,
+                                                                             dt.id, raw)})
 
 
 async def refuse(request: web.Request) -> web.Response:

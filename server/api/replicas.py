@@ -225,7 +225,8 @@ def _redirect(request: web.Request, to: ClusterNode) -> web.Response:
     kept = [p for p in request.rel_url.raw_query_string.split("&") if p and not p.startswith(f"{GRANT_PARAM}=")]
     path_qs = request.rel_url.raw_path + ("?" + "&".join(kept) if kept else "")
     if request.app[CONFIG].auth_token_digests:
-        path_qs = request.app[CLUSTER_SECRET].granted(request.method, path_qs, f"pid={request.app[NODE_INFO]['id']}")
+        path_qs = request.app[CLUSTER_SECRET].granted(request.method, path_qs, f"pid={request.app[NODE_INFO]['id']}",
+                                                      to.id)
     return web.Response(status=307, headers={"Location": to.url + path_qs})
 
 

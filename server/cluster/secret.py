@@ -10,9 +10,12 @@ URL); the answer names the node and proves it (``proof``), and the join is then 
 
 A gateway of a token-protected cluster adds a *grant* to the redirects it answers a client whose
 token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.HEX`` with
-``HEX = hmac_sha256(secret, "grant\nTS\nMETHOD\nPATH?QUERY")``. HTTP clients drop the
-``Authorization`` header when a redirect changes host or port (requests, httpx, curl); the
-target accepts the grant instead of the token, for that one method and URL, ``SKEW_SECONDS``.
+``HEX = hmac_sha256(secret, "grant\nTS\nMETHOD\nPATH?QUERY\nTARGET_ID\nSHA256(BODY)")``, BODY
+being a GetBatch's (whose body names the objects it reads) and empty otherwise. HTTP clients
+drop the ``Authorization`` header when a redirect changes host or port (requests, httpx,
+curl); the target accepts the grant instead of the token, for that one method, URL, target and
+GetBatch body, ``SKEW_SECONDS``. (Without the target and the body, a GetBatch grant read any
+object of any bucket on any target with another body: an attack.)
 
 Invariants:
 - The secret never crosses the network: only HMACs do, and a header is bound to one method,
@@ -98,20 +101,23 @@ class ClusterSecret:
         server that answers 200 at its URL (one that checks no signature at all)."""
         return hmac.new(self._key, f"alive\n{header}\n{node}".encode(), hashlib.sha256).hexdigest()
 
-    def grant(self, method: str, path_qs: str, now: float | None = None) -> str:
-        """The ``bfs_grant`` value for a redirect to ``path_qs`` (appended last: ``&bfs_grant=``)."""
+    def grant(self, method: str, path_qs: str, to: str, body: bytes = b"", now: float | None = None) -> str:
+        """The ``bfs_grant`` value for a redirect to ``path_qs`` at node ``to`` (appended last:
+        ``&bfs_grant=``); ``body``: the request body it covers (a GetBatch's names its objects)."""
         ts = int(time.time() if now is None else now)
-        return f"{ts}.{self._grant_mac(ts, method, path_qs)}"
+        return f"{ts}.{self._grant_mac(ts, method, path_qs, to, body)}"
 
-    def granted(self, method: str, path_qs: str, first_param: str) -> str:
+    def granted(self, method: str, path_qs: str, first_param: str, to: str, body: bytes = b"") -> str:
         """``path_qs`` with a grant as its last parameter; ``first_param`` (``name=value``) goes
         before it when ``path_qs`` has no query (a grant follows an ``&``)."""
         if "?" not in path_qs:
             path_qs = f"{path_qs}?{first_param}"
-        return f"{path_qs}&{GRANT_PARAM}={self.grant(method, path_qs)}"
+        return f"{path_qs}&{GRANT_PARAM}={self.grant(method, path_qs, to, body)}"
 
-    def check_grant(self, method: str, raw_path_qs: str, now: float | None = None) -> bool:
-        """Whether ``raw_path_qs`` (as the target received it) ends with a valid grant for it."""
+    def check_grant(self, method: str, raw_path_qs: str, me: str, body: bytes = b"",
+                    now: float | None = None) -> bool:
+        """Whether ``raw_path_qs`` (as node ``me`` received it, with ``body``) ends with a valid
+        grant for it."""
         signed, sep, value = raw_path_qs.rpartition(f"&{GRANT_PARAM}=")
         ts_text, _, mac = value.partition(".")
         if not sep or not _digits(ts_text, 12) or len(mac) != 64:
@@ -119,10 +125,10 @@ class ClusterSecret:
         ts = int(ts_text)
         if abs((time.time() if now is None else now) - ts) > SKEW_SECONDS:
             return False
-        return hmac.compare_digest(mac, self._grant_mac(ts, method, signed))
+        return hmac.compare_digest(mac, self._grant_mac(ts, method, signed, me, body))
 
-    def _grant_mac(self, ts: int, method: str, path_qs: str) -> str:
-        msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}".encode()
+    def _grant_mac(self, ts: int, method: str, path_qs: str, to: str, body: bytes) -> str:
+        msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}\n{to}\n{hashlib.sha256(body).hexdigest()}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,

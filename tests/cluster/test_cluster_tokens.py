@@ -99,13 +99,47 @@ def test_redirects_carry_a_grant_that_fits_only_their_request(tcluster):
     assert plain.get(loc.replace("bfs_grant=", "bfs_grant=1")).status_code == 401  # forged
     stale_ts = int(time.time()) - 3600
     path_qs = loc[loc.index("/v1/"):loc.index("&bfs_grant=")]
-    stale = ClusterSecret(SECRET.encode()).grant("GET", path_qs, now=stale_ts)
+    owner = next(i for i, n in tcluster.smap()["tmap"].items() if loc.startswith(n["public_net"]["direct_url"]))
+    stale = ClusterSecret(SECRET.encode()).grant("GET", path_qs, owner, now=stale_ts)
     stale_url = loc[:loc.index("&bfs_grant=")] + f"&bfs_grant={stale}"
     assert plain.get(stale_url).status_code == 401  # expired
     assert c.get(stale_url).content == b"granted"  # a client that kept its token is checked on the token
     wrong = httpx.Client(timeout=30, headers={"Authorization": "Bearer wrong-token-0123456789"})
     assert wrong.get(loc).status_code == 401  # a wrong token is not saved by a good grant
     assert c.get(url, follow_redirects=True).content == b"granted"  # and nothing changed
+    # a grant is for the target it names: the same URL at the other target is refused
+    urls = [n["public_net"]["direct_url"] for n in tcluster.smap()["tmap"].values()]
+    there = next(u for u in urls if loc.startswith(u))
+    elsewhere = next(u for u in urls if u != there)
+    assert plain.get(elsewhere + loc[len(there):]).status_code == 401
+
+
+def test_a_getbatch_grant_covers_its_body_and_its_target(tcluster):
+    """A GetBatch grant covered the path alone: a client without the token sent the URL of a
+    token holder's redirect with another body and read every object of another bucket, on any
+    target (an attack). It now covers the body and the designated target."""
+    c = httpx.Client(timeout=30, headers=_auth())
+    for b in ("gpub", "gpriv"):
+        c.post(f"{tcluster.url}/v1/buckets/{b}", json={"action": "create-bck"}).raise_for_status()
+    c.put(f"{tcluster.url}/v1/objects/gpub/hello", content=b"public", follow_redirects=True).raise_for_status()
+    for i in range(4):
+        c.put(f"{tcluster.url}/v1/objects/gpriv/key{i}", content=b"secret", follow_redirects=True).raise_for_status()
+    body = json.dumps({"in": [{"objname": "hello"}], "strm": True}).encode()
+    moved = c.request("GET", f"{tcluster.url}/v1/ml/moss/gpub", content=body)
+    assert moved.status_code == 307 and "bfs_grant=" in moved.headers["Location"]
+    loc = moved.headers["Location"]
+    plain = httpx.Client(timeout=30)
+    r = plain.request("GET", loc, content=body)  # the request it was given for: served
+    assert r.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
+        assert [tf.extractfile(m).read() for m in tf.getmembers()] == [b"public"]
+    other = json.dumps({"in": [{"objname": f"key{i}", "bucket": "gpriv"} for i in range(4)], "strm": True}).encode()
+    r = plain.request("GET", loc, content=other)
+    assert r.status_code == 401 and b"secret" not in r.content, r.text[:200]
+    urls = [n["public_net"]["direct_url"] for n in tcluster.smap()["tmap"].values()]
+    there = next(u for u in urls if loc.startswith(u))
+    elsewhere = next(u for u in urls if u != there)
+    assert plain.request("GET", elsewhere + loc[len(there):], content=body).status_code == 401
 
 
 def test_a_target_redirects_a_misplaced_put_with_a_grant(tcluster):
