@@ -60,7 +60,7 @@ from server.api.getbatch_cluster import moss_across
 from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
 from server.api.getbatch_output import PiecesPayload
-from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_json
+from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_body, read_json
 
 log = logging.getLogger(__name__)
 
@@ -288,9 +288,10 @@ async def _local_share(request: web.Request, items: LocalItems, sub):
 
 async def moss(request: web.Request) -> web.StreamResponse:
     """The handler (``_moss``), its parsed request's memory charged to the byte budget first
-    (``Admission.charge``: its Content-Length, else the JSON cap), before the body is read."""
-    state, cap = request.app[GB_STATE], request.app[CONFIG].max_json_bytes
-    held = state.admission.charge(min(cap if request.content_length is None else request.content_length, cap))
+    (``Admission.charge``), once its body has arrived: charged at the length a client declared,
+    idle connections that never sent their bodies held the whole budget (an attack)."""
+    state = request.app[GB_STATE]
+    held = state.admission.charge(len(await read_body(request)))
     try:
         return await _moss(request)
     finally:

@@ -75,15 +75,21 @@ API_KEY = "batchfs.api"  # request key: "s3" on S3 routes (errors become XML)
 OP_KEY = "batchfs.op"  # request key: operation label for metrics
 
 
-async def read_json(request: web.Request, *, required: bool = True):
-    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else."""
+async def read_body(request: web.Request) -> bytes:
+    """The request body, at most ``max_json_bytes`` (PayloadTooLarge); aiohttp keeps it, so a
+    later ``read_json`` parses the same bytes without reading again."""
     cap = request.app[CONFIG].max_json_bytes
     if request.content_length is not None and request.content_length > cap:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {cap}-byte cap")
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"request body exceeds the {cap}-byte cap") from None
+
+
+async def read_json(request: web.Request, *, required: bool = True):
+    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else."""
+    raw = await read_body(request)
     if not raw.strip():
         if required:
             raise BadRequest("missing JSON request body")

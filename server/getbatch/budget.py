@@ -146,15 +146,19 @@ class Admission:
     def charge(self, body_bytes: int) -> int:
         """Reserve in the budget what a request of ``body_bytes`` of JSON takes parsed
         (REQUEST_BYTES_PER_BODY_BYTE per byte, at most half the budget, so that one request
-        alone always passes), before its body is read; the bytes held (the caller releases
-        them), or 429 as when the budget is full."""
+        alone always passes), once its body has arrived; the bytes held (the caller releases
+        them), or 429 when they do not fit."""
         b = self.budget
         n = min(REQUEST_BYTES_PER_BODY_BYTE * body_bytes, b.capacity // 2)
-        if not b.try_acquire(n):
+        # against the room left only: requests queued for read-ahead (try_acquire's FIFO) are
+        # admitted ones waiting their turn, not a reason to refuse (they made a charge of 4 KB
+        # fail with ~1 MB free: a review)
+        if b.used + n > b.capacity:
             self._metrics.gb_rejected_n.inc()
             raise TooManyRequests(f"moss: too busy: a request of {body_bytes} bytes needs {n} bytes of the "
                                   f"GetBatch budget to be parsed, and {b.used} of {b.capacity} are taken "
                                   "(getbatch_max_buffered_bytes); retry later")
+        b._take(n)
         return n
 
     async def throttle(self, seconds: float) -> None:

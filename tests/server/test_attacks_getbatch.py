@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import socket
 import tarfile
 import threading
 import time
@@ -262,9 +263,9 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
 def test_parsed_requests_are_charged_to_the_byte_budget(tmp_path):
     """A request's parsed entries take memory no read-ahead counted: 32 requests of 100,000
     entries (16 MB bodies) that nobody read held 2.2 GiB while the budget showed 320 KB and
-    none got a 429 (an attack). Each is now charged 5 bytes per body byte before its body is
-    read: with a 36 MiB budget three requests of ~2 MB bodies are held, the fourth gets 429,
-    and once they are gone a request is served."""
+    none got a 429 (an attack). Each is now charged 5 bytes per body byte once its body has
+    arrived: with a 36 MiB budget three requests of ~2 MB bodies are held, the fourth gets 429,
+    and once they are gone a request is served; a body declared and never sent costs nothing."""
     with ServerProcess([tmp_path / "d"], "--getbatch-max-buffered", "36MiB", "--getbatch-window", "1MiB",
                        "--getbatch-stall-timeout", "30") as srv:
         b = new_bucket(srv.url)
@@ -284,6 +285,23 @@ def test_parsed_requests_are_charged_to_the_byte_budget(tmp_path):
             for s in socks:
                 s.close()
         wait_for(lambda: srv.metrics()["getbatch_buffered_bytes"] == 0, 30, "the charges given back")
+        # a body declared and not sent is charged nothing: charged at the declared length, 13
+        # idle connections held the whole budget and every GetBatch got 429 (an attack)
+        host, port = srv.url.removeprefix("http://").split(":")
+        idle = []
+        try:
+            for _ in range(8):
+                s = socket.create_connection((host, int(port)))
+                s.sendall(f"GET /v1/ml/moss/{b} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {16 << 20}\r\n\r\n{{".encode())
+                idle.append(s)
+            time.sleep(0.5)
+            assert srv.metrics()["getbatch_buffered_bytes"] == 0
+            r = moss(srv.url, b, entries[:10], strm=True)
+            assert r.status_code == 200, r.text[:300]
+        finally:
+            for s in idle:
+                s.close()
         r = moss(srv.url, b, entries[:1000], strm=True)
         assert r.status_code == 200
         with tarfile.open(fileobj=io.BytesIO(r.content)) as tf:
