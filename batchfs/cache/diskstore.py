@@ -90,6 +90,29 @@ def _pending_size(data: bytes | Parts | int) -> int:
     return 64 if isinstance(data, int) else len(data)
 
 
+_CACHE_FILES = {"cache.db", "cache.db-wal", "cache.db-shm"}  # diskcache's, beside its 2-hex subdirectories
+
+
+def _make_private(directory: Path) -> None:
+    """The store's directory private (0700): it holds object bytes the mount may not show other
+    users (without allow_other they get EACCES on the mount, yet read the cache's files: an
+    attack). A directory others may enter is made so only if it is this user's and holds
+    nothing but a cache; else PermissionError (the mount then runs without a disk cache): a
+    shared directory (``/tmp``, sticky; one with other files) is never changed (a review: ``--cache-dir /tmp``
+    made ``/tmp`` 0700)."""
+    st = directory.stat()
+    if not st.st_mode & 0o077:
+        return
+    stray = [p.name for p in directory.iterdir()
+             if p.name not in _CACHE_FILES and not (p.is_dir() and len(p.name) == 2 and all(c in "0123456789abcdef" for c in p.name))]
+    if st.st_uid != os.geteuid() or st.st_mode & 0o1000 or stray:
+        raise PermissionError(f"{directory} is shared (mode {st.st_mode & 0o7777:o}, "
+                              f"{'other files in it' if stray else 'not private'}): give the cache a "
+                              "directory of its own, e.g. a new one under it")
+    log.warning("disk cache %s was open to other users (mode %o): made private (0700)", directory, st.st_mode & 0o777)
+    directory.chmod(0o700)
+
+
 class DiskStore:
     """Create with :meth:`open`; run :meth:`writer` in a nursery; :meth:`close` at the end.
 
@@ -138,11 +161,7 @@ class DiskStore:
                    free_space_ratio: float = 0.0) -> "DiskStore":
         def do_open():
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # private: it holds object bytes the mount may not show other users (without
-            # allow_other they get EACCES on the mount, yet read the cache's files: an attack)
-            if directory.stat().st_mode & 0o077:
-                log.warning("disk cache %s was readable by other users: made private (mode 0700)", directory)
-                directory.chmod(0o700)
+            _make_private(directory)
             cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
                                     statistics=False, sqlite_wal_autocheckpoint=64,
                                     sqlite_journal_size_limit=1024 * 1024)

@@ -80,7 +80,7 @@ def check_local_paths(config: MountConfig) -> None:
         # the mount runs without it (the daemon logs the same when it tries to open it).
         problem = None
         try:
-            config.cache_dir.mkdir(parents=True, exist_ok=True)
+            config.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private (cache.diskstore)
         except OSError as e:
             problem = f"cannot create cache directory {config.cache_dir}: {e.strerror}"
         if problem is None and not os.access(config.cache_dir, os.W_OK | os.X_OK):

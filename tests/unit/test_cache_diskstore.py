@@ -209,11 +209,24 @@ async def test_the_store_directory_is_private(tmp_path: Path):
     """Its entries are object bytes: other users may not read them (a new directory is made
     0700; one found readable by others is made so, an attack read a cached object's bytes
     from a mount that refused them EACCES)."""
-    fresh, shared = tmp_path / "a" / "new", tmp_path / "shared"
-    shared.mkdir(mode=0o755)
-    for d in (fresh, shared):
+    fresh, opened = tmp_path / "a" / "new", tmp_path / "opened"
+    opened.mkdir()
+    opened.chmod(0o755)
+    for d in (fresh, opened):
         store = await DiskStore.open(d, 1 * MiB)
         try:
             assert d.stat().st_mode & 0o777 == 0o700, oct(d.stat().st_mode)
         finally:
             store.close()
+    # a shared directory is never changed (--cache-dir /tmp made /tmp 0700: a review): no cache
+    sticky, busy = tmp_path / "sticky", tmp_path / "busy"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    busy.mkdir()
+    busy.chmod(0o755)
+    (busy / "someone-elses-file").write_text("x")
+    for d, mode in ((sticky, 0o1777), (busy, 0o755)):
+        with pytest.raises(PermissionError, match="shared"):
+            await DiskStore.open(d, 1 * MiB)
+        assert d.stat().st_mode & 0o7777 == mode
+        assert await DiskStore.open_or_none(d, 1 * MiB) is None
