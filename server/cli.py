@@ -142,8 +142,9 @@ _TUNABLES = [
      "a request body (PUT) that pauses this long is aborted and the connection closed; nothing is "
      "stored", f"{_D.body_timeout_seconds:g}"),
     ("--send-timeout", "send_timeout_seconds", float, "SECONDS",
-     "a reply whose client reads nothing for this long (its socket buffer full) is aborted and what it "
-     "holds (connection, open files) freed", f"{_D.send_timeout_seconds:g}"),
+     "a reply none of whose bytes the client takes for this long is aborted and what it holds "
+     "(connection, open files) freed; slow readers are not cut (a sendfile step of 256 KiB must go "
+     "within it)", f"{_D.send_timeout_seconds:g}"),
     ("--admin-listen", "admin_listen", lambda t: "%s:%d" % _listen(t), "HOST:PORT",
      "a second address serving only /v1/health and /metrics, with its own 64 connections",
      "none"),

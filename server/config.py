@@ -88,8 +88,8 @@ class ServerConfig:
     header_timeout_seconds: float = 30 * SECONDS
     idle_timeout_seconds: float = 60 * SECONDS
     body_timeout_seconds: float = 60 * SECONDS
-    # A reply the client stops reading (the socket's buffer full) for this long is aborted: a
-    # GET held forever held its connection and every chunk file of its object (an attack).
+    # A reply none of whose bytes the client takes for this long is aborted: a GET held for
+    # ever held its connection and every chunk file of its object (an attack).
     send_timeout_seconds: float = 60 * SECONDS
     # Optional second address ("HOST:PORT") serving only /v1/health and /metrics, with its
     # own few connections, so monitoring works whatever the data address is under.

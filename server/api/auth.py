@@ -59,7 +59,7 @@ from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
-from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, OP_KEY
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, OP_KEY
 from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ METRICS_AUTH_CHOICES = ("token", "none")
 SIGNED_KEY = "batchfs.s3.signed"  # request key: the verified SigV4 request (chains aws-chunked bodies)
 BEARER_REALM = 'Bearer realm="batchfs"'
 _PASSED = "batchfs.auth.passed"  # request key: checked already (by the expect handler)
-_FROM_NODE = "batchfs.auth.node"  # request key: signed by a node of this cluster (verified)
+_FROM_NODE = FROM_NODE_KEY  # request key: signed by a node of this cluster (verified)
 
 
 class Unauthorized(StoreError):
@@ -291,6 +291,11 @@ def _body_signed(request: web.Request) -> bool:
     does: a gateway relays the client's request, whose body its SigV4 signature binds (and the
     target checks that signature as on a single node)."""
     return not (request.method == "PUT" and request.rel_url.path_safe.startswith("/v1/objects/"))
+
+
+def from_node(request: web.BaseRequest) -> bool:
+    """``cluster_signed``, synchronously (the connection guard's timers ask it)."""
+    return bool(request.get(_FROM_NODE))
 
 
 async def cluster_signed(request: web.Request) -> bool:

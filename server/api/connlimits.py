@@ -40,15 +40,13 @@ Invariants:
   (first request) or of the first byte of that request (later requests); else the connection
   is closed. A connection idle between requests is closed after ``idle_timeout`` (aiohttp's
   keep-alive timer, which also bounds any bytes a client pipelined behind a request).
-- While a handler waits for a request body, the client must send some byte at least every
-  ``body_timeout``; else the connection is closed, which the PUT path already treats as a
-  client that went away (temp files removed, nothing committed). Time during which *we* paused
-  reading (flow control, the handler is slower than the client) does not count.
-- Writing paused (the client reads nothing) for ``send_timeout`` aborts the connection: the
-  handler's write fails and it lets go (``state.sendfile_within`` bounds sendfile alike).
-- Every counter is decremented exactly once: in ``connection_lost`` (asyncio calls it once
-  for every ``connection_made``), or, for a socket that never reached ``connection_made``, in
-  ``ConnectionGuard.accept``'s done-callback.
+- While a handler waits for a request body, the client must send a byte every ``body_timeout``
+  or the connection is closed (a PUT: a client that went away, nothing committed). Time during
+  which *we* paused reading (the handler is slower than the client) does not count.
+- Writing paused with no byte leaving for ``send_timeout`` aborts the connection (not a node's:
+  it reads in its own order); the handler's write fails and it lets go (``state.sendfile_within``).
+- Every counter is decremented exactly once: in ``connection_lost`` (once per
+  ``connection_made``), or in ``ConnectionGuard.accept``'s done-callback for a socket without.
 
 aiohttp's ``RequestHandler`` exposes no hooks for "a request header completed" or "the
 handler is waiting for the next request"; ``_Guarded`` reads four of its attributes for
@@ -56,21 +54,26 @@ that: ``_request_count`` (messages parsed), ``_waiter`` (pending while it waits 
 request; aiohttp's own keep-alive check uses it the same way), ``_messages`` (parsed requests
 not yet handled, with their body streams) and ``_current_request`` (the request whose handler
 runs). ``ConnectionGuard`` refuses to start if they are gone, and tests/server/test_attacks_conn.py
-fails if their meaning changes. Requests whose header arrives in one piece and that carry no
-body (every GET) arm no timer at all; only a connection's first request does.
+fails if their meaning changes. A GET whose header arrives whole arms no timer but its first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import json
+import fcntl
 import logging
 import socket
+import struct
+import termios
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from server.api.canned import canned as _canned, error_body as _error_body, shed as _shed
+from server.api.state import FROM_NODE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +106,6 @@ class Limits:
     send_timeout_seconds: float = 60.0
 
 
-def _error_body(status: int, message: str, method: str = "", path: str = "") -> bytes:
-    return json.dumps({"message": message, "method": method, "url_path": path, "status": status}).encode()
-
-
-def _canned(status: int, reason: str, message: str) -> bytes:
-    """A whole HTTP/1.1 reply, built once, for connections we do not read."""
-    body = _error_body(status, message)
-    retry = "Retry-After: 1\r\n" if status in (429, 503) else ""
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
-    return head.encode() + body
-
-
 class ConnMetrics:
     """Connection gauges and counters, registered in the app's registry."""
 
@@ -126,6 +116,18 @@ class ConnMetrics:
                                "because of a connection limit", ["listener", "reason"], registry=registry)
         self.timeouts = Counter("batchfs_connection_timeouts", "Connections closed by a timeout",
                                 ["listener", "kind"], registry=registry)
+
+
+def _queued(transport: asyncio.Transport) -> int:
+    """Bytes of replies not yet taken by the client: the transport's buffer and the socket's
+    send queue (TIOCOUTQ). The transport's alone moves in jumps of half the kernel's buffer (a
+    socket is writable again only then): a steady slow reader showed no progress for seconds."""
+    queued = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return queued
 
 
 class _Tier:
@@ -279,7 +281,7 @@ class _Guarded(asyncio.Protocol):
     """One accepted connection: limits at accept, timers while it lives, aiohttp inside."""
 
     __slots__ = ("guard", "inner", "transport", "peer", "tier", "status", "_header_handle", "_header_mark",
-                 "_header_bytes", "_body_handle", "_last_rx", "_send_handle")
+                 "_header_bytes", "_body_handle", "_last_rx", "_send_handle", "_send_mark")
 
     def __init__(self, guard: ConnectionGuard, tier: str, status: int, peer: str) -> None:
         self.guard = guard
@@ -294,6 +296,7 @@ class _Guarded(asyncio.Protocol):
         self._body_handle: asyncio.TimerHandle | None = None
         self._last_rx = 0.0
         self._send_handle: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self._send_mark = 0  # the transport's buffered bytes when it was armed
 
     # --- asyncio.Protocol ---
 
@@ -340,7 +343,8 @@ class _Guarded(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
-        if self._send_handle is None:  # (resume_writing disarms it)
+        if self._send_handle is None and self.transport is not None:  # (resume_writing disarms it)
+            self._send_mark = _queued(self.transport)
             self._send_handle = self.guard._loop.call_later(self.guard.limits.send_timeout_seconds, self._send_expired)
 
     def resume_writing(self) -> None:
@@ -403,6 +407,14 @@ class _Guarded(asyncio.Protocol):
 
     def _send_expired(self) -> None:
         self._send_handle = None
+        transport, request = self.transport, self.inner._current_request if self.inner is not None else None
+        if transport is not None and (_queued(transport) < self._send_mark
+                                      or (request is not None and request.get(FROM_NODE_KEY))):
+            # bytes left since it was armed (a slow reader, not a stalled one: a steady 150 KiB/s
+            # was cut, a review), or another node reading in its own order: armed again
+            self._send_mark = _queued(transport)
+            self._send_handle = self.guard._loop.call_later(self.guard.limits.send_timeout_seconds, self._send_expired)
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.guard.count_timeout("send")
             log.info("aborting connection from %s: no reply byte read for %.0fs", self.peer, self.guard.limits.send_timeout_seconds)
@@ -436,15 +448,3 @@ class _Guarded(asyncio.Protocol):
             inner.force_close()
             return
         self._body_handle = loop.call_at(self._last_rx + self._body_timeout(), self._check_body)
-
-
-def _shed(sock: socket.socket, reply: bytes) -> None:
-    """Answer a refused connection without reading its request, and close it."""
-    try:
-        sock.setblocking(False)
-        sock.send(reply)  # a few hundred bytes: fits an empty socket buffer
-        sock.shutdown(socket.SHUT_WR)
-        sock.recv(65536)  # drop what already arrived, so the close is a FIN when it can be
-    except OSError:
-        pass
-    sock.close()

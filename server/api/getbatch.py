@@ -107,7 +107,10 @@ async def _watch(request: web.Request, c: ServerConfig, metrics: Metrics, progre
         if not progress.busy or progress.done != last_done or buffered < last_buffered:
             last_move = now  # not waiting on the client, or bytes left since the last look
         last_done, last_buffered = progress.done, buffered
-        if now - last_move > c.getbatch_stall_timeout_seconds:
+        # a designated target reading a sender's stream in entry order leaves it unread while it
+        # copies another sender's members: not a stall (cut, a slow client's batch across
+        # targets was truncated: an attack). Its own watchdog and max_time bound it.
+        if now - last_move > c.getbatch_stall_timeout_seconds and not auth.from_node(request):
             metrics.gb_aborted_stalled_n.inc()
             return (f"client read nothing for {c.getbatch_stall_timeout_seconds:g} s "
                     "(getbatch_stall_timeout_seconds)")

@@ -41,7 +41,7 @@ RESERVE = 32  # one address may hold RESERVE // 8 = 4
 HEADER_TIMEOUT = 5.0
 IDLE_TIMEOUT = 6.0  # > HEADER_TIMEOUT: aiohttp's keep-alive timer also runs from accept
 BODY_TIMEOUT = 3.0
-SEND_TIMEOUT = 3.0
+SEND_TIMEOUT = 1.5
 MARGIN = 6.0  # seconds of slack on every "closed after its timeout" (2 shared cores)
 RSS_BOUND_MIB = 300  # server RSS while holding MAX_CONNS + RESERVE attack connections
 
@@ -449,6 +449,22 @@ def test_replies_the_client_does_not_read_are_aborted(tmp_path):
         with httpx.Client(timeout=30) as c:
             assert c.get(srv.url + "/v1/objects/b/big").content == data
             assert c.get(srv.url + "/v1/objects/b/s.tgz", params={"archpath": "m.bin"}).content == member
+        # slow but steady readers (for twice the timeout and more) are not cut: a
+        # first version armed the guard's timer at the first pause and never again (a review)
+        # (~600 KiB/s: a member goes out in 1 MiB writes, and once the kernel's send buffer is
+        # full the transport stays paused for ~1.7 s at a time, longer than the timeout)
+        for path, extra, want in (("/v1/objects/b/s.tgz?archpath=m.bin", "", member),):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+            s.connect((host, port))
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n".encode())
+            s.settimeout(30)
+            got = b""
+            while chunk := s.recv(32 << 10):
+                got += chunk
+                time.sleep(0.05)
+            s.close()
+            assert got.endswith(want), (path, len(got))
     finally:
         srv.stop()
 
