@@ -140,12 +140,31 @@ def _ascii_strings(arr: pa.Array, what: str) -> np.ndarray:
     return wide.view(f"<U{width}")
 
 
+def _dictionary_size(arr: pa.DictionaryArray, what: str) -> None:
+    """Refuse (``_wide``) a dictionary column whose decoded strings or bytes would be many times
+    its own size, before decoding it: a dictionary counts its long value once, so the check on
+    the decoded array came too late (a 933-byte object: 2.2 GB of daemon memory, a review)."""
+    vt = arr.type.value_type
+    if not len(arr):
+        return
+    if pa.types.is_string(vt) or pa.types.is_large_string(vt):
+        width = max(pc.max(pc.utf8_length(arr.dictionary)).as_py() or 0, 1)
+        _wide(len(arr), width, arr, what)
+    elif pa.types.is_binary(vt) or pa.types.is_large_binary(vt):
+        lengths = pc.binary_length(arr.dictionary).fill_null(0)
+        total = pc.sum(pc.take(lengths, arr.indices.fill_null(0))).as_py() or 0
+        if total > WIDE_MIN_BYTES and total > WIDE_RATIO * arr.nbytes:
+            raise Unsupported(f"{what}: its dictionary decodes to {total} bytes, "
+                              f"{total // max(arr.nbytes, 1)}x the column's own size")
+
+
 def column_arrays(name: str, column: pa.ChunkedArray | pa.Array) -> dict[str, np.ndarray]:
     """The ``{file name: array}`` of one column of one row group (see the module table)."""
     if not file_name_ok(name):
         raise Unsupported(f"column {name!r}: its name cannot be a file name")
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if pa.types.is_dictionary(arr.type):
+        _dictionary_size(arr, f"column {name!r}")
         # decoded first: a null may live in the dictionary itself (null_count 0 on the indices)
         arr = arr.dictionary_decode()
     t = arr.type
