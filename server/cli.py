@@ -32,6 +32,7 @@ from server import datalock
 from server.config import ServerConfig, load_toml
 from server.api.state import INFLIGHT, METRICS, NODE
 from server.store.store import Store
+from batchfs.wire.units import is_decimal
 
 _DEFAULTS = ServerConfig()
 _FINAL_CUT_SECONDS = 1.0
@@ -40,7 +41,7 @@ _BACKLOG = 4096
 
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not is_decimal(port):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 

@@ -48,6 +48,7 @@ from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
 from server.api.state import API_KEY, OP_KEY, read_upto
 from server.cluster import peers
 from server.cluster.smap import ClusterNode
+from batchfs.wire.units import is_decimal
 
 LIST_REPLY_MAX = 64 << 20  # one target's ListObjects page (1,000 keys of 1 KiB names fit many times)
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=300)
@@ -265,7 +266,7 @@ async def _list_merged(request: web.Request) -> web.Response:
             if tag in ("Contents", "CommonPrefixes"):
                 name = decode(_text(e, "Key" if tag == "Contents" else "Prefix") or "")
                 items.setdefault(name, e)  # a key on two targets (its copies) is listed once
-    max_keys = min(int(q["max-keys"]), MAX_KEYS) if q.get("max-keys", "").isdigit() else MAX_KEYS
+    max_keys = min(int(q["max-keys"]), MAX_KEYS) if is_decimal(q.get("max-keys", "")) else MAX_KEYS
     names = sorted(items)
     chosen = names[:max_keys]
     truncated = (truncated or len(names) > max_keys) and bool(chosen)

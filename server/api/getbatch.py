@@ -61,6 +61,7 @@ from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
 from server.api.getbatch_output import PiecesPayload
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_body, read_json
+from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ async def _moss(request: web.Request) -> web.StreamResponse:
     items = LocalItems(node.target_store, state.shard_indexes, state.indexer)  # this node's own items
     try:
         coloc = request.query.get("coloc", "0")
-        if not coloc.isdigit() or int(coloc) > 2:
+        if not is_decimal(coloc) or int(coloc) > 2:
             raise BadRequest(f"moss: invalid coloc {coloc!r} (0, 1 or 2)")
         if request.query.get("provider", "ais") not in ("ais", ""):
             raise BadRequest(f"moss: provider {request.query['provider']!r} is not supported (only 'ais')")

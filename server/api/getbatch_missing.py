@@ -27,6 +27,7 @@ from server.cluster.secret import ClusterSecret
 from server.cluster.smap import ClusterMap
 from server.errors import NotFound
 from server.getbatch.request import MossReq
+from batchfs.wire.units import is_decimal
 
 # a sender's 200 to a DT's streamed sub-request: the positions (in the sub-request) of the
 # entries its plan gives as placeholders; the DT applies the soft-error limit to those no other
@@ -110,7 +111,7 @@ async def over_soft_limit(request: web.Request, req: MossReq, subs: dict, owners
     limit = request.app[CONFIG].getbatch_max_soft_errs if req.coer else 0
     missing: list[tuple[int, str]] = []  # (entry, its sender)
     for node_id, r in subs.items():
-        positions = [int(p) for p in r.headers.get(MISSING_HEADER, "").split(",") if p.isdigit()]
+        positions = [int(p) for p in r.headers.get(MISSING_HEADER, "").split(",") if is_decimal(p)]
         if not positions:
             continue
         mine = [j for j in range(lo, hi) if owners[j] is not None and owners[j].id == node_id]

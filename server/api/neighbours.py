@@ -35,6 +35,7 @@ from server.api.relay import PIECE_BYTES, relay
 from server.cluster import peers
 from server.errors import BadRequest, NotFound, StoreError
 from server.store.meta import ObjectMeta
+from batchfs.wire.units import is_decimal
 
 GFN_PARAM = "gfn"
 ASK_TIMEOUT = aiohttp.ClientTimeout(sock_connect=2, sock_read=30)  # a hung neighbour is skipped, not waited on
@@ -111,7 +112,7 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
                     failed.append(f"{node.id}: HTTP {r.status}")
                     continue
                 written = r.headers.get("Ais-Atime", "")
-                if replicas.deleted_after(deleted, int(written) if written.isdigit() else 0):
+                if replicas.deleted_after(deleted, int(written) if is_decimal(written) else 0):
                     continue  # deleted here after that copy was written: it is stale, not the object
                 kept = {k: r.headers[k] for k in _KEPT if k in r.headers}
                 return await relay(request, r, kept, f"GFN from {node.id}")

@@ -40,6 +40,7 @@ from server.cluster.secret import GRANT_PARAM
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, StoreError
 from server.store.meta import ObjectMeta
+from batchfs.wire.units import is_decimal
 
 REPLICA_PARAM = "replica"
 SPREAD_PARAM = "spread"  # a copy whose body is a spread version's manifest (server.api.spread)
@@ -120,7 +121,7 @@ def copy_precondition(request: web.Request, writer, cksum: str):
             return
         deleted = request.app[NODE].deleted_ns(writer.bucket, writer.name)  # in the commit's lock
         written = request.query.get(WRITTEN_PARAM, "")
-        if deleted_after(deleted, int(written) if written.isdigit() else 0):
+        if deleted_after(deleted, int(written) if is_decimal(written) else 0):
             raise CopyDeleted(f"{where}: deleted here after that version was written; its copy is not taken",
                               deleted)
         if expect == "none" and current is not None:
@@ -320,7 +321,7 @@ async def _copy_answer(r: aiohttp.ClientResponse, bucket: str, name: str, node: 
     """A copy's answer: nothing if taken, else the refusal or failure it says."""
     if r.status == 412:
         deleted = r.headers.get(DELETED_HEADER, "")
-        if deleted.isdigit():
+        if is_decimal(deleted):
             raise CopyDeleted(await r.text(), int(deleted))
         raise CopyRefused(await r.text())
     if r.status != 200:

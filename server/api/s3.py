@@ -54,6 +54,7 @@ from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc
                            xml_response)
 from server.api.state import METRICS, NODE, OP_KEY, read_upto
 from server.store.meta import ObjectMeta
+from batchfs.wire.units import is_decimal
 
 from server.api import s3_copy, s3_multipart  # CopyObject; multipart uploads
 from server.api.s3_xml import delete_result_doc, parse_complete_doc, parse_delete_doc, upload_doc
@@ -112,7 +113,7 @@ async def bucket(request: web.Request) -> web.StreamResponse:
 def _max_keys(text: str | None) -> int:
     if text is None:
         return MAX_KEYS
-    if not text.isdigit():
+    if not is_decimal(text):
         raise S3Error(400, "InvalidArgument", f"max-keys must be a non-negative integer, got {text!r}")
     return min(int(text), MAX_KEYS)
 
@@ -318,7 +319,7 @@ MPU = web.AppKey("s3_multipart", s3_multipart.Uploads)
 
 def _part_number(request: web.Request) -> int:
     text = request.query.get("partNumber", "")
-    if not text.isdigit() or not 1 <= int(text) <= s3_multipart.MAX_PART_NUMBER:
+    if not is_decimal(text) or not 1 <= int(text) <= s3_multipart.MAX_PART_NUMBER:
         raise S3Error(400, "InvalidArgument", f"partNumber must be 1..{s3_multipart.MAX_PART_NUMBER}, got {text!r}")
     return int(text)
 

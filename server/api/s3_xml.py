@@ -20,6 +20,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from server.errors import StoreError
+from batchfs.wire.units import is_decimal
 
 NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 CODE_KEY = "batchfs.s3.code"  # request key: the S3 error code of a failed request
@@ -250,7 +251,7 @@ def parse_complete_doc(body: bytes, max_parts: int) -> list[tuple[int, str]]:
         if _local(child.tag) != "Part":
             raise malformed(f"unexpected element {_local(child.tag)!r}")
         fields = {_local(c.tag): (c.text or "").strip() for c in child}
-        if not fields.get("PartNumber", "").isdigit() or "ETag" not in fields:
+        if not is_decimal(fields.get("PartNumber", "")) or "ETag" not in fields:
             raise malformed("a Part needs a PartNumber and an ETag")
         parts.append((int(fields["PartNumber"]), fields["ETag"]))
         if len(parts) > max_parts:

@@ -19,6 +19,7 @@ import sys
 from server.cluster.removecli import follow, newer_than, put_action, seconds
 from server.cluster.smap import MAP_VERSION_HEADER
 from server.cluster.statuscli import add_token_argument, headers_or_none
+from batchfs.wire.units import is_decimal
 
 START, STOP = "start-maintenance", "stop-maintenance"
 
@@ -47,7 +48,7 @@ def main(argv: list[str], action: str) -> int:
     if action == START and a.wait:
         asked = r.headers.get(MAP_VERSION_HEADER, "")  # the map version that put it in maintenance
         return _wait_parked(base, a.target, headers, 3600.0 if a.timeout is None else a.timeout,
-                            int(asked) - 1 if asked.isdigit() else None)
+                            int(asked) - 1 if is_decimal(asked) else None)
     return 0
 
 

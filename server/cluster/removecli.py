@@ -19,6 +19,7 @@ import httpx
 
 from server.cluster.smap import MAP_VERSION_HEADER, REMOVED_HEADER
 from server.cluster.statuscli import add_token_argument, headers_or_none
+from batchfs.wire.units import is_decimal
 
 POLL_SECONDS = 1.0
 
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> int:
         return 0
     flagged = r.headers.get(MAP_VERSION_HEADER, "")  # the map version that flags it leaving
     timeout = 3600.0 if a.timeout is None else a.timeout
-    return _wait(base, a.target, headers, timeout, int(flagged) if flagged.isdigit() else None) if a.wait else 0
+    return _wait(base, a.target, headers, timeout, int(flagged) if is_decimal(flagged) else None) if a.wait else 0
 
 
 def put_action(base: str, action: str, node_id: str, headers: dict, command: str) -> httpx.Response | None:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from server.store.mountpath import Mountpath
+from batchfs.wire.units import is_decimal
 
 
 def collect_orphans(mountpaths: list[Mountpath], older_than_ns: int,
@@ -61,7 +62,7 @@ def collect_orphans(mountpaths: list[Mountpath], older_than_ns: int,
                             time.sleep(ORPHAN_SCAN_PAUSE_SECONDS)
                     parts = entry.name.split(".")
                     try:
-                        tag = int(parts[1], 16) if len(parts) == 3 and parts[2].isdigit() else None
+                        tag = int(parts[1], 16) if len(parts) == 3 and is_decimal(parts[2]) else None
                         st = entry.stat(follow_symlinks=False)
                     except (ValueError, FileNotFoundError):
                         tag, st = None, None

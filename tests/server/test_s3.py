@@ -703,3 +703,16 @@ def test_tools_write_small_files(tool, keys, request, tmp_path):
         assert client.get_object(Bucket=bucket_name, Key="dir/renamed.bin")["Body"].read() == data[:1000]
         assert error_of(client.head_object, Bucket=bucket_name, Key="dir/tmp.bin") == (404, "404")
     assert client.get_object(Bucket=bucket_name, Key="dir/new.bin")["Body"].read() == data
+
+
+def test_numbers_in_requests_are_ascii_digits(server, bucket):
+    """``str.isdigit`` took "²" (then ``int`` raised: 500) and other scripts' digits (read as
+    numbers no one wrote): max-keys, partNumber and GetBatch's coloc are ASCII digits or 400."""
+    for url in (f"{server.url}/{bucket}?list-type=2&max-keys=%C2%B2",
+                f"{server.url}/{bucket}?list-type=2&max-keys=%D9%A1%D9%A0",
+                f"{server.url}/{bucket}/k?partNumber=%C2%B2&uploadId=x"):
+        r = httpx.request("PUT" if "partNumber" in url else "GET", url, content=b"x" if "partNumber" in url else None)
+        assert r.status_code in (400, 404) and r.status_code != 500, (url, r.status_code, r.text[:200])
+        assert r.status_code == 400 or "NoSuchUpload" in r.text, (url, r.text[:200])
+    r = httpx.request("GET", f"{server.url}/v1/ml/moss/{bucket}?coloc=%C2%B2", json={"in": [{"objname": "a"}]})
+    assert r.status_code == 400 and "coloc" in r.text, r.text[:200]
