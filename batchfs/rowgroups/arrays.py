@@ -41,6 +41,7 @@ STRING_OFFSET_MAX = 2**31 - 1  # the largest offset of an Arrow ``string`` (``la
 # them huge (one 10,000-character string among 10,000 one-character ones: 400 MB from a 903-byte
 # object, an attack). Past WIDE_MIN_BYTES and WIDE_RATIO times the column's Arrow bytes, refused.
 WIDE_MIN_BYTES = 16 << 20
+PYLIST_SLICE = 65536  # non-ASCII strings go through Python objects this many at a time
 WIDE_RATIO = 16
 # the suffixes a column's files may add to its name (module table): another column named like
 # one of them would overwrite that file (an attack: x's null mask served as column "x.null")
@@ -105,13 +106,17 @@ def _flat(arr: pa.Array, what: str) -> np.ndarray:
         filled = arr.fill_null("") if arr.null_count else arr
         if len(filled) and pc.all(pc.string_is_ascii(filled)).as_py():
             return _ascii_strings(filled, what)
-        values = filled.to_pylist()
-        if any(v.endswith("\0") for v in values):  # NumPy drops trailing NULs of fixed-width strings
+        if len(filled) and pc.any(pc.ends_with(filled, "\0")).as_py():  # NumPy drops trailing NULs
             raise Unsupported(f"{what}: a string ends with a NUL character, which fixed-width NumPy "
                               "strings cannot keep")
-        width = max([len(v) for v in values] + [1])
-        _wide(len(values), width, arr, what)
-        return np.array(values, dtype=f"<U{width}")
+        width = max(pc.max(pc.utf8_length(filled)).as_py() or 0, 1) if len(filled) else 1
+        _wide(len(filled), width, arr, what)
+        # in slices: one Python string per value for the whole column took ~1 GB for 10 M
+        # one-character values of a 28 KB object (an attack); per slice, a bounded list
+        out = np.empty(len(filled), dtype=f"<U{width}")
+        for lo in range(0, len(filled), PYLIST_SLICE):
+            out[lo:lo + PYLIST_SLICE] = filled.slice(lo, PYLIST_SLICE).to_pylist()
+        return out
     raise Unsupported(f"{what}: Arrow type {t} has no NumPy form here (supported: numbers, bool, "
                       "timestamps, dates, durations, strings, binary, dictionaries, lists of those)")
 
@@ -200,10 +205,16 @@ def column_arrays(name: str, column: pa.ChunkedArray | pa.Array) -> dict[str, np
 
 
 def _bytes_and_offsets(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    values = arr.fill_null(b"").to_pylist()
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum([len(v) for v in values], out=offsets[1:])
-    return np.frombuffer(b"".join(values), dtype=np.uint8).copy(), offsets
+    """Every value's bytes, one after the other, and the int64 offsets — from Arrow's own
+    buffers (a Python bytes object per value took memory in proportion to the row count)."""
+    filled = arr.fill_null(b"") if arr.null_count else arr
+    off_type = np.int64 if pa.types.is_large_binary(filled.type) else np.int32
+    _, offsets_buf, data_buf = filled.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=off_type)[filled.offset:filled.offset + len(filled) + 1].astype(np.int64)
+    if not len(filled):
+        return np.zeros(0, dtype=np.uint8), np.zeros(1, dtype=np.int64)
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    return data[offsets[0]:offsets[-1]].copy(), offsets - offsets[0]
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
