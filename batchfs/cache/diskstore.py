@@ -101,11 +101,14 @@ def _make_private(directory: Path) -> None:
     shared directory (``/tmp``, sticky; one with other files) is never changed (a review: ``--cache-dir /tmp``
     made ``/tmp`` 0700)."""
     st = directory.stat()
+    if st.st_uid != os.geteuid():  # another user's, even private: its owner reads (and writes) it
+        raise PermissionError(f"{directory} belongs to another user (uid {st.st_uid}): give the cache a "
+                              "directory of this user's own")
     if not st.st_mode & 0o077:
         return
     stray = [p.name for p in directory.iterdir()
              if p.name not in _CACHE_FILES and not (p.is_dir() and len(p.name) == 2 and all(c in "0123456789abcdef" for c in p.name))]
-    if st.st_uid != os.geteuid() or st.st_mode & 0o1000 or stray:
+    if st.st_mode & 0o1000 or stray:
         raise PermissionError(f"{directory} is shared (mode {st.st_mode & 0o7777:o}, "
                               f"{'other files in it' if stray else 'not private'}): give the cache a "
                               "directory of its own, e.g. a new one under it")

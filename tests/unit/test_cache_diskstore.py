@@ -230,3 +230,11 @@ async def test_the_store_directory_is_private(tmp_path: Path):
             await DiskStore.open(d, 1 * MiB)
         assert d.stat().st_mode & 0o7777 == mode
         assert await DiskStore.open_or_none(d, 1 * MiB) is None
+    # another user's directory, even private, is not used: its owner would read the cache (a
+    # user who made it first under /tmp read the cached bytes: an attack)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(PermissionError, match="another user"):
+        await DiskStore.open(theirs, 1 * MiB)
+    assert list(theirs.iterdir()) == []
