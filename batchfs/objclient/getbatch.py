@@ -15,7 +15,9 @@ reads, which stops the server. Two sources:
   10,000-entry batch starts streaming as soon as a 128-entry one, and later parts are large.
   Requests of the next ``pipeline_depth - 1`` parts
   are sent while the current part streams, so the server assembles ahead, but a part's body
-  is read only at its turn: memory stays bounded by the socket buffers and the sink. The TAR
+  is read only at its turn: memory stays bounded by the socket buffers and the sink. A reply
+  that waited unread longer than ``pipelined_unread_max_seconds`` (a slow reader) is closed
+  unread and its part asked again at its turn, before the server's stall timeout cuts it. The TAR
   reply is parsed block by block (``tarfile.TarInfo.frombuf`` for each 512-byte header, plus
   the GNU long-name and pax records a long member name needs; ``tarfile``'s own stream mode
   wants a blocking file object, which a trio task cannot offer). Every member's name is
@@ -88,6 +90,10 @@ class BatchClientConfig:
     first_part_entries: int = 128  # a larger batch's first part; parts double from here...
     part_entries: int = 4096  # ...up to this many entries per GetBatch request
     pipeline_depth: int = 2  # GetBatch requests open at once (the current one + ahead)
+    # A pipelined reply still unread at its turn after this long is closed unread and asked
+    # again: a server aborts a reply its client leaves unread for its stall timeout (60 s by
+    # default), so a slow reader of the current part would find the next one cut part-way.
+    pipelined_unread_max_seconds: float = 20.0
     parallel: int = 16  # emulated batches: entries fetched concurrently
     inline_max_bytes: int = 4 * 2**20  # emulated: larger entries are streamed at their turn
     chunk_bytes: int = 8 * 2**20  # emulated: GET size when streaming a large entry
@@ -200,9 +206,13 @@ class GetBatchSource:
                 except BatchFetchError as e:
                     resp, error = None, e
                 answered[k].set()
+                sent = trio.current_time()
                 await turns[k].wait()
                 if resp is None:
                     raise error
+                if trio.current_time() - sent > self.config.pipelined_unread_max_seconds:
+                    await resp.aclose()  # nothing of it was read: asking again changes nothing
+                    resp = await self._open(part, first)
                 try:
                     await self._consume(resp, first, part, coer, sink)
                 finally:

@@ -529,3 +529,42 @@ async def test_server_killed_mid_stream_is_eio_never_a_short_tar(tmp_path):
         await main()
     finally:
         srv.stop()
+
+
+@pytest.mark.trio
+async def test_a_slow_reader_of_a_large_batch_gets_every_member(tmp_path):
+    """The next part's request is pipelined while the current part is read; a reader slower
+    than the server's stall timeout over one part used to find that next reply aborted as
+    stalled (EIO part-way). A pipelined reply left unread too long is now discarded unread and
+    asked again at its turn."""
+    srv = ServerProcess([tmp_path / "d"], "--getbatch-stall-timeout", "2", "--send-timeout", "2").start()
+    try:
+        httpx.post(f"{srv.url}/v1/buckets/k", json={"action": "create-bck", "name": "", "value": None}).raise_for_status()
+        blobs = {f"o{i}": random.Random(i).randbytes(64 * 1024) for i in range(16)}
+        for name, blob in blobs.items():
+            httpx.put(f"{srv.url}/v1/objects/k/{name}", content=blob).raise_for_status()
+        names = [f"o{i % 16}" for i in range(1100)]  # parts of 128, 256, 512, 204: pipelined
+        config = BatchClientConfig(pipelined_unread_max_seconds=1)
+
+        async def main():
+            client = ais(srv, "k")
+            try:
+                return await with_manager(make_source(client, config), body, "k",
+                                          view=ViewConfig(buffer_bytes=1 << 20, read_timeout_seconds=30))
+            finally:
+                await client.aclose()
+
+        async def body(mgr):
+            bf = submit(mgr, "k", "".join(n + "\n" for n in names).encode())
+            out = bytearray()
+            while b := await bf.read(len(out), 1 << 18):
+                out += b
+                if len(out) < 9 << 20:  # part one (8 MiB) read steadily over ~4 s: longer than
+                    await trio.sleep(0.1)  # the stall timeout, while part two waits unread
+            return bytes(out)
+
+        got = members(await main())
+        assert [m for m, _ in got] == names
+        assert all(blobs[m] == d for m, d in got)
+    finally:
+        srv.stop()
