@@ -69,6 +69,10 @@ _TUNABLES = [
     ("--max-json", "max_json_bytes", _size, "SIZE",
      "largest JSON request body (GetBatch requests, list and bucket actions); larger gets 413",
      _mib(_D.max_json_bytes)),
+    ("--body-memory", "body_memory_bytes", _size, "SIZE",
+     "request bodies read whole (JSON, XML, cluster messages) held in memory at once, all clients "
+     "together, counted as they arrive; past it a request is refused with 503 and Retry-After "
+     "(at least --max-json)", _mib(_D.body_memory_bytes)),
     ("--getbatch-max-entries", "getbatch_max_entries", int, "N",
      "most entries in one GetBatch request", _D.getbatch_max_entries),
     ("--getbatch-workers", "getbatch_workers", int, "N",

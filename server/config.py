@@ -33,6 +33,9 @@ class ServerConfig:
     meta_cache_entries: int = 65_536
     # Largest JSON request body (GetBatch requests, list-objects and bucket actions).
     max_json_bytes: int = 16 * MiB
+    # Request bodies read whole (JSON, XML, cluster messages) held in memory at once, counted as
+    # their bytes arrive; a body that does not fit is refused (503). At least max_json_bytes.
+    body_memory_bytes: int = 1024 * MiB
     # GetBatch limits.
     getbatch_max_entries: int = 100_000
     getbatch_workers: int = 16  # entries read concurrently per request
@@ -138,6 +141,9 @@ class ServerConfig:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if not isinstance(self.create_data_dirs, bool):
             raise ValueError(f"create_data_dirs must be true or false, got {self.create_data_dirs!r}")
+        if self.body_memory_bytes < self.max_json_bytes:
+            raise ValueError(f"body_memory_bytes ({self.body_memory_bytes}) must be at least max_json_bytes "
+                             f"({self.max_json_bytes}): one largest body must fit")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0 = from RLIMIT_NOFILE)")
         if self.meta_cache_entries < 0:

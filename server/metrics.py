@@ -21,6 +21,8 @@ class Metrics:
                                  ["op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.bytes_out = Counter("batchfs_sent_bytes", "Response body bytes sent", ["op"], registry=r)
         self.bytes_in = Counter("batchfs_received_bytes", "Object bytes received by PUTs", registry=r)
+        self.bodies_refused = Counter("batchfs_body_memory_refused", "Requests refused (503): their bodies would "
+                                      "have held more than --body-memory", registry=r)
         self.rebalance = Counter("batchfs_rebalance_objects", "Objects a cluster target's rebalance or rebuild "
                                  "copied to other targets, deleted here once placed elsewhere, deleted here as stale "
                                  "(a holder deleted them while this target was away), or failed on",

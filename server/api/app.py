@@ -18,7 +18,8 @@ from server.api import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
-from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, InFlight
+from server.api.state import (API_KEY, BODIES, CLUSTER_SECRET, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, BodyBudget,
+                              InFlight, release_body)
 from server.node import LocalNode
 from server.store.store import Store
 
@@ -75,6 +76,7 @@ async def error_boundary(request: web.Request, handler):
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(request, 500, "internal server error")
     finally:
+        release_body(request)  # the request's body is not held past its handler
         inflight.leave(request.method)
         metrics: Metrics = request.app[METRICS]
         metrics.observe_request(request.get(OP_KEY, "other"), status, time.perf_counter() - started)
@@ -96,6 +98,7 @@ def build_gateway_app(config: ServerConfig, gateway, secret) -> web.Application:
     app[METRICS] = Metrics()
     app[INFLIGHT] = InFlight()
     app[CLUSTER_SECRET] = secret
+    app[BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     gateway_api.add_routes(app, gateway)
     auth.guard_expect(app)
@@ -114,6 +117,7 @@ def build_app(config: ServerConfig, store: Store | None = None, add_routes=None)
     app[METRICS] = Metrics()
     store.on_corrupt = app[METRICS].corrupt_reads.inc  # the store detects, the metric counts
     app[INFLIGHT] = InFlight()
+    app[BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)
     if add_routes is not None:

@@ -59,7 +59,7 @@ from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
-from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, OP_KEY
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, OP_KEY, read_body
 from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ async def _check_grant_with_body(request: web.Request) -> None:
     cap = request.app[CONFIG].max_json_bytes
     if request.content_length is not None and request.content_length > cap:
         raise Unauthorized("redirect grant (bfs_grant) with a body over the JSON cap")
-    body = await request.read()  # (kept by aiohttp: the handler reads the same bytes)
+    body = await read_body(request)  # (kept on the request: the handler reads the same bytes)
     if not request.app[CLUSTER_SECRET].check_grant(request.method, request.rel_url.raw_path_qs,
                                                    _own_id(request.app), body):
         raise Unauthorized("invalid or expired redirect grant (bfs_grant) for this request and body: "
@@ -243,7 +243,7 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
         cap = request.app[CONFIG].max_json_bytes
         if request.content_length is not None and request.content_length > cap:
             raise Forbidden("cluster request body too large")
-        body = await request.read()  # bounded by the app's client_max_size; the handler reads it again
+        body = await read_body(request)  # capped and charged; kept on the request for the handler
     why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
     if why:

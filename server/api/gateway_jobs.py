@@ -24,7 +24,7 @@ from aiohttp import web
 from server.api import guard, native_buckets
 from server.api.cluster_jobs import DOWN_PARAM, JOB_PARAM
 from server.api.gateway_map import Gateway, Unavailable, gateway_of, passthrough
-from server.api.state import OP_KEY
+from server.api.state import OP_KEY, read_body
 from server.bucket_ops import parse_copy
 from server.errors import BadRequest, StoreError
 from server.jobs import new_job_id
@@ -182,7 +182,7 @@ async def cluster_get(request: web.Request) -> web.Response:
     if what not in ("status", "status_all", "running_all", "qryxstats"):
         raise BadRequest(f"GET /v1/cluster?what={what!r} is not served through a gateway "
                          "(served: status, status_all, running_all, qryxstats)")
-    body = await request.read()
+    body = await read_body(request)
     answers = await _to_live(request, gw, body, request.rel_url.raw_path_qs)
     found = [(s, h, r) for s, h, r in answers if s == 200]
     if not found:

@@ -45,7 +45,7 @@ from server.api.relay import relay
 from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, RESERVED_AT_ROOT
 from server.api.s3_listing import MAX_KEYS
 from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
-from server.api.state import API_KEY, OP_KEY, read_upto
+from server.api.state import API_KEY, OP_KEY, read_charged, read_upto
 from server.cluster import peers
 from server.cluster.smap import ClusterNode
 from batchfs.wire.units import is_decimal
@@ -121,7 +121,7 @@ def _first_failure(answers: list[tuple[int, dict, bytes]]) -> web.Response | Non
 async def _read_capped(request: web.Request, cap: int, what: str) -> bytes:
     if (request.content_length or 0) > cap:
         raise S3Error(400, "MalformedXML", f"{what} is limited to {cap} bytes")
-    data = await read_upto(request.content, cap)
+    data = await read_charged(request, cap)
     if len(data) > cap:
         raise S3Error(400, "MalformedXML", f"{what} is limited to {cap} bytes")
     return data

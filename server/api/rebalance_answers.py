@@ -11,6 +11,7 @@ cluster routes (``server.api.auth``).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 
@@ -20,7 +21,7 @@ from server.api import replicas
 from server.api.freshness import FRESHNESS
 from server.api.holdings import CHECK_PATH, PAGE, PUSH_PATH
 from server.api.rebalance import REBALANCER
-from server.api.state import MEMBERSHIP, NODE
+from server.api.state import MEMBERSHIP, NODE, read_body
 from server.cluster.smap import TARGET, ClusterNode
 from server.errors import BadRequest, Conflict, NotFound, StoreError
 
@@ -33,7 +34,7 @@ async def check_names(request: web.Request) -> web.Response:
     asked once per holder instead of a HEAD per object; the asker's map version fences this
     target's own drops (``server.cluster.handover``)."""
     try:
-        body = await request.json()
+        body = json.loads(await read_body(request))
         bucket, names = body["bucket"], body["names"]
         version, digest = body.get("map_version", 0), body.get("map_digest", "")
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -94,7 +95,7 @@ async def push_copy(request: web.Request) -> web.Response:
     or 409 if the version here did. ``url``: where ``to`` listens if this target's map does not
     name it yet (it joined a moment ago)."""
     try:
-        body = await request.json()
+        body = json.loads(await read_body(request))
         bucket, name, cksum, to, url, expect = (body[k] for k in ("bucket", "name", "cksum", "to", "url", "expect"))
     except (ValueError, KeyError, TypeError, AttributeError):
         raise BadRequest('the body must be {"bucket", "name", "cksum", "to", "url", "expect"}') from None

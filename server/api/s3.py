@@ -52,7 +52,7 @@ from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
 from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc, list_objects_doc, location_doc,
                            xml_response)
-from server.api.state import METRICS, NODE, OP_KEY, read_upto
+from server.api.state import METRICS, NODE, OP_KEY, read_charged
 from server.store.meta import ObjectMeta
 from batchfs.wire.units import is_decimal
 
@@ -159,7 +159,7 @@ async def _delete_objects(request: web.Request, bucket_name: str) -> web.Respons
     if not any(code == "BadDigest" for code, _, _ in digests):
         raise S3Error(400, "InvalidRequest", "Missing required header for this request: Content-MD5 "
                       "or x-amz-checksum-*")
-    body = await read_upto(request.content, DELETE_BODY_MAX)
+    body = await read_charged(request, DELETE_BODY_MAX)
     if len(body) > DELETE_BODY_MAX:
         raise S3Error(400, "MalformedXML", f"a Delete document is limited to {DELETE_BODY_MAX} bytes")
     for code, hasher, want in digests:
@@ -352,7 +352,7 @@ async def _complete_upload(request: web.Request, bucket_name: str, key: str) -> 
     up = uploads.get(request.query["uploadId"], bucket_name, key)
     if (request.content_length or 0) > DELETE_BODY_MAX * 4:
         raise S3Error(400, "MalformedXML", "the CompleteMultipartUpload document is too large")
-    body = await read_upto(request.content, DELETE_BODY_MAX * 4)
+    body = await read_charged(request, DELETE_BODY_MAX * 4)
     numbers = s3_multipart.check_parts(up, parse_complete_doc(body, s3_multipart.MAX_PART_NUMBER))
     node = request.app[NODE]
     precondition = put_precondition(request)

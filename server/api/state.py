@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from server.config import ServerConfig
-from server.errors import BadRequest, PayloadTooLarge
+from server.errors import BadRequest, PayloadTooLarge, Unavailable
 from server.metrics import Metrics
 from server.node import LocalNode
 
@@ -64,6 +64,35 @@ MEMBERSHIP = web.AppKey("membership", object)
 PEERS = web.AppKey("peers", object)  # a target's aiohttp.ClientSession to the other targets
 
 
+class BodyBudget:
+    """Bytes of request bodies held in memory by this node's handlers at once (``--body-memory``).
+
+    Every body a handler reads whole (JSON, XML, a GetBatch request, a cluster message) is
+    charged here as its bytes arrive, not at its declared length (connections that send a
+    header and no body then hold nothing), and given back when its request ends
+    (``server.api.app.error_boundary``). A body that does not fit is refused (503,
+    Retry-After) instead of read: without this, connections × ``--max-json`` was the only
+    bound (4,096 connections of one client × 16 MiB; 48 of them took a gateway from 63 to
+    834 MiB, an attack). Invariant: ``held`` ≤ ``limit`` + the chunk being charged."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+BODIES = web.AppKey("bodies", BodyBudget)
+BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of BODIES (given back at its end)
+BODY_KEY = "batchfs.body"  # request key: its body, read whole (``read_body``), for every later reader
+
+
 
 def copies_of(app: web.Application, bucket: str) -> int:
     """How many copies each object of ``bucket`` has by the cluster map (on distinct targets); 1 on a single node."""
@@ -76,15 +105,67 @@ OP_KEY = "batchfs.op"  # request key: operation label for metrics
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, at most ``max_json_bytes`` (PayloadTooLarge); aiohttp keeps it, so a
-    later ``read_json`` parses the same bytes without reading again."""
-    cap = request.app[CONFIG].max_json_bytes
-    if request.content_length is not None and request.content_length > cap:
-        raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {cap}-byte cap")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds the {cap}-byte cap") from None
+    """The request body, at most ``max_json_bytes`` (PayloadTooLarge), charged to the node's
+    ``BodyBudget``; kept on the request, so every later reader (the access check, then the
+    handler) gets the same bytes without reading again."""
+    body = request.get(BODY_KEY)
+    if body is None:
+        cap = request.app[CONFIG].max_json_bytes
+        if request.content_length is not None and request.content_length > cap:
+            raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the {cap}-byte cap")
+        body = await read_charged(request, cap)
+        if len(body) > cap:
+            raise PayloadTooLarge(f"request body exceeds the {cap}-byte cap")
+        request[BODY_KEY] = body
+    return body
+
+
+async def read_charged(request: web.Request, limit: int) -> bytes:
+    """The request's body up to its end or ``limit`` + 1 bytes (more than ``limit``: over), each
+    piece charged to ``BODIES`` as it arrives; Unavailable (503) if the node's bodies would
+    exceed ``--body-memory``."""
+    data = bytearray()
+    while len(data) <= limit and (piece := await request.content.read(limit + 1 - len(data))):
+        _charge(request, len(piece))
+        data += piece
+    return bytes(data)
+
+
+def _charge(request: web.Request, n: int) -> None:
+    budget = request.app.get(BODIES)
+    if budget is None:
+        return
+    if n > budget.limit:
+        raise PayloadTooLarge(f"request body would take {n} bytes of memory decoded, more than this node's "
+                              f"--body-memory of {budget.limit} bytes")
+    if not budget.take(n):
+        request.app[METRICS].bodies_refused.inc()
+        err = Unavailable(f"request bodies held in memory on this node exceed its --body-memory of "
+                          f"{budget.limit} bytes; retry")
+        err.headers = {"Retry-After": "1"}
+        raise err
+    request[BODY_HELD_KEY] = request.get(BODY_HELD_KEY, 0) + n
+
+
+# Bytes a decoded JSON value may take in CPython, per separator (',', ':', '{', '['): measured with
+# tracemalloc over msgspec's decoding, 8-85 bytes per separator (empty dicts 36, one-key dicts
+# 64, short string values 84), so bodies made of many tiny values (16 MB of "{}," decodes to
+# ~390 MB) are charged what they take, not their length.
+DECODED_BYTES_PER_SEPARATOR = 96
+
+
+def charge_decoded(request: web.Request, raw: bytes) -> None:
+    """Charge ``BODIES`` for ``raw`` decoded, held until the request ends: 413 if that alone is
+    more than ``--body-memory``, 503 if it does not fit now."""
+    seps = raw.count(b",") + raw.count(b":") + raw.count(b"{") + raw.count(b"[")
+    _charge(request, DECODED_BYTES_PER_SEPARATOR * seps)
+
+
+def release_body(request: web.Request) -> None:
+    """Give back what the request's body held of ``BODIES`` (at the end of its request)."""
+    held = request.pop(BODY_HELD_KEY, 0)
+    if held:
+        request.app[BODIES].give(held)
 
 
 async def read_json(request: web.Request, *, required: bool = True):
@@ -94,6 +175,7 @@ async def read_json(request: web.Request, *, required: bool = True):
         if required:
             raise BadRequest("missing JSON request body")
         return None
+    charge_decoded(request, raw)
     return parse_json(raw)
 
 
@@ -132,10 +214,10 @@ async def read_upto(stream, limit: int) -> bytes:
     whichever comes first — more than ``limit`` means it is over. (``read(n)`` alone returns
     what has arrived, not n bytes: bodies of more than ~64-128 KiB were cut — an attack found a
     gateway's S3 listing of 1,000 long names answered 500 so.)"""
-    data = b""
+    data = bytearray()  # (bytes += piece copied all of it each time: quadratic in pieces)
     while len(data) <= limit and (piece := await stream.read(limit + 1 - len(data))):
         data += piece
-    return data
+    return bytes(data)
 
 
 def parse_json(raw: bytes):
