@@ -116,6 +116,15 @@ def test_strings_far_wider_than_their_data_are_refused():
     col = pa.array([b"x" * 100_000] * 2_000, pa.binary()).dictionary_encode()  # 200 MB decoded
     g = DEFAULT(pa.table({"b": col}))
     assert not g.files and "dictionary decodes" in g.unsupported["b"], g.unsupported
+    # the same inside lists (a 1,238-byte list<dictionary<string>> object: 2.2 GB, a review)
+    d = pa.DictionaryArray.from_arrays(pa.array(np.zeros(20_000, dtype=np.int32)), pa.array(["a" * 10_000]))
+    for col in (pa.ListArray.from_arrays(pa.array(np.arange(0, 20_001, 10, dtype=np.int32)), d),
+                pa.FixedSizeListArray.from_arrays(d, 10)):
+        g = DEFAULT(pa.table({"s": col, "n": np.arange(2_000)}))
+        assert list(g.files) == ["n.npy"] and "fixed-width" in g.unsupported["s"], g.unsupported
+    d = pa.DictionaryArray.from_arrays(pa.array(np.zeros(2_000, dtype=np.int32)), pa.array([b"x" * 100_000]))
+    g = DEFAULT(pa.table({"b": pa.ListArray.from_arrays(pa.array([0, 1_000, 2_000], pa.int32()), d)}))
+    assert not g.files and "dictionary decodes" in g.unsupported["b"], g.unsupported
     g = DEFAULT(pa.table({"s": ["x" * 40] * 10_000}))  # as wide as its data: produced
     assert np.load(io.BytesIO(bytes(g.files["s.npy"]))).dtype == np.dtype("<U40")
 
