@@ -35,6 +35,7 @@ from batchfs.errors import BatchfsError, InvalidArgument
 from batchfs.objclient.base import ObjectInfo
 from batchfs.rowgroups.source import RowGroupSource
 from batchfs.rowgroups.transforms import Group
+from batchfs.wire.units import is_decimal
 
 DIR_NAME = ".rowgroups"
 SUFFIX = ".parquet"
@@ -55,7 +56,7 @@ def group_number(name: str) -> int | None:
     (``00042``; six digits from 100000 on) — else None: one spelling per group, ASCII digits
     only (``str.isdigit`` takes "²" and Arabic-Indic digits: an alias opened group 1, and
     ``int`` refused "0000²" with an EIO — an attack)."""
-    if not (name.isascii() and name.isdigit()):
+    if not is_decimal(name):  # (also at most 100 digits: int() raises past 4,300)
         return None
     n = int(name)
     return n if name == f"{n:0{GROUP_DIGITS}d}" else None

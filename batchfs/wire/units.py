@@ -17,11 +17,16 @@ SECONDS = 1.0
 _MULT = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
 
 
+DECIMAL_MAX_DIGITS = 100  # far past any count here (2**64 has 20 digits), far below int()'s 4,300
+
+
 def is_decimal(text: str) -> bool:
-    """ASCII digits only, at least one: what ``int`` takes as a plain number. ``str.isdigit``
-    also takes "²" and other scripts' digits, which ``int`` refuses or reads as numbers no
-    one wrote (an attack: an Arabic-Indic alias of row group 1)."""
-    return text.isascii() and text.isdigit()
+    """ASCII digits only, at least one and at most ``DECIMAL_MAX_DIGITS``: what ``int`` takes as
+    a plain number. ``str.isdigit`` also takes "²" and other scripts' digits, which ``int``
+    refuses or reads as numbers no one wrote (an attack: an Arabic-Indic alias of row group 1);
+    and ``int`` raises ValueError past 4,300 digits (``max-keys=`` 5,000 ones answered 500: a
+    review)."""
+    return len(text) <= DECIMAL_MAX_DIGITS and text.isascii() and text.isdigit()
 
 
 def parse_size(text: str | int) -> int:

@@ -44,7 +44,7 @@ def test_entries_parse_to_table_and_group():
     for bad in (".rowgroups", ".rowgroups/t.parquet", ".rowgroups/t.parquet/meta.json", ".rowgroups/t.parquet/3",
                 ".rowgroups/t.parquet/00001/x.npy/more", ".rowgroups/t.csv/00001", "t.parquet/00001",
                 ".rowgroups/t.parquet/0000\u00b2", ".rowgroups/t.parquet/\u0660\u0660\u0660\u0660\u0661",
-                ".rowgroups/t.parquet/000001", ".rowgroups/t.parquet/012345"):
+                ".rowgroups/t.parquet/000001", ".rowgroups/t.parquet/012345", ".rowgroups/t.parquet/" + "1" * 5_000):
         with pytest.raises(InvalidArgument):
             parse_entry(bad)
 
