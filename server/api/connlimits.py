@@ -118,7 +118,7 @@ class ConnMetrics:
                                 ["listener", "kind"], registry=registry)
 
 
-def _queued(transport: asyncio.Transport) -> int:
+def queued_bytes(transport: asyncio.Transport) -> int:
     """Bytes of replies not yet taken by the client: the transport's buffer and the socket's
     send queue (TIOCOUTQ). The transport's alone moves in jumps of half the kernel's buffer (a
     socket is writable again only then): a steady slow reader showed no progress for seconds."""
@@ -344,7 +344,7 @@ class _Guarded(asyncio.Protocol):
         if self.inner is not None:
             self.inner.pause_writing()
         if self._send_handle is None and self.transport is not None:  # (resume_writing disarms it)
-            self._send_mark = _queued(self.transport)
+            self._send_mark = queued_bytes(self.transport)
             self._send_handle = self.guard._loop.call_later(self.guard.limits.send_timeout_seconds, self._send_expired)
 
     def resume_writing(self) -> None:
@@ -408,11 +408,11 @@ class _Guarded(asyncio.Protocol):
     def _send_expired(self) -> None:
         self._send_handle = None
         transport, request = self.transport, self.inner._current_request if self.inner is not None else None
-        if transport is not None and (_queued(transport) < self._send_mark
+        if transport is not None and (queued_bytes(transport) < self._send_mark
                                       or (request is not None and request.get(FROM_NODE_KEY))):
             # bytes left since it was armed (a slow reader, not a stalled one: a steady 150 KiB/s
             # was cut, a review), or another node reading in its own order: armed again
-            self._send_mark = _queued(transport)
+            self._send_mark = queued_bytes(transport)
             self._send_handle = self.guard._loop.call_later(self.guard.limits.send_timeout_seconds, self._send_expired)
             return
         if self.transport is not None and not self.transport.is_closing():

@@ -44,6 +44,7 @@ from typing import Callable
 
 from aiohttp import MultipartWriter, web
 
+from server.api.connlimits import queued_bytes
 from server.archive.writers import MIME_TYPES
 from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
@@ -104,7 +105,10 @@ async def _watch(request: web.Request, c: ServerConfig, metrics: Metrics, progre
         if transport is None or transport.is_closing():
             metrics.gb_cancelled_n.inc()
             return "client disconnected"
-        buffered = transport.get_write_buffer_size()
+        # the transport's buffer and the socket's send queue: the transport's alone stays put
+        # while the kernel's drains to its low-water mark (half of a 4 MB buffer: 20 s at 100
+        # KiB/s), and a steady slow reader was cut as stalled (a review)
+        buffered = queued_bytes(transport)
         if not progress.busy or progress.done != last_done or buffered < last_buffered:
             last_move = now  # not waiting on the client, or bytes left since the last look
         last_done, last_buffered = progress.done, buffered

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import socket
 import tarfile
@@ -258,6 +259,34 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
         assert peak["health"] < 3.0, peak  # 1 s is the goal; the margin is for the shared machine
         # the budget plus what the transports and the allocator hold around it
         assert peak["rss"] - rss0 < cap + 64 * MiB, (peak["rss"] - rss0) / MiB
+
+
+def test_a_steady_slow_getbatch_reader_is_not_cut(tmp_path):
+    """The watchdog saw progress only in the transport's buffer, which stays put while the
+    kernel's send queue drains to its low-water mark: a client reading 4 MiB members steadily
+    was cut as stalled (a review: 100 KiB/s at a 20 s timeout, 1 MiB/s at 3 s). The send queue
+    (TIOCOUTQ) counts now: read at ~1 MiB/s with a 2 s stall timeout, the whole reply arrives."""
+    with ServerProcess([tmp_path / "d"], "--getbatch-stall-timeout", "2", "--send-timeout", "30") as srv:
+        b = new_bucket(srv.url)
+        blobs = [os.urandom(4 * MiB) for _ in range(2)]
+        for i, data in enumerate(blobs):
+            put(srv.url, b, f"big{i}", data)
+        host, port = srv.url.removeprefix("http://").split(":")
+        req = json.dumps({"in": [{"objname": f"big{i}"} for i in range(2)], "strm": True}).encode()
+        s = socket.create_connection((host, int(port)))
+        try:
+            s.sendall(f"GET /v1/ml/moss/{b} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Connection: close\r\nContent-Length: {len(req)}\r\n\r\n".encode() + req)
+            s.settimeout(30)
+            got = bytearray()
+            while chunk := s.recv(100 * 1024):  # ~1 MiB/s, steadily: ~8 s for the reply
+                got += chunk
+                time.sleep(0.1)
+        finally:
+            s.close()
+        body = got.partition(b"\r\n\r\n")[2]
+        assert srv.metrics().get("getbatch_aborted_stalled_n_total", 0) == 0
+        assert all(blob in bytes(body) for blob in blobs), len(got)
 
 
 def test_parsed_requests_are_charged_to_the_byte_budget(tmp_path):
