@@ -288,15 +288,24 @@ class RowGroupSource:
                 blob = await self.store.get(disk_key)
                 if blob is not None:
                     try:
-                        return unpack(blob)
+                        return self._kept(unpack(blob), bucket, key, rg)
                     except (ValueError, KeyError, struct.error) as e:
                         log.warning("row group entry %r unreadable (%s): transforming again", disk_key, e)
-            g = await self._make(bucket, key, info, lay, rg)
+            g = self._kept(await self._make(bucket, key, info, lay, rg), bucket, key, rg)
             if self.store is not None and info.version:
                 self.store.put(disk_key, pack(g))
             return g
 
         return await self._once(("group", bucket, key, info.version, rg), self._groups, make)
+
+    def _kept(self, g: Group, bucket: str, key: str, rg: int) -> Group:
+        """``g``, if the groups' memory (half of the row-group memory) can hold it; else TooLarge
+        (EFBIG). A group that transformed larger (strings: 4 bytes a character) failed with
+        cachetools' bare ValueError, an EIO "unexpected" (a review)."""
+        if g.nbytes > self._groups.maxsize:
+            raise TooLarge(f"{bucket}/{key}: row group {rg} transformed to {g.nbytes} bytes, over the "
+                           f"{self._groups.maxsize} bytes kept for row groups (half of the row-group memory)")
+        return g
 
     async def _make(self, bucket: str, key: str, info: ObjectInfo, lay: Layout, rg: int) -> Group:
         md = lay.metadata

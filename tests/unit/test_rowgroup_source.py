@@ -147,6 +147,17 @@ async def test_bad_input_is_a_clear_error_and_fetches_nothing_it_does_not_need()
     with pytest.raises(TransformError, match="outside the object"):
         await big.group("b", "forged.parquet", forged, 0)
     assert client.get_ranges == []  # refused before any fetch
+    # one that transforms larger than the groups' memory holds: EFBIG, not cachetools' ValueError
+    # (ASCII strings: ~104 bytes a value in Arrow, 400 as <U100; a review)
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"s": ["x" * 100] * 18_000}), buf)
+    client.put("b", "wide.parquet", buf.getvalue())
+    small = RowGroupSource(client, None, RowGroupConfig(memory_bytes=12 * 2**20))
+    try:
+        with pytest.raises(TooLarge, match="transformed to 72"):
+            await small.group("b", "wide.parquet", await _info(client, "wide.parquet"), 0)
+    finally:
+        small.close()
 
 
 @pytest.mark.trio
