@@ -21,7 +21,11 @@ Invariants:
 - Whatever else a corrupt footer makes pyarrow raise is ``NotParquet`` with the exception's name
   and message (EIO with the reason, not an "unexpected error").
 - A pool broken by a worker's death fails every call in flight there (which footer killed it is
-  not known): each is tried once more in a new pool, where only the culprit dies again.
+  not known): each is tried once more alone, in a process of its own, where only the culprit
+  dies again (retried together in one new pool, the culprit broke it again under the others:
+  a valid footer checked while a corrupt one was read failed 58 times in 142, a review).
+- A footer that ended a worker is remembered (by its size and SHA-256, ``VERDICTS`` of them):
+  asked again, it is refused without starting a process (each read of it cost two).
 - Workers are started by ``spawn`` (the daemon runs threads, whose locks ``fork`` would copy),
   so a worker imports the program's main module again (the ``batchfs`` command's is guarded),
   and end when the daemon does, however it ends (``_warm``: they watch their parent).
@@ -31,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import importlib
 import multiprocessing
 import os
@@ -38,7 +43,11 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
+import cachetools
+
 from batchfs.rowgroups import parquet
+
+VERDICTS = 1024  # footers known to end a worker, remembered (LRU)
 
 
 def _check_footer(size: int, footer: bytes) -> None:
@@ -73,6 +82,10 @@ def _warm(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="watch-parent").start()
 
 
+class Aborts(parquet.NotParquet):
+    """What was run ended its worker process, alone (deterministic: it would again)."""
+
+
 class Decoders:
     """A pool of ``workers`` processes that read footers first, made again when one dies."""
 
@@ -82,15 +95,19 @@ class Decoders:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
         self.restarts = 0  # pools made again after a worker died
+        self._verdicts: cachetools.LRUCache = cachetools.LRUCache(VERDICTS)  # footer -> why (under _lock)
+
+    @staticmethod
+    def _new_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=_warm, initargs=(os.getpid(),))
 
     def _current(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
             if self._closed:
                 raise parquet.NotParquet("the mount is closing")
             if self._pool is None:
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm,
-                    initargs=(os.getpid(),))
+                self._pool = self._new_pool(self.workers)
             return self._pool
 
     def _broken(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -101,21 +118,34 @@ class Decoders:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, what: str, fn, *args):
-        """``fn(*args)`` in a worker, once more in a new pool if the pool broke (blocking)."""
-        for attempt in (1, 2):
-            pool = self._current()
+        """``fn(*args)`` in a worker; if the pool broke, once more alone in a process of its own
+        (blocking). NotParquet if that one dies too: ``fn(*args)`` ends the process."""
+        pool = self._current()
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            self._broken(pool)
+        with self._new_pool(1) as alone:
             try:
-                return pool.submit(fn, *args).result()
+                return alone.submit(fn, *args).result()
             except BrokenProcessPool:
-                self._broken(pool)
-                if attempt == 2:
-                    raise parquet.NotParquet(f"{what}: pyarrow ended the process reading it (a corrupt "
-                                             f"file: it aborts on some malformed footers instead of raising)") from None
-        raise AssertionError("unreachable")
+                raise Aborts(f"{what}: pyarrow ended the process reading it (a corrupt file: it aborts "
+                             f"on some malformed footers instead of raising)") from None
 
     def check_footer(self, size: int, footer: bytes) -> None:
         """NotParquet unless the daemon may parse ``footer`` and read its row groups' metadata."""
-        self._run("corrupt footer", _check_footer, size, bytes(footer))
+        footer = bytes(footer)
+        key = (size, hashlib.sha256(footer).digest())
+        with self._lock:
+            why = self._verdicts.get(key)
+        if why is not None:
+            raise parquet.NotParquet(why)
+        try:
+            self._run("corrupt footer", _check_footer, size, footer)
+        except Aborts as e:
+            with self._lock:
+                self._verdicts[key] = str(e)
+            raise
 
     def close(self) -> None:
         with self._lock:
