@@ -93,6 +93,27 @@ def _pending_size(data: bytes | Parts | int) -> int:
 _CACHE_FILES = {"cache.db", "cache.db-wal", "cache.db-shm"}  # diskcache's, beside its 2-hex subdirectories
 
 
+def _steady_path(directory: Path) -> Path:
+    """``directory``'s real path, if no other user can replace any part of it; else
+    PermissionError. The store's files are opened by path again and again (diskcache: each value
+    file, each thread's SQLite connection): a directory checked once could be renamed away after
+    the check by whoever may write its parent, and the cached bytes written into theirs (a review:
+    a cache under another user's 0777 directory). So every ancestor must be root's or this user's,
+    and writable by no one else unless sticky (``/tmp``: there only an entry's owner renames it,
+    and the next part is checked to be root's or this user's in turn)."""
+    real = Path(os.path.realpath(directory))
+    me = os.geteuid()
+    for d in real.parents:
+        st = os.stat(d)
+        if st.st_uid not in (0, me):
+            raise PermissionError(f"{directory}: {d} belongs to another user (uid {st.st_uid}), who could "
+                                  "replace the cache with a directory of theirs: put the cache elsewhere")
+        if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+            raise PermissionError(f"{directory}: {d} is writable by other users (mode {st.st_mode & 0o7777:o}), "
+                                  "who could replace the cache with a directory of theirs: put the cache elsewhere")
+    return real
+
+
 def _make_private(directory: Path) -> None:
     """The store's directory private (0700): it holds object bytes the mount may not show other
     users (without allow_other they get EACCES on the mount, yet read the cache's files: an
@@ -164,8 +185,9 @@ class DiskStore:
                    free_space_ratio: float = 0.0) -> "DiskStore":
         def do_open():
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _make_private(directory)
-            cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62, cull_limit=0,
+            real = _steady_path(directory)
+            _make_private(real)
+            cache = diskcache.Cache(str(real), eviction_policy="none", size_limit=2**62, cull_limit=0,
                                     statistics=False, sqlite_wal_autocheckpoint=64,
                                     sqlite_journal_size_limit=1024 * 1024)
             present = bytearray(FILTER_BITS // 8)

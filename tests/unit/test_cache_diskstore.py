@@ -238,3 +238,22 @@ async def test_the_store_directory_is_private(tmp_path: Path):
     with pytest.raises(PermissionError, match="another user"):
         await DiskStore.open(theirs, 1 * MiB)
     assert list(theirs.iterdir()) == []
+    # a cache whose parent another user may write: they could rename it away after the check and
+    # put a directory of theirs in its place, where the cached bytes then go (a review)
+    for owner, mode in ((65534, 0o777), (65534, 0o755), (os.geteuid(), 0o777), (os.geteuid(), 0o775)):
+        parent = tmp_path / f"parent-{owner}-{mode:o}"
+        parent.mkdir()
+        parent.chmod(mode)
+        os.chown(parent, owner, owner)
+        with pytest.raises(PermissionError, match="another user|writable by other users"):
+            await DiskStore.open(parent / "cache", 1 * MiB)
+    ok = tmp_path / "sticky" / "mine"  # in a sticky directory (/tmp) a directory of one's own is fine
+    store = await DiskStore.open(ok, 1 * MiB)
+    store.close()
+    link = tmp_path / "link"  # opened by its real path: the link cannot be pointed elsewhere later
+    link.symlink_to(ok)
+    store = await DiskStore.open(link, 1 * MiB)
+    try:
+        assert Path(store._cache.directory) == ok
+    finally:
+        store.close()
