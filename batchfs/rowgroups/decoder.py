@@ -96,6 +96,9 @@ class Decoders:
         self._closed = False
         self.restarts = 0  # pools made again after a worker died
         self._verdicts: cachetools.LRUCache = cachetools.LRUCache(VERDICTS)  # footer -> why (under _lock)
+        # retries alone, ``workers`` at a time: each is a process of its own (pyarrow imported:
+        # ~100 MB), and every footer in flight when a pool broke is retried (a review)
+        self._alone = threading.BoundedSemaphore(self.workers)
 
     @staticmethod
     def _new_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
@@ -125,7 +128,7 @@ class Decoders:
             return pool.submit(fn, *args).result()
         except BrokenProcessPool:
             self._broken(pool)
-        with self._new_pool(1) as alone:
+        with self._alone, self._new_pool(1) as alone:
             try:
                 return alone.submit(fn, *args).result()
             except BrokenProcessPool:
