@@ -18,8 +18,8 @@ from server.api import auth, native
 from server.config import ServerConfig
 from server.errors import RangeNotSatisfiable, StoreError
 from server.metrics import Metrics
-from server.api.state import (API_KEY, BODIES, CLUSTER_SECRET, CONFIG, INFLIGHT, METRICS, NODE, OP_KEY, BodyBudget,
-                              InFlight, release_body)
+from server.api.state import (API_KEY, BODIES, CLUSTER_SECRET, CONFIG, INFLIGHT, METRICS, NODE, NODE_BODIES, OP_KEY,
+                              BodyBudget, InFlight, release_body)
 from server.node import LocalNode
 from server.store.store import Store
 
@@ -99,6 +99,7 @@ def build_gateway_app(config: ServerConfig, gateway, secret) -> web.Application:
     app[INFLIGHT] = InFlight()
     app[CLUSTER_SECRET] = secret
     app[BODIES] = BodyBudget(config.body_memory_bytes)
+    app[NODE_BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     gateway_api.add_routes(app, gateway)
     auth.guard_expect(app)
@@ -118,6 +119,7 @@ def build_app(config: ServerConfig, store: Store | None = None, add_routes=None)
     store.on_corrupt = app[METRICS].corrupt_reads.inc  # the store detects, the metric counts
     app[INFLIGHT] = InFlight()
     app[BODIES] = BodyBudget(config.body_memory_bytes)
+    app[NODE_BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)
     if add_routes is not None:

@@ -59,8 +59,9 @@ from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
-from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, OP_KEY, read_body
-from server.cluster.secret import GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, NODE_BODY_KEY, OP_KEY, read_body
+from server.cluster.secret import (GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER, body_matches,
+                                   granted_sha, signed_sha)
 
 log = logging.getLogger(__name__)
 REFUSAL_LOG_SECONDS = 10.0  # at most one line per this long about refused cluster requests (a flood stays quiet)
@@ -224,28 +225,36 @@ _GRANT_BODY = "batchfs.grant_body"  # request key: a GetBatch grant, checked wit
 
 
 async def _check_grant_with_body(request: web.Request) -> None:
+    """The grant checked for the body it names before that is read, then the body against it."""
     cap = request.app[CONFIG].max_json_bytes
     if request.content_length is not None and request.content_length > cap:
         raise Unauthorized("redirect grant (bfs_grant) with a body over the JSON cap")
+    path_qs = request.rel_url.raw_path_qs
+    if not request.app[CLUSTER_SECRET].check_grant(request.method, path_qs, _own_id(request.app), None):
+        raise Unauthorized("invalid or expired redirect grant (bfs_grant) for this request: ask the gateway again")
     body = await read_body(request)  # (kept on the request: the handler reads the same bytes)
-    if not request.app[CLUSTER_SECRET].check_grant(request.method, request.rel_url.raw_path_qs,
-                                                   _own_id(request.app), body):
-        raise Unauthorized("invalid or expired redirect grant (bfs_grant) for this request and body: "
-                           "ask the gateway again")
+    if not body_matches(granted_sha(path_qs), body):
+        raise Unauthorized("redirect grant (bfs_grant) for another body: ask the gateway again")
 
 
 async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     secret = request.app.get(CLUSTER_SECRET)
     if secret is None:
         raise Forbidden("this node is not part of a cluster (no --cluster-secret-file)")
-    body = b""
     if with_body:
         cap = request.app[CONFIG].max_json_bytes
         if request.content_length is not None and request.content_length > cap:
             raise Forbidden("cluster request body too large")
-        body = await read_body(request)  # capped and charged; kept on the request for the handler
-    why = secret.verify(request.method, request.rel_url.raw_path_qs, request.headers.get(CLUSTER_HEADER), body,
+    header = request.headers.get(CLUSTER_HEADER)
+    # the signature first, for the body it names: no body is read for a forged header (slow
+    # bodies under forged headers held a node's body memory and refused its cluster's own
+    # messages: a review); a request whose body is not signed must sign the empty body
+    why = secret.verify(request.method, request.rel_url.raw_path_qs, header, None if with_body else b"",
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
+    if not why and with_body:
+        request[NODE_BODY_KEY] = True  # charged to the cluster's own share of body memory
+        if not body_matches(signed_sha(header), await read_body(request)):
+            why = "with a body other than the one it signs"
     if why:
         _log_refusal(request, why)
         raise Forbidden(f"cluster request {why} ({CLUSTER_HEADER}: a node of this cluster signs each request "

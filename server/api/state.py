@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 
 import msgspec
 from aiohttp import web
@@ -89,7 +90,11 @@ class BodyBudget:
 
 
 BODIES = web.AppKey("bodies", BodyBudget)
-BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of BODIES (given back at its end)
+# the cluster's own requests (signed, checked before their bodies are read) have their own
+# share, so that clients filling theirs cannot refuse the cluster's messages (a review)
+NODE_BODIES = web.AppKey("node_bodies", BodyBudget)
+NODE_BODY_KEY = "batchfs.body.node"  # request key: signed by a node, charged to NODE_BODIES
+BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of its budget (given back at its end)
 BODY_KEY = "batchfs.body"  # request key: its body, read whole (``read_body``), for every later reader
 
 
@@ -131,13 +136,17 @@ async def read_charged(request: web.Request, limit: int) -> bytes:
     return bytes(data)
 
 
+def _budget(request: web.Request) -> BodyBudget | None:
+    return request.app.get(NODE_BODIES if request.get(NODE_BODY_KEY) else BODIES)
+
+
 def _charge(request: web.Request, n: int) -> None:
-    budget = request.app.get(BODIES)
+    budget = _budget(request)
     if budget is None:
         return
-    if n > budget.limit:
-        raise PayloadTooLarge(f"request body would take {n} bytes of memory decoded, more than this node's "
-                              f"--body-memory of {budget.limit} bytes")
+    if request.get(BODY_HELD_KEY, 0) + n > budget.limit:  # could never fit: no use retrying
+        raise PayloadTooLarge(f"request body would take {request.get(BODY_HELD_KEY, 0) + n} bytes of memory, "
+                              f"with its decoded form, more than this node's --body-memory of {budget.limit} bytes")
     if not budget.take(n):
         request.app[METRICS].bodies_refused.inc()
         err = Unavailable(f"request bodies held in memory on this node exceed its --body-memory of "
@@ -154,28 +163,37 @@ def _charge(request: web.Request, n: int) -> None:
 DECODED_BYTES_PER_SEPARATOR = 96
 
 
+_WIDE = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")  # a character past the BMP, raw or escaped
+
+
 def charge_decoded(request: web.Request, raw: bytes) -> None:
-    """Charge ``BODIES`` for ``raw`` decoded, held until the request ends: 413 if that alone is
-    more than ``--body-memory``, 503 if it does not fit now."""
+    """Charge the body's budget for ``raw`` decoded, held until the request ends: 413 if it
+    could never fit, 503 if it does not fit now. Per separator as above, and the strings' text:
+    CPython stores a string in 1, 2 or 4 bytes a character, the widest of its characters — one
+    emoji in 15 MB of ASCII took 60 MB (a review) —: 4x the body's length if it has a character
+    past the BMP, 2x if any other non-ASCII one, else 1x."""
     seps = raw.count(b",") + raw.count(b":") + raw.count(b"{") + raw.count(b"[")
-    _charge(request, DECODED_BYTES_PER_SEPARATOR * seps)
+    width = 1 if raw.isascii() and b"\\u" not in raw else 4 if _WIDE.search(raw) else 2
+    _charge(request, DECODED_BYTES_PER_SEPARATOR * seps + width * len(raw))
 
 
 def release_body(request: web.Request) -> None:
     """Give back what the request's body held of ``BODIES`` (at the end of its request)."""
     held = request.pop(BODY_HELD_KEY, 0)
     if held:
-        request.app[BODIES].give(held)
+        _budget(request).give(held)
 
 
-async def read_json(request: web.Request, *, required: bool = True):
-    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else."""
+async def read_json(request: web.Request, *, required: bool = True, charged: bool = False):
+    """The request body as JSON, at most ``max_json_bytes``; BadRequest on anything else.
+    ``charged``: the caller charged its decoded form already (``charge_decoded``)."""
     raw = await read_body(request)
     if not raw.strip():
         if required:
             raise BadRequest("missing JSON request body")
         return None
-    charge_decoded(request, raw)
+    if not charged:
+        charge_decoded(request, raw)
     return parse_json(raw)
 
 

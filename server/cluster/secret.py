@@ -1,17 +1,21 @@
 """Intra-cluster authentication: gateways and targets prove they hold the cluster secret.
 
 Every request between nodes (join, map updates) carries
-``Batchfs-Cluster: MS:NONCE:HEX:TO`` where
-``HEX = hmac_sha256(secret, "MS\\nNONCE\\nTO\\nMETHOD\\nPATH?QUERY\\nSHA256(BODY)")``, ``MS`` is the
+``Batchfs-Cluster: MS:NONCE:HEX:SHA:TO`` where
+``HEX = hmac_sha256(secret, "MS\\nNONCE\\nTO\\nMETHOD\\nPATH?QUERY\\nSHA")``, ``SHA`` the hex
+SHA-256 of the body, ``MS`` is the
 sender's clock in unix milliseconds, ``NONCE`` 16 random hex digits and ``TO`` the id of the
-node it is sent to. ``TO`` is empty only on a health probe that asks who is at a URL
+node it is sent to. The receiver checks the MAC before it reads the body, and the body against
+``SHA`` after: a body is read only for a request a node of the cluster signed (reading it
+first let anyone hold a node's body memory with slow bodies and a forged header: a review). ``TO`` is empty only on a health probe that asks who is at a URL
 (``server.cluster.peers.who``: a node about to join a gateway it knows only by its ``--join``
 URL); the answer names the node and proves it (``proof``), and the join is then signed for it.
 
 A gateway of a token-protected cluster adds a *grant* to the redirects it answers a client whose
-token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.HEX`` with
-``HEX = hmac_sha256(secret, "grant\nTS\nMETHOD\nPATH?QUERY\nTARGET_ID\nSHA256(BODY)")``, BODY
-being a GetBatch's (whose body names the objects it reads) and empty otherwise. HTTP clients
+token it checked: ``Location: TARGET/PATH?QUERY&bfs_grant=TS.SHA.HEX`` with
+``HEX = hmac_sha256(secret, "grant\nTS\nMETHOD\nPATH?QUERY\nTARGET_ID\nSHA")``, ``SHA`` the hex
+SHA-256 of BODY, a GetBatch's (whose body names the objects it reads) and empty otherwise (the
+grant is checked before the body is read, the body against ``SHA`` after). HTTP clients
 drop the ``Authorization`` header when a redirect changes host or port (requests, httpx,
 curl); the target accepts the grant instead of the token, for that one method, URL, target and
 GetBatch body, ``SKEW_SECONDS``. (Without the target and the body, a GetBatch grant read any
@@ -85,15 +89,15 @@ class ClusterSecret:
         except ValueError as e:
             raise ValueError(f"cluster secret file {path}: {e}") from None
 
-    def _mac(self, ms: int, nonce: str, to: str, method: str, path_qs: str, body: bytes) -> str:
-        msg = f"{ms}\n{nonce}\n{to}\n{method.upper()}\n{path_qs}\n{hashlib.sha256(body).hexdigest()}".encode()
+    def _mac(self, ms: int, nonce: str, to: str, method: str, path_qs: str, sha: str) -> str:
+        msg = f"{ms}\n{nonce}\n{to}\n{method.upper()}\n{path_qs}\n{sha}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def sign(self, method: str, path_qs: str, body: bytes = b"", to: str = "", now: float | None = None) -> str:
         """The header for one request to node ``to`` (never sent twice: each has its own nonce)."""
         ms = int((time.time() if now is None else now) * 1000)
-        nonce = secrets.token_hex(8)
-        return f"{ms}:{nonce}:{self._mac(ms, nonce, to, method, path_qs, body)}:{to}"
+        nonce, sha = secrets.token_hex(8), hashlib.sha256(body).hexdigest()
+        return f"{ms}:{nonce}:{self._mac(ms, nonce, to, method, path_qs, sha)}:{sha}:{to}"
 
     def proof(self, header: str, node: str) -> str:
         """What node ``node`` answers a health probe signed ``header`` with (``PROOF_HEADER``):
@@ -104,8 +108,8 @@ class ClusterSecret:
     def grant(self, method: str, path_qs: str, to: str, body: bytes = b"", now: float | None = None) -> str:
         """The ``bfs_grant`` value for a redirect to ``path_qs`` at node ``to`` (appended last:
         ``&bfs_grant=``); ``body``: the request body it covers (a GetBatch's names its objects)."""
-        ts = int(time.time() if now is None else now)
-        return f"{ts}.{self._grant_mac(ts, method, path_qs, to, body)}"
+        ts, sha = int(time.time() if now is None else now), hashlib.sha256(body).hexdigest()
+        return f"{ts}.{sha}.{self._grant_mac(ts, method, path_qs, to, sha)}"
 
     def granted(self, method: str, path_qs: str, first_param: str, to: str, body: bytes = b"") -> str:
         """``path_qs`` with a grant as its last parameter; ``first_param`` (``name=value``) goes
@@ -114,46 +118,67 @@ class ClusterSecret:
             path_qs = f"{path_qs}?{first_param}"
         return f"{path_qs}&{GRANT_PARAM}={self.grant(method, path_qs, to, body)}"
 
-    def check_grant(self, method: str, raw_path_qs: str, me: str, body: bytes = b"",
+    def check_grant(self, method: str, raw_path_qs: str, me: str, body: bytes | None = b"",
                     now: float | None = None) -> bool:
         """Whether ``raw_path_qs`` (as node ``me`` received it, with ``body``) ends with a valid
-        grant for it."""
+        grant for it; ``body`` None: for the body the grant names (``body_matches`` checks the
+        body once read)."""
         signed, sep, value = raw_path_qs.rpartition(f"&{GRANT_PARAM}=")
-        ts_text, _, mac = value.partition(".")
-        if not sep or not _digits(ts_text, 12) or len(mac) != 64:
+        ts_text, sha, mac = (value.split(".", 2) + ["", ""])[:3]
+        if not sep or not _digits(ts_text, 12) or not _hex(sha, 64) or not _hex(mac, 64):
             return False
         ts = int(ts_text)
         if abs((time.time() if now is None else now) - ts) > SKEW_SECONDS:
             return False
-        return hmac.compare_digest(mac, self._grant_mac(ts, method, signed, me, body))
+        if body is not None and not body_matches(sha, body):
+            return False
+        return hmac.compare_digest(mac, self._grant_mac(ts, method, signed, me, sha))
 
-    def _grant_mac(self, ts: int, method: str, path_qs: str, to: str, body: bytes) -> str:
-        msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}\n{to}\n{hashlib.sha256(body).hexdigest()}".encode()
+    def _grant_mac(self, ts: int, method: str, path_qs: str, to: str, sha: str) -> str:
+        msg = f"grant\n{ts}\n{method.upper()}\n{path_qs}\n{to}\n{sha}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
-    def verify(self, method: str, path_qs: str, header: str | None, body: bytes = b"", *, me: str,
+    def verify(self, method: str, path_qs: str, header: str | None, body: bytes | None = b"", *, me: str,
                any_node: bool = False, now: float | None = None) -> str:
         """Why the request ``header`` signs is refused by node ``me`` ("" when it is accepted and
         remembered: the same header again is a replay). ``any_node``: the request may be signed
         for no node in particular (a health probe asking who is there). A health probe is
         checked the same way, replay memory included: a node that refuses a sender's signed
         requests (its clock ahead of the sender's, for that long after it started) is then
-        seen down by it, and their traffic goes to the other copies meanwhile."""
-        ms_text, nonce, mac, to = ((header or "").split(":", 3) + ["", "", "", ""])[:4]
-        if not _digits(ms_text, 16) or not _hex(nonce, 16) or not _hex(mac, 64):
+        seen down by it, and their traffic goes to the other copies meanwhile. ``body`` None:
+        checked for the body the header names, before it is read (``body_matches`` after)."""
+        ms_text, nonce, mac, sha, to = ((header or "").split(":", 4) + ["", "", "", "", ""])[:5]
+        if not _digits(ms_text, 16) or not _hex(nonce, 16) or not _hex(mac, 64) or not _hex(sha, 64):
             return "without a valid signature"
+        if body is not None and not body_matches(sha, body):
+            return "with a body other than the one it signs"
         now_s = time.time() if now is None else now
         ms = int(ms_text)
         window = SKEW_SECONDS if to else ANY_NODE_SECONDS
         if abs(now_s * 1000 - ms) > window * 1000:
             return f"signed more than {window} s away from this node's clock"
-        if not hmac.compare_digest(mac, self._mac(ms, nonce, to, method, path_qs, body)):
+        if not hmac.compare_digest(mac, self._mac(ms, nonce, to, method, path_qs, sha)):
             return "without a valid signature"
         if to != me and not (any_node and to == ""):
             return f"signed for node {to!r}, not this one ({me})"
         if not self.replays.first(ms, mac, now_s):
             return "already received once (a replay), or too old to tell"
         return ""
+
+
+def body_matches(sha: str, body: bytes) -> bool:
+    """Whether ``body`` is the one a header or grant names by its SHA-256 (hex)."""
+    return hmac.compare_digest(sha, hashlib.sha256(body).hexdigest())
+
+
+def signed_sha(header: str) -> str:
+    """The body SHA-256 a (verified) ``HEADER`` names."""
+    return (header.split(":", 4) + [""] * 5)[3]
+
+
+def granted_sha(raw_path_qs: str) -> str:
+    """The body SHA-256 a (verified) grant at the end of ``raw_path_qs`` names."""
+    return (raw_path_qs.rpartition(f"&{GRANT_PARAM}=")[2].split(".", 2) + ["", ""])[1]
 
 
 class Replays:

@@ -110,3 +110,62 @@ def test_a_gateway_decodes_a_sample_of_a_getbatch_body(tmp_path):
         assert followed.status_code in (400, 413), followed.text  # the target's answer, as a single node's
     finally:
         c.stop()
+
+
+def test_a_body_that_could_never_fit_gets_413_and_wide_strings_are_counted(tmp_path):
+    """What a body holds (raw and decoded) past the budget is 413, not a 503 to retry for ever;
+    and a string's text counts at CPython's width: one emoji makes every character of its
+    string 4 bytes (15 MB of ASCII with one emoji took 60 MB uncounted: a review)."""
+    srv = ServerProcess([tmp_path / "d"], "--max-json", "1MiB", "--body-memory", "2MiB").start()
+    try:
+        httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck", "name": "", "value": None},
+                   timeout=10).raise_for_status()
+        many = {"in": [{"objname": f"o{i}"} for i in range(3000)]}  # ~56 KB raw, ~860 KB counted decoded
+        r = httpx.request("GET", f"{srv.url}/v1/ml/moss/b", json=many, timeout=10)
+        assert r.status_code == 404, r.text  # fits: the objects are missing
+        ascii_body = {"in": [{"objname": "o", "x": "a" * 600_000}]}
+        r = httpx.request("GET", f"{srv.url}/v1/ml/moss/b", json=ascii_body, timeout=10)
+        assert r.status_code == 404, r.text
+        wide = {"in": [{"objname": "o", "x": "\U0001F600" + "a" * 600_000}]}  # 600 KB: 2.4 MB decoded
+        r = httpx.request("GET", f"{srv.url}/v1/ml/moss/b", json=wide, timeout=10)
+        assert r.status_code == 413 and "--body-memory" in r.json()["message"], r.text
+        escaped = json.dumps(wide).encode()  # \ud83d\ude00 escaped: the same
+        r = httpx.request("GET", f"{srv.url}/v1/ml/moss/b", content=escaped, timeout=10)
+        assert r.status_code == 413, r.text
+    finally:
+        srv.stop()
+    tight = ServerProcess([tmp_path / "d2"], "--max-json", "1MiB", "--body-memory", "1MiB").start()
+    try:  # raw 600 KB + decoded 600 KB: each fits, together never (a review: 503 every time)
+        httpx.post(f"{tight.url}/v1/buckets/b", json={"action": "create-bck", "name": "", "value": None},
+                   timeout=10).raise_for_status()
+        r = httpx.request("GET", f"{tight.url}/v1/ml/moss/b", json=ascii_body, timeout=10)
+        assert r.status_code == 413, r.text
+    finally:
+        tight.stop()
+
+
+def test_bodies_under_a_forged_cluster_header_are_not_read(tmp_path):
+    """A request claiming to come from a node (``Batchfs-Cluster``) had its body read, and
+    charged, before the signature was checked: slow bodies under forged headers held the
+    budget and the cluster's own messages got 503 (a review). The signature names the body's
+    SHA-256 and is checked first: such a request is refused before its body is read."""
+    c = Cluster(tmp_path, targets=1, target_args=("--max-json", "1MiB", "--body-memory", "4MiB"))
+    c.start()
+    holders = []
+    try:
+        target = c.targets[0].url
+        for _ in range(5):
+            host, port = target.removeprefix("http://").rsplit(":", 1)
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"POST /v1/buckets/x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Batchfs-Cluster: 1:2:3:4:5\r\nContent-Length: 1048576\r\n\r\n" + b" " * 1_047_552)
+            holders.append(s)
+        for s in holders:  # answered at once, the body unread
+            s.settimeout(10)
+            assert s.recv(4096).startswith(b"HTTP/1.1 403"), "a forged header's body was waited for"
+        r = httpx.post(f"{c.url}/v1/buckets/b", json={"action": "create-bck", "name": "", "value": None}, timeout=20)
+        assert r.status_code == 200, r.text  # through the gateway: its signed message reaches the target
+    finally:
+        for s in holders:
+            s.close()
+        c.stop()

@@ -4,6 +4,7 @@ replay through when full."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from server.cluster.secret import SKEW_SECONDS, ClusterSecret, Replays
@@ -31,7 +32,12 @@ def test_a_header_is_refused_by_another_node_and_for_another_request():
     assert "signed for node 'gwA'" in receiver.verify("POST", "/v1/cluster/autoreg", h, b"{}", me="gwB")
     forged = h.rsplit(":", 1)[0] + ":gwB"  # the receiver named in the header is covered by the MAC
     assert "valid signature" in receiver.verify("POST", "/v1/cluster/autoreg", forged, b"{}", me="gwB")
-    assert "valid signature" in receiver.verify("POST", "/v1/cluster/autoreg", h, b"{ }", me="gwA")
+    assert "a body other than" in receiver.verify("POST", "/v1/cluster/autoreg", h, b"{ }", me="gwA")
+    # the body named by its SHA-256, which the MAC covers: another SHA fails the MAC
+    ms, nonce, mac, sha, to = h.split(":")
+    other = f"{ms}:{nonce}:{mac}:{hashlib.sha256(b'{ }').hexdigest()}:{to}"
+    assert "valid signature" in receiver.verify("POST", "/v1/cluster/autoreg", other, None, me="gwA")
+    assert "valid signature" in receiver.verify("POST", "/v1/cluster/autoreg", other, b"{ }", me="gwA")
     assert "valid signature" in receiver.verify("POST", "/v1/cluster/map", h, b"{}", me="gwA")
     assert "valid signature" in receiver.verify("GET", "/v1/cluster/autoreg", h, b"{}", me="gwA")
     assert "valid signature" in ClusterSecret(b"x" * 32).verify("POST", "/v1/cluster/autoreg", h, b"{}", me="gwA")
@@ -141,9 +147,10 @@ def test_a_header_that_is_not_ascii_is_refused_not_an_error():
     """A review: a 64-character MAC that is not ASCII made ``hmac.compare_digest`` raise
     TypeError (a 500 and a traceback); it is a header without a valid signature."""
     sender, receiver = _pair()
-    ms, nonce, mac, to = sender.sign("GET", "/v1/health", to="t1").split(":")
+    ms, nonce, mac, sha, to = sender.sign("GET", "/v1/health", to="t1").split(":")
     e = "\u00e9"
-    for bad in (f"{ms}:{nonce}:{e * 64}:{to}", f"{ms}:{e * 16}:{mac}:{to}", f"{ms}:{nonce}:{mac.upper()}:{to}"):
+    for bad in (f"{ms}:{nonce}:{e * 64}:{sha}:{to}", f"{ms}:{e * 16}:{mac}:{sha}:{to}",
+                f"{ms}:{nonce}:{mac.upper()}:{sha}:{to}", f"{ms}:{nonce}:{mac}:{e * 64}:{to}"):
         assert "valid signature" in receiver.verify("GET", "/v1/health", bad, me="t1")
 
 
