@@ -125,6 +125,12 @@ class ServerConfig:
         the first asked first, the next ones while it gets no answer."""
         return _split_urls(self.join_url)
 
+    @property
+    def reply_stall_seconds(self) -> float:
+        """How long a streamed reply may wait with nothing read before it is aborted: the GetBatch
+        stall timeout, or the send timeout if shorter (told to clients: ``STALL_HEADER``)."""
+        return min(self.getbatch_stall_timeout_seconds, self.send_timeout_seconds)
+
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
         for f in dataclasses.fields(self):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -49,7 +50,7 @@ import trio
 from batchfs.objclient.base import ObjectClient
 from batchfs.objclient.tarstream import BLOCK, TarStream, next_header
 from batchfs.errors import BackendError, NotFound
-from batchfs.wire.getbatch import MISSING_PREFIX, Target, member_name, request_body
+from batchfs.wire.getbatch import MISSING_PREFIX, STALL_HEADER, Target, member_name, request_body
 from batchfs.wire.retry import WAIT_STATUSES, backoff_seconds, keep_trying, retryable
 from batchfs.wire.urls import moss_path
 
@@ -174,6 +175,17 @@ class GetBatchSource:
             n += 1
         raise BatchFetchError(first, last, status)
 
+    def _unread_max(self, resp: httpx.Response) -> float:
+        """How long a pipelined reply may wait unread: ``pipelined_unread_max_seconds``, or half
+        of what the server says it waits (``STALL_HEADER``) if less — a server set to cut
+        unread replies sooner than 20 s cut the pipelined part all the same (a review)."""
+        told = resp.headers.get(STALL_HEADER, "")
+        try:
+            server = float(told) / 2
+        except ValueError:
+            server = math.inf  # AIStore says nothing
+        return min(self.config.pipelined_unread_max_seconds, server if server > 0 else math.inf)
+
     def _parts(self, n: int) -> list[tuple[int, int]]:
         """(first index, count) of each GetBatch request for a batch of ``n`` entries."""
         c = self.config
@@ -210,7 +222,7 @@ class GetBatchSource:
                 await turns[k].wait()
                 if resp is None:
                     raise error
-                if trio.current_time() - sent > self.config.pipelined_unread_max_seconds:
+                if trio.current_time() - sent > self._unread_max(resp):
                     await resp.aclose()  # nothing of it was read: asking again changes nothing
                     resp = await self._open(part, first)
                 try:

@@ -50,6 +50,10 @@ def request_body(targets: Sequence[Target], *, coer: bool = True, onob: bool = F
     return {"in": [entry_json(t) for t in targets], "mime": ".tar", "coer": coer, "onob": onob, "strm": strm}
 
 
+# A streamed GetBatch reply of batchfs-server says how long it may wait unread before the
+# server aborts it (seconds); the mount asks again for a part it pipelined once half has passed.
+STALL_HEADER = "Batchfs-Stall-Timeout"
+
 RANGE_RULE = "start >= 0; length > 0, or -1 to the end; 0 (the whole entry) only with start 0"
 
 

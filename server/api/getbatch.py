@@ -44,6 +44,7 @@ from typing import Callable
 
 from aiohttp import MultipartWriter, web
 
+from batchfs.wire.getbatch import STALL_HEADER
 from server.api.connlimits import queued_bytes
 from server.archive.writers import MIME_TYPES
 from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
@@ -176,7 +177,8 @@ class _Truncated(Exception):
 
 async def _stream(request: web.Request, job: BatchJob, metrics: Metrics, progress: _Progress) -> web.StreamResponse:
     await job.plan_until(PRECHECK_ENTRIES, chunk=PRECHECK_ENTRIES)
-    resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime]})
+    resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime],
+                                                   STALL_HEADER: f"{job.config.reply_stall_seconds:g}"})
     if job.tell_missing:
         resp.headers[MISSING_HEADER] = missing_positions(job.entries[:job.planned])
     if await _sized_plan(job):

@@ -55,6 +55,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from batchfs.wire.getbatch import STALL_HEADER
 from server.api.state import CONFIG, METRICS
 from server.archive.writers import MIME_TYPES
 from server.cluster import peers
@@ -283,7 +284,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
             await track(resp.write_eof())
             return resp
         resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[req.mime],
-                                                       "Ais-Designated-Target": me.id})
+                                                       "Ais-Designated-Target": me.id,
+                                                       STALL_HEADER: f"{request.app[CONFIG].reply_stall_seconds:g}"})
         await track(resp.prepare(request))
         # entry i comes from source[i]; None: no reachable target holds it (coer: a placeholder)
         source: list[Members | None] = [None] * req.n

@@ -535,8 +535,9 @@ async def test_server_killed_mid_stream_is_eio_never_a_short_tar(tmp_path):
 async def test_a_slow_reader_of_a_large_batch_gets_every_member(tmp_path):
     """The next part's request is pipelined while the current part is read; a reader slower
     than the server's stall timeout over one part used to find that next reply aborted as
-    stalled (EIO part-way). A pipelined reply left unread too long is now discarded unread and
-    asked again at its turn."""
+    stalled (EIO part-way). A pipelined reply left unread too long (20 s, or half of what the
+    server says it waits: ``Batchfs-Stall-Timeout``) is now discarded unread and asked again at
+    its turn."""
     srv = ServerProcess([tmp_path / "d"], "--getbatch-stall-timeout", "2", "--send-timeout", "2").start()
     try:
         httpx.post(f"{srv.url}/v1/buckets/k", json={"action": "create-bck", "name": "", "value": None}).raise_for_status()
@@ -544,7 +545,7 @@ async def test_a_slow_reader_of_a_large_batch_gets_every_member(tmp_path):
         for name, blob in blobs.items():
             httpx.put(f"{srv.url}/v1/objects/k/{name}", content=blob).raise_for_status()
         names = [f"o{i % 16}" for i in range(1100)]  # parts of 128, 256, 512, 204: pipelined
-        config = BatchClientConfig(pipelined_unread_max_seconds=1)
+        config = BatchClientConfig()  # the server says it waits 2 s: asked again after 1 s
 
         async def main():
             client = ais(srv, "k")
