@@ -51,7 +51,7 @@ from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyReques
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch.items import LocalItems
-from server.getbatch.request import Entry, parse_request
+from server.getbatch.request import Entry, decode_request, parse_request
 from server.config import ServerConfig
 from server.metrics import Metrics
 from server.validate import check_bucket
@@ -62,7 +62,7 @@ from server.api.getbatch_cluster import moss_across
 from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
 from server.api.getbatch_output import PiecesPayload
-from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, read_body, read_json
+from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, charge_decoded, read_body, read_json
 from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,10 @@ async def _moss(request: web.Request) -> web.StreamResponse:
             check_bucket(default_bucket)
             node.require_bucket(default_bucket)
         signed = await auth.cluster_signed(request)  # a designated target's sub-request: serve it here
-        req = parse_request(await read_json(request), default_bucket, config)
+        raw = await read_body(request)
+        charge_decoded(request, raw)
+        req = decode_request(raw, default_bucket, config) or parse_request(await read_json(request, charged=True),
+                                                                           default_bucket, config)
         if signed and freshness.active(app):  # a sender's share: no entry older here than on another target
             await _fresh(app, req, items)
         member = app.get(MEMBERSHIP)

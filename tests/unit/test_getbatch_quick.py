@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import random
 import tarfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchfs.wire.tarheader import tar_header
 from server.api.getbatch_local import Pipe
@@ -167,3 +170,52 @@ def test_plan_cached_leaves_members_missing_objects_and_bad_ranges_as_the_thread
         assert all(e.kind == "" for e in req.entries)  # nothing half planned
     with pytest.raises(RangeNotSatisfiable):
         plan_cached(store, _req([{"objname": "o1", "start": 5000, "length": 1}]), 0, 1)
+
+
+# -- decode_request ----------------------------------------------------------------------------
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                    st.text(max_size=12), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_KEYS = st.sampled_from(["objname", "bucket", "provider", "uname", "archpath", "start", "length", "opaque", "other"])
+_GOOD = {"objname": st.sampled_from(["a/b", "x.tar", "o"]), "bucket": st.sampled_from(["bk", "b2"]),
+         "provider": st.just("ais"), "archpath": st.sampled_from(["m/1.jpg", ""]), "start": st.integers(0, 9),
+         "length": st.integers(-1, 9), "opaque": st.sampled_from(["QUJD", "!"]), "uname": st.just("")}
+_ENTRY = st.one_of(st.fixed_dictionaries({"objname": _GOOD["objname"]},  # mostly valid: every check is reached
+                                         optional={k: st.one_of(v, _VALUES) for k, v in _GOOD.items() if k != "objname"}),
+                   st.dictionaries(_KEYS, _VALUES), _VALUES)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_ENTRY, max_size=6), st.dictionaries(st.sampled_from(["mime", "coer", "onob", "strm", "x"]), _VALUES, max_size=3),
+       st.sampled_from([None, "bk"]))
+def test_decoded_requests_check_as_parsed_ones(entries, fields, default_bucket):
+    """``decode_request`` (entries as structs: faster) gives what ``parse_request`` of the body
+    decoded as any JSON gives: the same request, each entry the same ``Entry`` or the same 400."""
+    from server.config import ServerConfig
+    from server.errors import BadRequest
+    from server.getbatch.request import check_entry, decode_request, parse_request
+
+    config = ServerConfig(data_dirs=())
+    raw = json.dumps({"in": entries, **fields}).encode()
+
+    def outcome(make):
+        try:
+            req = make()
+        except BadRequest as e:
+            return ("400", e.message)
+        if req is None:
+            return None
+        out = []
+        for i, item in enumerate(req.items):
+            try:
+                e = check_entry(item, i, req.default_bucket, req.onob, set())
+                out.append((e.bucket, e.objname, e.archpath, e.start, e.length, e.opaque, e.name))
+            except BadRequest as err:
+                out.append(("400", err.message))
+        return (req.mime, req.coer, req.onob, req.strm, out)
+
+    fast = outcome(lambda: decode_request(raw, default_bucket, config))
+    slow = outcome(lambda: parse_request(json.loads(raw), default_bucket, config))
+    if fast is not None:  # None: a body of another shape, left to parse_request
+        assert fast == slow
+    else:
+        assert any(not isinstance(e, dict) for e in entries)
