@@ -72,7 +72,7 @@ _TUNABLES = [
     ("--body-memory", "body_memory_bytes", _size, "SIZE",
      "request bodies read whole (JSON, XML, cluster messages) held in memory at once, all clients "
      "together, counted as they arrive; past it a request is refused with 503 and Retry-After "
-     "(at least --max-json)", _mib(_D.body_memory_bytes)),
+     "(at least --max-json; keep it several times that: decoded JSON counts too)", _mib(_D.body_memory_bytes)),
     ("--getbatch-max-entries", "getbatch_max_entries", int, "N",
      "most entries in one GetBatch request", _D.getbatch_max_entries),
     ("--getbatch-workers", "getbatch_workers", int, "N",

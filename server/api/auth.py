@@ -252,7 +252,8 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     why = secret.verify(request.method, request.rel_url.raw_path_qs, header, None if with_body else b"",
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
     if not why and with_body:
-        request[NODE_BODY_KEY] = True  # charged to the cluster's own share of body memory
+        if route_class(request.rel_url.path_safe) == "cluster":  # the cluster's own messages: their
+            request[NODE_BODY_KEY] = True  # own body memory (what a node relays for a client: the clients')
         if not body_matches(signed_sha(header), await read_body(request)):
             why = "with a body other than the one it signs"
     if why:

@@ -90,10 +90,12 @@ class BodyBudget:
 
 
 BODIES = web.AppKey("bodies", BodyBudget)
-# the cluster's own requests (signed, checked before their bodies are read) have their own
-# share, so that clients filling theirs cannot refuse the cluster's messages (a review)
+# the cluster's own messages (signed, checked before their bodies are read: joins, map pushes,
+# votes, rebalance and spread control) have their own share, so that clients filling theirs
+# cannot refuse them (a review); what a node relays for a client (a gateway's forward, a
+# designated target's sub-requests) is client traffic, charged to BODIES
 NODE_BODIES = web.AppKey("node_bodies", BodyBudget)
-NODE_BODY_KEY = "batchfs.body.node"  # request key: signed by a node, charged to NODE_BODIES
+NODE_BODY_KEY = "batchfs.body.node"  # request key: a cluster message (signed), charged to NODE_BODIES
 BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of its budget (given back at its end)
 BODY_KEY = "batchfs.body"  # request key: its body, read whole (``read_body``), for every later reader
 

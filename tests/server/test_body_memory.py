@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import Cluster, signed_for
 from tests.support.processes import ServerProcess
 
 MiB = 1 << 20
@@ -168,4 +168,44 @@ def test_bodies_under_a_forged_cluster_header_are_not_read(tmp_path):
     finally:
         for s in holders:
             s.close()
+        c.stop()
+
+
+def test_clients_filling_their_body_memory_do_not_refuse_the_clusters_messages(tmp_path):
+    """The cluster's own messages (here the map a gateway pushes when a target joins) have a
+    body budget of their own: a client holding all of a target's with slow bodies used to make
+    its map pushes 503, so it kept serving an old map (a review)."""
+    c = Cluster(tmp_path, targets=1, target_args=("--max-json", "1MiB", "--body-memory", "1MiB"))
+    c.start()
+    holder, late = None, None
+    try:
+        first = c.targets[0].url
+        host, port = first.removeprefix("http://").rsplit(":", 1)
+        holder = socket.create_connection((host, int(port)), timeout=5)  # a client's body, 1 byte short
+        holder.sendall(b"POST /v1/buckets/x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1048576\r\n\r\n" + b" " * 1_048_575)
+        deadline = time.monotonic() + 10
+        while httpx.post(f"{first}/v1/buckets/y", content=b" " * 16, timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the holder's body never filled the clients' budget"
+            time.sleep(0.1)
+        # a cluster message with a body (a walk's question about names it holds) is answered
+        path = "/v1/cluster/rebalance"
+        body = json.dumps({"bucket": "b", "names": ["n"], "map_version": 0}).encode()
+        r = httpx.post(first + path, content=body, timeout=10, headers={
+            "Content-Type": "application/json", **signed_for(first, "POST", path, body)})
+        assert r.status_code != 503, r.text
+        # ... and a target that joins gets its map pushed to the one whose clients' budget is full
+        late = ServerProcess([tmp_path / "late" / "d1"], "--role", "target", "--join", c.url,
+                             "--cluster-secret-file", str(c.secret)).start()
+        c.wait_joined(2)
+        version = c.smap()["version"]
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{first}/v1/daemon?what=smap", timeout=10).json()["version"] != version:
+            assert time.monotonic() < deadline, "the map push was refused: the target kept its old map"
+            time.sleep(0.2)
+    finally:
+        if holder is not None:
+            holder.close()
+        if late is not None:
+            late.stop()
         c.stop()
