@@ -128,12 +128,15 @@ class Decoders:
             return pool.submit(fn, *args).result()
         except BrokenProcessPool:
             self._broken(pool)
-        with self._alone, self._new_pool(1) as alone:
-            try:
-                return alone.submit(fn, *args).result()
-            except BrokenProcessPool:
-                raise Aborts(f"{what}: pyarrow ended the process reading it (a corrupt file: it aborts "
-                             f"on some malformed footers instead of raising)") from None
+        with self._alone:
+            if self._closed:  # (no process started once the mount is going away)
+                raise parquet.NotParquet("the mount is closing")
+            with self._new_pool(1) as alone:
+                try:
+                    return alone.submit(fn, *args).result()
+                except BrokenProcessPool:
+                    raise Aborts(f"{what}: pyarrow ended the process reading it (a corrupt file: it aborts "
+                                 f"on some malformed footers instead of raising)") from None
 
     def check_footer(self, size: int, footer: bytes) -> None:
         """NotParquet unless the daemon may parse ``footer`` and read its row groups' metadata."""
