@@ -129,8 +129,8 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_charged(request: web.Request, limit: int) -> bytes:
     """The request's body up to its end or ``limit`` + 1 bytes (more than ``limit``: over), each
-    piece charged to ``BODIES`` as it arrives; Unavailable (503) if the node's bodies would
-    exceed ``--body-memory``."""
+    piece charged to its budget (``BODIES``, or ``NODE_BODIES`` for a cluster message) as it
+    arrives; Unavailable (503) if that budget's bodies would exceed ``--body-memory``."""
     data = bytearray()
     while len(data) <= limit and (piece := await request.content.read(limit + 1 - len(data))):
         _charge(request, len(piece))
@@ -180,7 +180,7 @@ def charge_decoded(request: web.Request, raw: bytes) -> None:
 
 
 def release_body(request: web.Request) -> None:
-    """Give back what the request's body held of ``BODIES`` (at the end of its request)."""
+    """Give back what the request's body held of its budget (at the end of its request)."""
     held = request.pop(BODY_HELD_KEY, 0)
     if held:
         _budget(request).give(held)
