@@ -131,11 +131,7 @@ async def read_charged(request: web.Request, limit: int) -> bytes:
     """The request's body up to its end or ``limit`` + 1 bytes (more than ``limit``: over), each
     piece charged to its budget (``BODIES``, or ``NODE_BODIES`` for a cluster message) as it
     arrives; Unavailable (503) if that budget's bodies would exceed ``--body-memory``."""
-    data = bytearray()
-    while len(data) <= limit and (piece := await request.content.read(limit + 1 - len(data))):
-        _charge(request, len(piece))
-        data += piece
-    return bytes(data)
+    return await read_upto(request.content, limit, lambda piece: _charge(request, len(piece)))
 
 
 def _budget(request: web.Request) -> BodyBudget | None:
@@ -229,13 +225,15 @@ async def sendfile_within(request: web.Request, fd: int, off: int, count: int) -
             off += n
 
 
-async def read_upto(stream, limit: int) -> bytes:
+async def read_upto(stream, limit: int, each=None) -> bytes:
     """The bytes of ``stream`` (an aiohttp ``StreamReader``) up to its end or ``limit`` + 1 bytes,
     whichever comes first — more than ``limit`` means it is over. (``read(n)`` alone returns
     what has arrived, not n bytes: bodies of more than ~64-128 KiB were cut — an attack found a
     gateway's S3 listing of 1,000 long names answered 500 so.)"""
     data = bytearray()  # (bytes += piece copied all of it each time: quadratic in pieces)
     while len(data) <= limit and (piece := await stream.read(limit + 1 - len(data))):
+        if each is not None:
+            each(piece)  # (e.g. charged to a budget before it is kept: ``read_charged``)
         data += piece
     return bytes(data)
 

@@ -48,6 +48,7 @@ import secrets
 import time
 from pathlib import Path
 
+from batchfs.wire.units import is_decimal
 from server.tokens import read_private_file
 
 HEADER = "Batchfs-Cluster"
@@ -60,8 +61,8 @@ MIN_SECRET_CHARS = 32
 
 
 def _digits(text: str, most: int) -> bool:
-    """ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses), at most ``most``."""
-    return 0 < len(text) <= most and text.isascii() and text.isdigit()
+    """A plain number (``is_decimal``: ASCII digits) of at most ``most`` digits."""
+    return len(text) <= most and is_decimal(text)
 
 
 _HEX = re.compile(r"[0-9a-f]*")  # ASCII only: compare_digest raises TypeError on other str
