@@ -28,7 +28,7 @@ from server.api.roles import build_for_role
 from server.cluster.secret import ClusterSecret
 from server.cluster.options import CLUSTER_FIELDS, add_cluster_arguments, ignored_by_role, size_arg as _size
 from server.cluster.smap import UnreadableMap
-from server import datalock
+from server import datalock, runtime
 from server.config import ServerConfig, load_toml
 from server.api.state import INFLIGHT, METRICS, NODE
 from server.store.store import Store
@@ -316,6 +316,8 @@ async def serve(config: ServerConfig) -> None:
     runner = web.AppRunner(app, shutdown_timeout=_FINAL_CUT_SECONDS, access_log=None, handle_signals=False,
                            keepalive_timeout=config.idle_timeout_seconds)
     await runner.setup()
+    frozen, thresholds = runtime.settle_gc()
+    log.info("garbage collector: %d objects of the built application frozen; thresholds %s", frozen, thresholds)
     limits = _conn_limits(config, log)
     conn_metrics = connlimits.ConnMetrics(app[METRICS].registry)
     # The guard counts and times connections before aiohttp sees them, on sockets our own
