@@ -1,13 +1,18 @@
 """GetBatch requests: the ``MossReq`` body, its entries, and their validation.
 
-``decode_request`` decodes a body of the usual shape (an object whose ``in`` is a list of
-objects) with its entries as ``RawEntry`` structs, ``parse_request`` a decoded body of any
+``decode_request`` decodes a body of the usual shape (an object whose ``in`` is a list) with
+its entries left undecoded (``msgspec.Raw``: the whole body's JSON syntax is checked, each
+entry's value is decoded only when it is checked), ``parse_request`` a decoded body of any
 shape; both check the request's own fields (``in``, ``mime``, flags) and keep the raw
 entries; ``MossReq.check_upto(n)`` turns the next raw entries into ``Entry`` objects, in order,
-refusing a bad one with the 4xx that names it (``moss: entry i: ...``). Checking is
-incremental because it costs a few microseconds per entry: the handler checks the first
-window before the 200 (so a small request's bad input is always a clean 4xx) and the rest is
-checked just ahead of reading, where an error can only truncate the stream.
+refusing a bad one with the 4xx that names it (``moss: entry i: ...``). Checking (and
+decoding) is incremental because it costs microseconds per entry: the handler checks the
+first window before the 200 (so a small request's bad input is always a clean 4xx) and the
+rest is checked just ahead of reading, where an error can only truncate the stream. (Decoding
+all of a 10,000-entry body before the first window cost a designated target 1.5-2 ms of its
+first byte; docs/cluster.md.) What only an entry's own decoding finds — a number out of range
+in one of its fields — is that entry's 400 (or, past the first window, the end of the
+stream), as any other bad value in it is.
 
 Invariants: ``entries[i]`` is raw entry *i* checked, for every ``i < len(entries)``; an
 ``Entry`` has a valid object name and bucket (the bucket exists), a valid archpath, a range
@@ -64,6 +69,7 @@ class MossReq:
     entries: list[Entry] = dataclasses.field(default_factory=list)  # items checked so far
     named: set[str] = dataclasses.field(default_factory=set)  # bucket names checked
     buckets: set[str] = dataclasses.field(default_factory=set)  # buckets known to exist
+    undecoded: int = 1 << 62  # items from here on are ``msgspec.Raw`` (``decode_request``)
 
     @property
     def n(self) -> int:
@@ -74,6 +80,9 @@ class MossReq:
         NotFound (404, unknown bucket) for the first bad one."""
         upto = min(upto, len(self.items))
         entries, items = self.entries, self.items
+        if self.undecoded < upto:  # (checked entries are re-encoded for senders as decoded)
+            items[self.undecoded:upto] = _decode_many(items[self.undecoded:upto])
+            self.undecoded = upto
         for i in range(len(entries), upto):
             entries.append(check_entry(items[i], i, self.default_bucket, self.onob, self.named))
         # existence after syntax, so that within one window every 400 comes before a 404
@@ -109,7 +118,7 @@ class RawEntry(msgspec.Struct, gc=False, omit_defaults=True):
 
 
 class _Body(msgspec.Struct, gc=False):
-    in_: list[RawEntry] | None = msgspec.field(name="in", default=None)
+    in_: list[msgspec.Raw] | None = msgspec.field(name="in", default=None)
     mime: Any = None
     coer: Any = None
     onob: Any = None
@@ -117,15 +126,43 @@ class _Body(msgspec.Struct, gc=False):
 
 
 def decode_request(raw: bytes, default_bucket: str | None, config: ServerConfig) -> MossReq | None:
-    """The request of a body of the usual shape, its entries ``RawEntry``; None for anything
-    else (an entry that is not an object, malformed JSON...): the caller decodes it as any JSON
+    """The request of a body of the usual shape, its entries ``msgspec.Raw`` until checked
+    (then ``RawEntry``); None for anything else (malformed JSON, ``in`` not a list, a string
+    that is not UTF-8...): the caller decodes it as any JSON
     for ``parse_request``, whose checks and messages then apply as they always did."""
     try:
+        if not raw.isascii():
+            raw.decode("utf-8")  # (a Raw entry's strings are not checked until it is decoded)
         body = msgspec.json.decode(raw, type=_Body)
     except (ValueError, RecursionError):  # (msgspec's DecodeError and ValidationError are ValueErrors)
         return None
-    return parse_request({"in": body.in_, "mime": body.mime, "coer": body.coer, "onob": body.onob,
-                          "strm": body.strm}, default_bucket, config)
+    req = parse_request({"in": body.in_, "mime": body.mime, "coer": body.coer, "onob": body.onob,
+                         "strm": body.strm}, default_bucket, config)
+    req.undecoded = 0
+    return req
+
+
+def _decode_many(raws: list) -> list:
+    """Raw entries decoded as ``RawEntry`` (all at once: one call, not one per entry); one at a
+    time if one of them is not an object or not decodable (``_decode_one``)."""
+    try:
+        return msgspec.json.decode(b"[" + b",".join(raws) + b"]", type=list[RawEntry])
+    except (ValueError, RecursionError):
+        return [_decode_one(r) for r in raws]
+
+
+def _decode_one(item):
+    """A raw entry as ``RawEntry``; any other JSON value as decoded (``check_entry`` refuses
+    it); itself if it cannot be decoded (``check_entry`` says why)."""
+    if not isinstance(item, msgspec.Raw):
+        return item
+    try:
+        return msgspec.json.decode(item, type=RawEntry)
+    except (ValueError, RecursionError):
+        try:
+            return msgspec.json.decode(item)
+        except (ValueError, RecursionError):
+            return item
 
 
 def parse_request(body: object, default_bucket: str | None, config: ServerConfig) -> MossReq:
@@ -158,6 +195,13 @@ def _range_int(v: object, key: str, i: int) -> int:
 def check_entry(item: object, i: int, default_bucket: str | None, onob: bool, named: set[str]) -> Entry:
     """Raw entry ``i`` as an ``Entry``. Bucket names not in ``named`` are checked and added
     to it; whether the bucket exists is the caller's check."""
+    if isinstance(item, msgspec.Raw):
+        item = _decode_one(item)
+        if isinstance(item, msgspec.Raw):
+            try:
+                msgspec.json.decode(item)
+            except (ValueError, RecursionError) as e:
+                raise BadRequest(f"moss: entry {i}: malformed JSON: {e}") from None
     if isinstance(item, RawEntry):
         get = item.__getattribute__  # (its fields are the only keys read below)
     elif isinstance(item, dict):

@@ -219,3 +219,51 @@ def test_decoded_requests_check_as_parsed_ones(entries, fields, default_bucket):
         assert fast == slow
     else:
         assert any(not isinstance(e, dict) for e in entries)
+
+    def checked(make):  # the same through check_upto, which decodes its entries together
+        try:
+            req = make()
+            if req is None:
+                return None
+            req.check_upto(req.n, _AnyBucket())
+            return [(e.bucket, e.objname, e.archpath, e.start, e.length, e.opaque, e.name) for e in req.entries]
+        except BadRequest as e:
+            return ("400", e.message)
+    fast = checked(lambda: decode_request(raw, default_bucket, config))
+    if fast is not None:
+        assert fast == checked(lambda: parse_request(json.loads(raw), default_bucket, config))
+
+
+class _AnyBucket:
+    def require_bucket(self, bucket: str) -> None:
+        pass
+
+
+def test_entries_are_decoded_as_they_are_checked():
+    """A 10,000-entry body: the entries past the ones checked stay undecoded (the first byte
+    does not wait on decoding them all); a number out of range, which only an entry's own
+    decoding finds, is that entry's 400; a string that is not UTF-8 leaves the body to
+    parse_request (its 400 for the whole body)."""
+    import msgspec
+
+    from server.config import ServerConfig
+    from server.errors import BadRequest
+    from server.getbatch.request import RawEntry, decode_request
+
+    config = ServerConfig(data_dirs=())
+    entries = [{"objname": f"o{i}", "other": [1, {"x": 2}]} for i in range(10_000)]
+    req = decode_request(json.dumps({"in": entries}).encode(), "bk", config)
+    req.check_upto(256, _AnyBucket())
+    assert [e.objname for e in req.entries] == [f"o{i}" for i in range(256)]
+    assert all(isinstance(x, RawEntry) for x in req.items[:256])
+    assert all(isinstance(x, msgspec.Raw) for x in req.items[256:])
+    assert msgspec.json.decode(msgspec.json.encode(req.items[0])) == {"objname": "o0"}  # as sent to a sender
+    req.check_upto(10_000, _AnyBucket())
+    assert req.entries[-1].objname == "o9999" and all(isinstance(x, RawEntry) for x in req.items)
+
+    body = b'{"in": [{"objname": "a"}, {"objname": "b", "start": 1e999}, {"objname": "c"}]}'
+    req = decode_request(body, "bk", config)
+    req.check_upto(1, _AnyBucket())
+    with pytest.raises(BadRequest, match="moss: entry 1: malformed JSON"):
+        req.check_upto(3, _AnyBucket())
+    assert decode_request('{"in": [{"objname": "a"}, {"objname": "\xff"}]}'.encode("latin-1"), "bk", config) is None
