@@ -43,6 +43,13 @@ def digest(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogateescape"), seed=XXHASH_SEED)
 
 
+def digests(objects: Iterable[tuple[str, str]]) -> list[int]:
+    """``digest(uname(bucket, objname))`` of each ais:// object, without two calls per object
+    (a designated target places each window of a GetBatch: 256 to 4,096 entries)."""
+    h, seed = xxhash.xxh64_intdigest, XXHASH_SEED
+    return [h(f"ais/@#/{b}/{o}".encode("utf-8", "surrogateescape"), seed=seed) for b, o in objects]
+
+
 def xoshiro256_hash(seed: int) -> int:
     """AIStore's ``xoshiro256.Hash``: a splitmix64 step then xoshiro256**'s output scrambler."""
     z = (seed + _GOLDEN) & _MASK

@@ -87,14 +87,12 @@ def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none
     — and the entries (indexes in the request) of each holder in request order. An entry no
     reachable target holds is None with ``none_ok`` (a placeholder under ``coer``), else
     SenderFailed."""
-    owners: list[ClusterNode | None] = []
     entries = req.entries[lo:hi]
-    for e, ranked in zip(entries, smap.holders_many([(e.bucket, e.objname) for e in entries])):
-        node = next((n for n in ranked if n.id not in down), None)
-        if node is None and not none_ok:
-            raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: every target holding a copy "
-                               f"({', '.join(n.id for n in ranked)}) is unreachable")
-        owners.append(node)
+    owners = smap.first_holders([(e.bucket, e.objname) for e in entries], down)
+    if not none_ok and None in owners:
+        e = entries[owners.index(None)]
+        raise SenderFailed(f"moss: ais://{e.bucket}/{e.objname}: every target holding a copy "
+                           f"({', '.join(n.id for n in smap.holders(e.bucket, e.objname))}) is unreachable")
     groups: dict[str, list[int]] = {}
     for i, node in enumerate(owners, lo):
         if node is not None:

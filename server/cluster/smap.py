@@ -31,9 +31,10 @@ import json
 import os
 import time
 import uuid as uuidlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from batchfs.wire import hrw
@@ -248,8 +249,7 @@ class ClusterMap:
         if not targets or not objects:
             return [[] for _ in objects]
         ids = list(targets)
-        order = hrw.ranked_many([hrw.digest(hrw.uname(b, o)) for b, o in objects], ids,
-                                [self._target_digests[i] for i in ids]).tolist()
+        order = hrw.ranked_many(hrw.digests(objects), ids, [self._target_digests[i] for i in ids]).tolist()
         nodes = [targets[i] for i in ids]
         copies: dict[str, int] = {}
         out = []
@@ -259,6 +259,31 @@ class ClusterMap:
                 n = copies[bucket] = self.copies_for(bucket)
             out.append([nodes[j] for j in row[:n]])
         return out
+
+    def first_holders(self, objects: Sequence[tuple[str, str]], skip: Collection[str] = ()) -> list[ClusterNode | None]:
+        """For each (bucket, objname), the first of its ``holders`` not in ``skip`` (None: all
+        are): ``holders_many``'s answer reduced in NumPy, not a list per object (a GetBatch
+        window's placement at its designated target: 0.33 ms per 256 entries, then ~1.5 ms
+        on the loaded machine, on the way to the first byte)."""
+        targets = self.placed
+        if not targets or not objects:
+            return [None] * len(objects)
+        ids = list(targets)
+        order = hrw.ranked_many(hrw.digests(objects), ids, [self._target_digests[i] for i in ids])
+        copies = {b: self.copies_for(b) for b in {b for b, _ in objects}}
+        if len(copies) == 1:
+            wanted = np.full((len(objects), 1), next(iter(copies.values())))
+        else:
+            wanted = np.array([copies[b] for b, _ in objects]).reshape(-1, 1)
+        ok = np.arange(len(ids)) < wanted  # rank j is one of the object's holders
+        skipped = [j for j, i in enumerate(ids) if i in skip]
+        if skipped:
+            ok &= ~np.isin(order, skipped)
+        rows = np.arange(len(objects))
+        first = ok.argmax(axis=1)  # (the first True; 0 when none is)
+        nodes = [targets[i] for i in ids]
+        return [nodes[j] if held else None
+                for j, held in zip(order[rows, first].tolist(), ok[rows, first].tolist())]
 
     def owner(self, bucket: str, objname: str) -> ClusterNode | None:
         ranked = self.ranked(bucket, objname)

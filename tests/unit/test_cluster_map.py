@@ -22,6 +22,22 @@ def test_holders_many_equals_holders_one_by_one():
     assert no_targets.holders_many([("b", "o")]) == [[]]
 
 
+def test_first_holders_is_the_first_holder_not_skipped():
+    """``first_holders`` (a GetBatch window's senders, in NumPy) is, for each object, the first
+    of its ``holders`` not skipped, None when every one is: per-bucket copies, skipped targets,
+    a leaving target and names of any characters; ``hrw.digests`` is ``digest(uname(...))``."""
+    from batchfs.wire import hrw
+
+    names = [f"k/{i}-ü" for i in range(300)] + ["\udcff-surrogate", "", "a" * 1000]
+    for smap in (_map(1), _map(2), _map(3), _map(7), _map(4).with_leaving("t2")):
+        for objects in ([(b, o) for o in names for b in ("plain", "three", "one")], [("plain", o) for o in names]):
+            assert hrw.digests(objects) == [hrw.digest(hrw.uname(b, o)) for b, o in objects]
+            for skip in ((), ("t0",), ("t1", "t3"), tuple(smap.targets), ("nobody",)):
+                want = [next((n for n in smap.holders(b, o) if n.id not in skip), None) for b, o in objects]
+                assert smap.first_holders(objects, skip) == want
+    assert _map(3).first_holders([]) == []
+
+
 def test_a_leaving_target_places_nothing_but_is_still_asked():
     """``with_leaving``: HRW ranks the others (as the SDK does, reading the flag from the wire
     map); the leaving target is still a target, last among where a copy is looked for."""
