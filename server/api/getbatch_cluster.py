@@ -27,7 +27,7 @@ them with the same header function for the same names, sizes and times.
 Invariants:
 - Strict order: entry i of the request is member i of the reply, whichever target holds it.
 - Memory: at most one chunk (``COPY_BYTES``) per sender in flight, whatever the members' sizes,
-  and about ``OUT_BYTES`` of reply gathered before it is written;
+  and about ``OUT_BYTES`` of reply gathered before it is written (the first member alone);
   a sender ahead of the DT waits in TCP (its own watchdog bounds how long).
 - A sender that cannot be reached before the 200 is replaced by the targets of its entries' next
   copies (all senders are opened again). One that fails, ends early or is silent for
@@ -360,6 +360,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         i, resume, recoveries, k = 0, None, 0, 1  # bounds[k]: the next window to open
         try:
             while i < req.n:
+                if i == 1:  # the first member goes out alone: gathering OUT_BYTES first held
+                    await reply.flush()  # the first byte back by 3-4 ms (25 members of 10 KiB)
                 if stop and i == stop[0][0]:
                     await reply.flush()  # every member before the bad entry goes out whole
                     raise stop[0][1]
