@@ -26,7 +26,7 @@ the archive's end (and before its announced length, in a sized reply), so reader
 member count with the request. A buffered request (``strm: false``) is checked and planned
 whole before anything is sent.
 
-A watchdog task runs beside every admitted request: when the client's connection closes, when
+A watchdog task (``getbatch_watch``) runs beside every admitted request: when the client's connection closes, when
 a reply has sent nothing for ``getbatch_stall_timeout_seconds`` while it has bytes to send
 (the client does not read), or when the request has run ``getbatch_max_time_seconds``, it
 stops the request's reader threads (``Work.stop``), aborts the connection (freeing what the
@@ -40,19 +40,16 @@ import json
 import logging
 import os
 import uuid
-from typing import Callable
 
 from aiohttp import MultipartWriter, web
 
 from batchfs.wire.getbatch import STALL_HEADER
-from server.api.connlimits import queued_bytes
 from server.archive.writers import MIME_TYPES
 from server.errors import BadRequest, PayloadTooLarge, StoreError, TooManyRequests
 from server.getbatch.budget import Admission, ByteBudget, FairPool, ShardIndexer, trim_if_idle
 from server.getbatch.job import SENDFILE_MIN_BYTES, BatchJob, GetBatchState
 from server.getbatch.items import LocalItems
 from server.getbatch.request import Entry, decode_request, parse_request
-from server.config import ServerConfig
 from server.metrics import Metrics
 from server.validate import check_bucket
 from server.archive.shards import ShardIndexCache
@@ -62,6 +59,7 @@ from server.api.getbatch_cluster import moss_across
 from server.api.getbatch_missing import MISSING_HEADER, missing_positions
 from server.api.getbatch_local import open_local
 from server.api.getbatch_output import PiecesPayload
+from server.api.getbatch_watch import Progress, watched
 from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, METRICS, NODE, OP_KEY, PEERS, charge_decoded, read_body, read_json
 from batchfs.wire.units import is_decimal
 
@@ -73,63 +71,14 @@ log = logging.getLogger(__name__)
 PRECHECK_ENTRIES = 256
 
 GB_STATE = web.AppKey("getbatch", GetBatchState)
-WATCH_INTERVAL_SECONDS = 0.5  # how often the watchdog looks at a request's connection
 SENDFILE_STEP = 8 * 1024 * 1024
-
-
-class _Progress:
-    """Whether a reply is blocked in a write, and whether bytes still leave: the watchdog's
-    view of a client that stopped reading."""
-
-    def __init__(self) -> None:
-        self.busy = 0  # writes in progress
-        self.done = 0  # writes completed
-
-    async def track(self, aw) -> None:
-        self.busy += 1
-        try:
-            await aw
-        finally:
-            self.busy -= 1
-            self.done += 1
-
-
-async def _watch(request: web.Request, c: ServerConfig, metrics: Metrics, progress: _Progress) -> str:
-    """Return why the request must stop: its client is gone, stalled, or it ran too long."""
-    loop = asyncio.get_running_loop()
-    started = last_move = loop.time()
-    last_done, last_buffered = progress.done, -1
-    while True:
-        await asyncio.sleep(WATCH_INTERVAL_SECONDS)
-        now = loop.time()
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            metrics.gb_cancelled_n.inc()
-            return "client disconnected"
-        # the transport's buffer and the socket's send queue: the transport's alone stays put
-        # while the kernel's drains to its low-water mark (half of a 4 MB buffer: 20 s at 100
-        # KiB/s), and a steady slow reader was cut as stalled (a review)
-        buffered = queued_bytes(transport)
-        if not progress.busy or progress.done != last_done or buffered < last_buffered:
-            last_move = now  # not waiting on the client, or bytes left since the last look
-        last_done, last_buffered = progress.done, buffered
-        # a designated target reading a sender's stream in entry order leaves it unread while it
-        # copies another sender's members: not a stall (cut, a slow client's batch across
-        # targets was truncated: an attack). Its own watchdog and max_time bound it.
-        if now - last_move > c.getbatch_stall_timeout_seconds and not auth.from_node(request):
-            metrics.gb_aborted_stalled_n.inc()
-            return (f"client read nothing for {c.getbatch_stall_timeout_seconds:g} s "
-                    "(getbatch_stall_timeout_seconds)")
-        if now - started > c.getbatch_max_time_seconds:
-            metrics.gb_timed_out_n.inc()
-            return f"request ran longer than {c.getbatch_max_time_seconds:g} s (getbatch_max_time_seconds)"
 
 
 class _StreamOut:
     """The assembler's output for a streamed reply: response writes, and sendfile of file
     ranges straight to the socket (sized replies only: no chunked framing around them)."""
 
-    def __init__(self, request: web.Request, resp: web.StreamResponse, progress: _Progress):
+    def __init__(self, request: web.Request, resp: web.StreamResponse, progress: Progress):
         self.request, self.resp, self.progress = request, resp, progress
         self.loop = asyncio.get_running_loop()
         self.sent = 0
@@ -175,7 +124,7 @@ class _Truncated(Exception):
         self.resp, self.cause = resp, cause
 
 
-async def _stream(request: web.Request, job: BatchJob, metrics: Metrics, progress: _Progress) -> web.StreamResponse:
+async def _stream(request: web.Request, job: BatchJob, metrics: Metrics, progress: Progress) -> web.StreamResponse:
     await job.plan_until(PRECHECK_ENTRIES, chunk=PRECHECK_ENTRIES)
     resp = web.StreamResponse(status=200, headers={"Content-Type": MIME_TYPES[job.req.mime],
                                                    STALL_HEADER: f"{job.config.reply_stall_seconds:g}"})
@@ -224,7 +173,7 @@ class _Pieces:
         raise AssertionError("a buffered reply is never sized")
 
 
-async def _buffered(request: web.Request, job: BatchJob, progress: _Progress) -> web.Response:
+async def _buffered(request: web.Request, job: BatchJob, progress: Progress) -> web.Response:
     """strm false: assemble the whole archive in memory (bounded), reply multipart/mixed. The
     reply is sent here, not by aiohttp after the handler returns, so its bytes stay reserved
     (and watched for a stalled client) until they are out."""
@@ -341,7 +290,7 @@ async def _moss(request: web.Request) -> web.StreamResponse:
             if (me is None or _any_elsewhere(req, member.smap, me, items) or freshness.active(app)
                     or _lacks_any(node, req)):  # e.g. joined, before the rebalance: from the other copies
                 throttle = state.admission.admit()  # the designated target's admission control
-                progress = _Progress()
+                progress = Progress()
                 try:
                     if throttle:
                         await state.admission.throttle(config.getbatch_throttle_seconds)
@@ -349,7 +298,7 @@ async def _moss(request: web.Request) -> web.StreamResponse:
                                          app[PEERS], config.getbatch_max_buffered_bytes,
                                          lambda upto: req.check_upto(upto, items),
                                          lambda sub: _local_share(request, items, sub), progress)
-                    return await _watched(request, across, progress, config, metrics)
+                    return await watched(request, across, progress, config, metrics)
                 finally:
                     state.admission.leave()
         req.check_upto(PRECHECK_ENTRIES if req.strm else req.n, items)
@@ -361,11 +310,11 @@ async def _moss(request: web.Request) -> web.StreamResponse:
     if signed:
         job.soft_limit = req.n
         job.tell_missing = True  # the DT applies the limit to the sum before its own 200
-    progress = _Progress()
+    progress = Progress()
     try:
         if throttle:
             await state.admission.throttle(config.getbatch_throttle_seconds)
-        resp = await _watched(request, _stream(request, job, metrics, progress) if req.strm
+        resp = await watched(request, _stream(request, job, metrics, progress) if req.strm
                               else _buffered(request, job, progress), progress, config, metrics, job.work.stop)
         if resp.status != 499:  # 499: stopped by the watchdog
             metrics.gb_n.inc()
@@ -388,39 +337,6 @@ async def _moss(request: web.Request) -> web.StreamResponse:
         metrics.gb_rxwait_ns.inc(job.rxwait_ns)
         state.admission.leave()
         trim_if_idle(state.budget)
-
-
-async def _watched(request: web.Request, work_coro, progress: _Progress, config: ServerConfig, metrics: Metrics,
-                   on_stop: Callable[[str], None] | None = None) -> web.StreamResponse:
-    """Run a reply's work under the watchdog (``_watch``): if the client goes away, stops
-    reading for ``getbatch_stall_timeout_seconds`` or the request runs past
-    ``getbatch_max_time_seconds``, ``on_stop(reason)`` is called, the work is cancelled (every
-    sub-request and job it holds is closed by its own ``finally``), the connection is
-    dropped, and the answer is a 499 nobody reads."""
-    watch = asyncio.create_task(_watch(request, config, metrics, progress))
-    work = asyncio.create_task(work_coro)
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        reason = watch.result()
-        if on_stop is not None:
-            on_stop(reason)
-        # cancel before aborting: a loop.sendfile in progress must first take its writer
-        # off the socket, or the closed descriptor stays in the selector and breaks the
-        # next connection that gets its number
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        if request.transport is not None:
-            request.transport.abort()  # drops what the transport still buffers
-        metrics.gb_err_n.inc()
-        log.info("moss: request stopped: %s", reason)
-        return web.Response(status=499)  # nobody reads it; aiohttp drops it quietly
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
 
 
 def _unknown(app: web.Application):
