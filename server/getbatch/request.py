@@ -81,8 +81,9 @@ class MossReq:
         upto = min(upto, len(self.items))
         entries, items = self.entries, self.items
         if self.undecoded < upto:  # (checked entries are re-encoded for senders as decoded)
-            items[self.undecoded:upto] = _decode_many(items[self.undecoded:upto])
-            self.undecoded = upto
+            done = _decode_many(items[self.undecoded:upto])
+            items[self.undecoded:self.undecoded + len(done)] = done
+            self.undecoded += len(done)
         for i in range(len(entries), upto):
             entries.append(check_entry(items[i], i, self.default_bucket, self.onob, self.named))
         # existence after syntax, so that within one window every 400 comes before a 404
@@ -139,16 +140,32 @@ def decode_request(raw: bytes, default_bucket: str | None, config: ServerConfig)
     req = parse_request({"in": body.in_, "mime": body.mime, "coer": body.coer, "onob": body.onob,
                          "strm": body.strm}, default_bucket, config)
     req.undecoded = 0
+    if not req.strm:  # every entry is checked before the 200: decoded at once, as before,
+        try:  # without joining them again (a review: 10,000 entries ~2 instead of ~4 ms)
+            req.items, req.undecoded = msgspec.json.decode(raw, type=_Decoded).in_, req.n
+        except (ValueError, RecursionError):
+            pass  # (an entry that is not an object: found as it is checked)
     return req
 
 
+class _Decoded(msgspec.Struct, gc=False):
+    in_: list[RawEntry] = msgspec.field(name="in")
+
+
 def _decode_many(raws: list) -> list:
-    """Raw entries decoded as ``RawEntry`` (all at once: one call, not one per entry); one at a
-    time if one of them is not an object or not decodable (``_decode_one``)."""
+    """Raw entries decoded as ``RawEntry`` (all at once: one call, not one per entry); else,
+    one at a time, those before the first that is not an object or not decodable and that one
+    (``_decode_one``: ``check_entry`` refuses it and stops there; decoding every entry of a
+    100,000-entry window of ``0`` one by one took 71 ms, a review)."""
     try:
         return msgspec.json.decode(b"[" + b",".join(raws) + b"]", type=list[RawEntry])
     except (ValueError, RecursionError):
-        return [_decode_one(r) for r in raws]
+        out = []
+        for r in raws:
+            out.append(_decode_one(r))
+            if not isinstance(out[-1], RawEntry):
+                break
+        return out
 
 
 def _decode_one(item):

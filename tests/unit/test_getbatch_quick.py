@@ -215,10 +215,7 @@ def test_decoded_requests_check_as_parsed_ones(entries, fields, default_bucket):
 
     fast = outcome(lambda: decode_request(raw, default_bucket, config))
     slow = outcome(lambda: parse_request(json.loads(raw), default_bucket, config))
-    if fast is not None:  # None: a body of another shape, left to parse_request
-        assert fast == slow
-    else:
-        assert any(not isinstance(e, dict) for e in entries)
+    assert fast is not None and fast == slow  # (None: a body of another shape, left to parse_request)
 
     def checked(make):  # the same through check_upto, which decodes its entries together
         try:
@@ -252,7 +249,9 @@ def test_entries_are_decoded_as_they_are_checked():
 
     config = ServerConfig(data_dirs=())
     entries = [{"objname": f"o{i}", "other": [1, {"x": 2}]} for i in range(10_000)]
-    req = decode_request(json.dumps({"in": entries}).encode(), "bk", config)
+    buffered = decode_request(json.dumps({"in": entries}).encode(), "bk", config)  # all checked before its 200:
+    assert all(isinstance(x, RawEntry) for x in buffered.items)  # decoded at once
+    req = decode_request(json.dumps({"in": entries, "strm": True}).encode(), "bk", config)
     req.check_upto(256, _AnyBucket())
     assert [e.objname for e in req.entries] == [f"o{i}" for i in range(256)]
     assert all(isinstance(x, RawEntry) for x in req.items[:256])
@@ -267,3 +266,11 @@ def test_entries_are_decoded_as_they_are_checked():
     with pytest.raises(BadRequest, match="moss: entry 1: malformed JSON"):
         req.check_upto(3, _AnyBucket())
     assert decode_request('{"in": [{"objname": "a"}, {"objname": "\xff"}]}'.encode("latin-1"), "bk", config) is None
+
+    # a window with an entry that is not an object: decoded one by one up to it, not past it
+    # (100,000 bare 0s decoded one by one took 71 ms of the event loop)
+    for strm in (True, False):
+        req = decode_request(json.dumps({"in": [{"objname": "a"}] * 3 + [0] * 1000, "strm": strm}).encode(), "bk", config)
+        with pytest.raises(BadRequest, match="moss: entry 3 must be a JSON object"):
+            req.check_upto(req.n, _AnyBucket())
+        assert req.items[3] == 0 and all(isinstance(x, msgspec.Raw) for x in req.items[4:]) and req.undecoded == 4
