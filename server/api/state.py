@@ -170,8 +170,10 @@ def charge_decoded(request: web.Request, raw: bytes) -> None:
     CPython stores a string in 1, 2 or 4 bytes a character, the widest of its characters — one
     emoji in 15 MB of ASCII took 60 MB (a review) —: 4x the body's length if it has a character
     past the BMP, 2x if any other non-ASCII one, else 1x."""
-    seps = raw.count(b",") + raw.count(b":") + raw.count(b"{") + raw.count(b"[")
-    width = 1 if raw.isascii() and b"\\u" not in raw else 4 if _WIDE.search(raw) else 2
+    # (one pass each, in C: four counts and a two-byte search took 0.66 ms of a 220 KB body
+    # on the way to a GetBatch's first byte; these take 0.2)
+    seps = len(raw) - len(raw.translate(None, b",:{["))
+    width = 1 if raw.isascii() and (b"\\" not in raw or b"\\u" not in raw) else 4 if _WIDE.search(raw) else 2
     _charge(request, DECODED_BYTES_PER_SEPARATOR * seps + width * len(raw))
 
 
