@@ -64,6 +64,9 @@ from server.cluster.secret import (GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_H
                                    granted_sha, signed_sha)
 
 log = logging.getLogger(__name__)
+
+# a replica PUT whose body is a spread version's manifest (server.api.spread), not object bytes
+SPREAD_PARAM = "spread"
 REFUSAL_LOG_SECONDS = 10.0  # at most one line per this long about refused cluster requests (a flood stays quiet)
 _last_refusal = [0.0, 0]  # when the last line was written, refusals since
 
@@ -252,8 +255,8 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     why = secret.verify(request.method, request.rel_url.raw_path_qs, header, None if with_body else b"",
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
     if not why and with_body:
-        if route_class(request.rel_url.path_safe) == "cluster":  # the cluster's own messages: their
-            request[NODE_BODY_KEY] = True  # own body memory (what a node relays for a client: the clients')
+        if _node_body(request):  # the cluster's own messages: their own body memory
+            request[NODE_BODY_KEY] = True
         if not body_matches(signed_sha(header), await read_body(request)):
             why = "with a body other than the one it signs"
     if why:
@@ -297,10 +300,18 @@ def _own_id(app: web.Application) -> str:
 def _body_signed(request: web.Request) -> bool:
     """Whether a node's signature on a native route covers the body: always but for an object
     PUT (an object's copy — gigabytes, not hashed twice; its checksum, in the signed query,
-    binds it, and the receiving target checks the bytes against it). On S3 routes it never
-    does: a gateway relays the client's request, whose body its SigV4 signature binds (and the
-    target checks that signature as on a single node)."""
-    return not (request.method == "PUT" and request.rel_url.path_safe.startswith("/v1/objects/"))
+    binds it, and the receiving target checks the bytes against it) that is not a spread
+    version's manifest (``SPREAD_PARAM``: its chunk list is bound by nothing else). On S3 routes
+    it never does: a gateway relays the client's request, whose body its SigV4 signature binds
+    (and the target checks that signature as on a single node)."""
+    return (not (request.method == "PUT" and request.rel_url.path_safe.startswith("/v1/objects/"))
+            or SPREAD_PARAM in request.query)
+
+
+def _node_body(request: web.Request) -> bool:
+    """Whether a signed request's body is charged to the cluster's own body memory: its own
+    messages (cluster routes) and spread manifests; not what a node relays for a client."""
+    return route_class(request.rel_url.path_safe) == "cluster" or SPREAD_PARAM in request.query
 
 
 def from_node(request: web.BaseRequest) -> bool:

@@ -43,7 +43,7 @@ from server.store.meta import ObjectMeta
 from batchfs.wire.units import is_decimal
 
 REPLICA_PARAM = "replica"
-SPREAD_PARAM = "spread"  # a copy whose body is a spread version's manifest (server.api.spread)
+SPREAD_PARAM = auth.SPREAD_PARAM  # a copy whose body is a spread version's manifest (signed with it)
 CKSUM_PARAM = "cksum"
 EXPECT_PARAM = "expect"  # a rebalance copy: commit only over this version ("none": only if absent)
 WRITTEN_PARAM = "written"  # a copy: when its version was written (ns): kept, and checked against tombstones
@@ -256,7 +256,7 @@ async def put_copy(app: web.Application, node: ClusterNode, bucket: str, name: s
         extra += f"&{EXPECT_PARAM}={quote(expect, safe='')}"
     if meta.spread:
         body = await asyncio.to_thread(manifest, app[NODE].target_store, meta)
-        await _send(app, node, bucket, name, f"&{SPREAD_PARAM}=1" + extra, meta.cksum, body, len(body))
+        await _send(app, node, bucket, name, f"&{SPREAD_PARAM}=1" + extra, meta.cksum, body, len(body), signed_body=True)
         return len(body)
     obj = await asyncio.to_thread(app[NODE].open, bucket, name)
     try:
@@ -281,12 +281,13 @@ async def pieces(read, size: int):
 
 
 async def _send(app: web.Application, node: ClusterNode, bucket: str, name: str, extra_query: str, cksum: str,
-                body, size: int) -> None:
+                body, size: int, signed_body: bool = False) -> None:
+    """``signed_body``: the signature covers ``body`` (bytes: a spread manifest, ``auth._body_signed``)."""
     path_qs = f"{object_path(bucket, name)}?{REPLICA_PARAM}=1&{CKSUM_PARAM}={quote(cksum, safe='')}{extra_query}"
     try:
         async with bounded(body) as (body, answered):
             async with peers.signed(app[PEERS], app[CLUSTER_SECRET], "PUT", node.url, path_qs, to=node.id,
-                                    body=body, body_signed=False, headers={"Content-Length": str(size)},
+                                    body=body, body_signed=signed_body, headers={"Content-Length": str(size)},
                                     timeout=COPY_TIMEOUT) as r:
                 answered()
                 await _copy_answer(r, bucket, name, node)

@@ -48,7 +48,7 @@ from aiohttp import web
 from batchfs.wire.urls import object_path
 from server.api import replicas, spread_deletes
 from server.api.daemon_api import NODE_INFO
-from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, NODE, NODE_BODY_KEY, PEERS, read_charged
+from server.api.state import CLUSTER_SECRET, CONFIG, MEMBERSHIP, NODE, PEERS, read_body
 from server.cluster import peers
 from server.cluster.spreadnames import chunk_name, chunks_bucket, owner_bucket
 from server.errors import BadRequest, Conflict, NotFound, StoreError
@@ -265,8 +265,9 @@ def _commit_spread(store, meta: ObjectMeta) -> ObjectMeta:
 
 async def receive_manifest(request: web.Request, bucket: str, name: str, cksum: str) -> ObjectMeta:
     """Commit a spread version sent by another holder (a signed replica PUT with ``spread=1``)."""
-    request[NODE_BODY_KEY] = True  # (only a node sends these: the cluster's own body memory)
-    body = await read_charged(request, request.app[CONFIG].max_json_bytes)
+    # read (charged to the cluster's own body memory) and checked against the signature that
+    # names it before this handler (``auth._body_signed``)
+    body = await read_body(request)
     try:
         m = json.loads(body)
         size, tag, csize = int(m["size"]), str(m["tag"]), int(m["chunk_size"])

@@ -17,7 +17,7 @@ import pytest
 from botocore.config import Config
 
 from server.cluster.spreadnames import chunk_name, chunks_bucket
-from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, stored_version, until
+from tests.cluster.conftest import Cluster, chunk_names, holds, ranked, signed_for, stored_version, until
 from tests.support.getbatch import make_shard, sdk_client
 
 MiB = 1 << 20
@@ -94,6 +94,15 @@ def test_a_large_object_is_spread_over_every_target(spread_cluster):
     assert r.status_code == 400  # unsigned: the bucket name is invalid to a client
     r = httpx.put(f"{t0}/v1/objects/big/forged?spread=1", content=b'{"size": 1}', timeout=10)
     assert r.status_code == 400 and not holds(t0, "big", "forged")  # a manifest only from a holder
+    # a manifest's signature covers its body (its chunk list is bound by nothing else): one
+    # signed for another body (the empty one, as an object copy's) is refused, and one signed
+    # for its own is read after the check (here: refused as malformed, not as unsigned)
+    path_qs = f"/v1/objects/big/forged?replica=1&cksum=abc&spread=1"
+    manifest = b'{"size": 10, "cksum": "abc", "chunk_size": 10, "tag": "t1", "chunks": [[10, "x"]], "sums": null}'
+    r = httpx.put(t0 + path_qs, content=manifest, headers=signed_for(t0, "PUT", path_qs), timeout=10)
+    assert r.status_code == 403 and not holds(t0, "big", "forged"), r.text
+    r = httpx.put(t0 + path_qs, content=b'{"size": 1}', headers=signed_for(t0, "PUT", path_qs, b'{"size": 1}'), timeout=10)
+    assert r.status_code == 400 and "malformed spread manifest" in r.text, r.text
 
 
 def test_overwrite_and_delete_remove_the_chunks(spread_cluster):
