@@ -127,8 +127,11 @@ class LocalReply:
         return self._body
 
     def close(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        # let go of the task: cancelled in ``_serve``, its error's traceback holds the frame
+        # that holds this reply (a cycle keeping the job and the pipe's unread bytes; a review)
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
         self.content.fail(ConnectionError("moss: the local sub-request was closed"))
 
     async def _serve(self, metrics: Metrics) -> None:

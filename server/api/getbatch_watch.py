@@ -108,3 +108,7 @@ async def watched(request: web.Request, work_coro, progress: Progress, config: S
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+        # the work's error, raised from here, holds this frame, which holds the task, which
+        # holds the error: a cycle keeping the request (and its body) alive until the garbage
+        # collector finds it (a review)
+        work = watch = None

@@ -237,7 +237,11 @@ class BatchJob:
             t0 = time.perf_counter_ns()
             item = await self.queue.get()
             if isinstance(item, _Failure):
-                raise item.exc
+                exc, item = item.exc, None  # (raised from this frame, held by it: a cycle with
+                try:  # the job and its request, left to the garbage collector; a review)
+                    raise exc
+                finally:
+                    del exc
             if item is None:
                 break
             if item.future is None:

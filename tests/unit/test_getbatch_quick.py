@@ -292,49 +292,140 @@ class _Sub:
         return b""
 
 
-def test_a_designated_targets_request_with_a_bad_later_entry_is_not_kept_in_a_cycle():
-    """A streamed request across targets whose entry 280 (past the first window) is bad ends
-    its reply there; the bad entry's error, whose traceback holds the frames holding the
-    request, must not keep it in a reference cycle (left to the garbage collector, which runs
-    rarely: a review found 40 requests' bodies alive at once). With the collector off, the
-    request is freed when ``moss_across`` returns."""
-    import gc
-    import weakref
-
+def _cluster_app():
     from aiohttp import web
-    from aiohttp.test_utils import make_mocked_request
 
-    from server.api.getbatch_cluster import moss_across
     from server.api.state import CONFIG, METRICS
     from server.cluster.smap import PROXY, ClusterMap
     from server.config import ServerConfig
-    from server.getbatch.request import decode_request
     from server.metrics import Metrics
 
-    config = ServerConfig(data_dirs=())
     app = web.Application()
-    app[CONFIG], app[METRICS] = config, Metrics()
+    app[CONFIG], app[METRICS] = ServerConfig(data_dirs=()), Metrics()
     me = ClusterNode("t0", "http://127.0.0.1:10", TARGET)
-    smap = ClusterMap(1, "uuid", "gw1", (ClusterNode("gw1", "http://127.0.0.1:1", PROXY), me), "now")
+    return app, me, ClusterMap(1, "uuid", "gw1", (ClusterNode("gw1", "http://127.0.0.1:1", PROXY), me), "now")
 
-    async def local(sub):
-        sub.check_upto(sub.n, _AnyBucket())
-        return _Sub(b"".join(tar_header(e.name, 1, 0) + b"x" + bytes(511) for e in sub.entries) + bytes(1024))
 
-    async def one() -> weakref.ref:
-        entries = [{"objname": f"o{i}"} for i in range(300)]
-        entries[280] = {"objname": 5}
-        req = decode_request(json.dumps({"in": entries, "strm": True}).encode(), "bk", config)
-        req.check_upto(256, _AnyBucket())
-        request = make_mocked_request("GET", "/v1/ml/moss/bk", app=app)
-        await moss_across(request, req, smap, me, None, None, 1 << 30, lambda upto: req.check_upto(upto, _AnyBucket()),
-                          local)
-        return weakref.ref(req)
+def _freed_without_the_collector(make):
+    """Run ``make()`` (a coroutine function returning weak references) with the garbage
+    collector off: whatever they refer to must have been freed by reference counting."""
+    import gc
 
     gc.collect()
     gc.disable()
     try:
-        gone = asyncio.run(one())
-        assert gone() is None, "the request is held by a reference cycle"
+        refs = asyncio.run(make())
+        assert [r() is None for r in refs] == [True] * len(refs), "held by a reference cycle"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("case", ["bad entry 280", "bad entry 256", "later window's sender fails"])
+def test_a_designated_targets_request_that_ends_early_is_freed_at_once(case):
+    """A streamed request across targets whose reply ends past its first window — a bad entry
+    inside a later window (280) or first in it (256: found as that window opens), or a sender
+    of a later window that fails — ends its reply there (truncated, no exception out of
+    ``moss_across``), and nothing keeps the request in a reference cycle: left to the garbage
+    collector, 40 requests' bodies were alive at once (a review); the bad entry first in its
+    window was an IndexError (a review)."""
+    import weakref
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from server.api.getbatch_cluster import moss_across
+    from server.api.state import CONFIG
+    from server.getbatch.request import decode_request
+
+    app, me, smap = _cluster_app()
+    calls = [0]
+
+    async def local(sub):
+        calls[0] += 1
+        if case == "later window's sender fails" and calls[0] == 2:
+            raise RuntimeError("the sender broke")
+        sub.check_upto(sub.n, _AnyBucket())
+        return _Sub(b"".join(tar_header(e.name, 1, 0) + b"x" + bytes(511) for e in sub.entries) + bytes(1024))
+
+    async def run():
+        entries = [{"objname": f"o{i}"} for i in range(300)]
+        if case.startswith("bad entry"):
+            entries[int(case.split()[-1])] = {"objname": 5}
+        req = decode_request(json.dumps({"in": entries, "strm": True}).encode(), "bk", app[CONFIG])
+        req.check_upto(256, _AnyBucket())
+        request = make_mocked_request("GET", "/v1/ml/moss/bk", app=app)
+        resp = await moss_across(request, req, smap, me, None, None, 1 << 30,
+                                 lambda upto: req.check_upto(upto, _AnyBucket()), local)
+        assert resp.status == 200 and not resp._eof_sent  # truncated: no end of the reply
+        return [weakref.ref(req), weakref.ref(request)]
+
+    _freed_without_the_collector(run)
+
+
+def test_a_failed_getbatch_work_is_freed_at_once():
+    """The watchdog re-raises its work's error (a 404 from a plan, a truncated stream...), the
+    assembler the error its scheduler handed it, and a closed local share cancels its job:
+    none of them keeps the request, the job or the pipe's unread bytes in a reference cycle
+    (left to the garbage collector; a review)."""
+    import types
+    import weakref
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from server.api.getbatch_local import LocalReply
+    from server.api.getbatch_watch import Progress, watched
+    from server.config import ServerConfig
+    from server.errors import NotFound
+    from server.getbatch.job import BatchJob, _Failure
+    from server.metrics import Metrics
+
+    class Held:  # stands for what a request holds (its body, its entries)
+        pass
+
+    async def through_the_watchdog():
+        held = Held()
+
+        async def work(held):
+            raise NotFound("moss: ais://bk/o does not exist")
+        with pytest.raises(NotFound):
+            await watched(make_mocked_request("GET", "/v1/ml/moss/bk"), work(held), Progress(),
+                          ServerConfig(data_dirs=()), Metrics())
+        return [weakref.ref(held)]
+
+    async def through_the_assembler():
+        job = types.SimpleNamespace(writer=None, queue=asyncio.Queue(), req=Held(), rxwait_ns=0)
+        try:
+            raise NotFound("moss: ais://bk/o253 does not exist")
+        except NotFound as e:
+            await job.queue.put(_Failure(e))
+        with pytest.raises(NotFound):
+            await BatchJob.assemble(job, None)
+        return [weakref.ref(job.req)]
+
+    class Job:  # a local share's job writing members until its reader stops
+        rxwait_ns, task = 0, None
+
+        async def schedule(self):
+            pass
+
+        async def assemble(self, out):
+            while True:
+                await out.write(bytes(256 << 10))
+
+        async def shutdown(self):
+            pass
+
+    async def a_closed_local_share():
+        job = Job()
+        job.held = Held()
+        reply = LocalReply(200, job=job)
+        reply.task = task = asyncio.create_task(reply._serve(Metrics()))
+        reply.content.read_nowait(1)  # the DT reads its first member, then its reply ends
+        await asyncio.sleep(0.05)
+        reply.close()
+        await asyncio.sleep(0.05)
+        assert task.done()
+        del task
+        return [weakref.ref(job.held), weakref.ref(reply.content)]
+
+    for make in (through_the_watchdog, through_the_assembler, a_closed_local_share):
+        _freed_without_the_collector(make)
