@@ -182,6 +182,7 @@ def ttfb(client, url, bucket, names, args) -> list[str]:
     cases = [(n, coer) for n in (100, 10_000) for coer in (True, False)]
     firsts, floors, totals = ({c: [] for c in cases} for _ in range(3))
     for _ in range(max(5, args.runs)):
+        rng.shuffle(cases)  # (no case always first or last in a round)
         for n, coer in cases:
             doc = {"in": [{"objname": rng.choice(names)} for _ in range(n)], "coer": coer, "strm": True}
             body = json.dumps(doc).encode()
@@ -201,7 +202,7 @@ def ttfb(client, url, bucket, names, args) -> list[str]:
             floors[n, coer].append(time.perf_counter() - t0)
             assert r.status_code == 400, r.status_code
     med = {c: statistics.median(firsts[c]) for c in cases}
-    for n, coer in cases:
+    for n, coer in sorted(cases):
         rows.append(f"| {n:,} | {str(coer).lower()} | {med[n, coer] * 1e3:.1f} ms | "
                     f"{statistics.median(floors[n, coer]) * 1e3:.1f} ms | {statistics.median(totals[n, coer]) * 1e3:.0f} ms |")
         print(rows[-1], flush=True)

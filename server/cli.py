@@ -73,6 +73,10 @@ _TUNABLES = [
      "request bodies read whole (JSON, XML, cluster messages) held in memory at once, all clients "
      "together, counted as they arrive; past it a request is refused with 503 and Retry-After "
      "(at least --max-json; keep it several times that: decoded JSON counts too)", _mib(_D.body_memory_bytes)),
+    ("--body-memory-per-client", "body_memory_per_client_bytes", _size, "SIZE",
+     "what one client IP address may hold of --body-memory; past it its requests get 503 and "
+     "Retry-After, not other clients' (0: a quarter of --body-memory, at least --max-json; set it to "
+     "--body-memory when every client comes through one proxy address)", _D.body_memory_per_client_bytes),
     ("--getbatch-max-entries", "getbatch_max_entries", int, "N",
      "most entries in one GetBatch request", _D.getbatch_max_entries),
     ("--getbatch-workers", "getbatch_workers", int, "N",

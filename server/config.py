@@ -36,6 +36,10 @@ class ServerConfig:
     # Request bodies read whole (JSON, XML, cluster messages) held in memory at once, counted as
     # their bytes arrive; a body that does not fit is refused (503). At least max_json_bytes.
     body_memory_bytes: int = 1024 * MiB
+    # What one client address may hold of it (0: a quarter, at least max_json_bytes): slow
+    # bodies from one address cannot refuse every other client's (nodes' signed requests are
+    # not per address: their clients were counted where they came in).
+    body_memory_per_client_bytes: int = 0
     # GetBatch limits.
     getbatch_max_entries: int = 100_000
     getbatch_workers: int = 16  # entries read concurrently per request
@@ -131,6 +135,13 @@ class ServerConfig:
         stall timeout, or the send timeout if shorter (told to clients: ``STALL_HEADER``)."""
         return min(self.getbatch_stall_timeout_seconds, self.send_timeout_seconds)
 
+    @property
+    def body_memory_per_client(self) -> int:
+        """Bytes of request bodies one client address may hold: the setting, or a quarter of
+        ``body_memory_bytes`` but at least one largest body (``max_json_bytes``)."""
+        return self.body_memory_per_client_bytes or min(self.body_memory_bytes,
+                                                         max(self.body_memory_bytes // 4, self.max_json_bytes))
+
     def __post_init__(self) -> None:
         """Refuse values of the wrong type or out of range (a TOML file is not type-checked)."""
         for f in dataclasses.fields(self):
@@ -141,7 +152,8 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
             if isinstance(default, float) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if f.name not in ("meta_cache_entries", "port", "max_connections", "rebalance_rate_bytes") and value <= 0:
+            if f.name not in ("meta_cache_entries", "port", "max_connections", "rebalance_rate_bytes",
+                              "body_memory_per_client_bytes") and value <= 0:
                 raise ValueError(f"{f.name} must be positive, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
@@ -150,6 +162,11 @@ class ServerConfig:
         if self.body_memory_bytes < self.max_json_bytes:
             raise ValueError(f"body_memory_bytes ({self.body_memory_bytes}) must be at least max_json_bytes "
                              f"({self.max_json_bytes}): one largest body must fit")
+        if self.body_memory_per_client_bytes and not (
+                self.max_json_bytes <= self.body_memory_per_client_bytes <= self.body_memory_bytes):
+            raise ValueError(f"body_memory_per_client_bytes ({self.body_memory_per_client_bytes}) must be between "
+                             f"max_json_bytes ({self.max_json_bytes}) and body_memory_bytes ({self.body_memory_bytes}), "
+                             "or 0 (a quarter of body_memory_bytes)")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0 = from RLIMIT_NOFILE)")
         if self.meta_cache_entries < 0:

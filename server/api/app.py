@@ -98,7 +98,7 @@ def build_gateway_app(config: ServerConfig, gateway, secret) -> web.Application:
     app[METRICS] = Metrics()
     app[INFLIGHT] = InFlight()
     app[CLUSTER_SECRET] = secret
-    app[BODIES] = BodyBudget(config.body_memory_bytes)
+    app[BODIES] = BodyBudget(config.body_memory_bytes, config.body_memory_per_client)
     app[NODE_BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     gateway_api.add_routes(app, gateway)
@@ -118,7 +118,7 @@ def build_app(config: ServerConfig, store: Store | None = None, add_routes=None)
     app[METRICS] = Metrics()
     store.on_corrupt = app[METRICS].corrupt_reads.inc  # the store detects, the metric counts
     app[INFLIGHT] = InFlight()
-    app[BODIES] = BodyBudget(config.body_memory_bytes)
+    app[BODIES] = BodyBudget(config.body_memory_bytes, config.body_memory_per_client)
     app[NODE_BODIES] = BodyBudget(config.body_memory_bytes)
     app.router.add_get("/metrics", metrics_handler)
     native.add_routes(app)

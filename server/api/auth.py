@@ -59,7 +59,7 @@ from server.api.s3_xml import CODE_KEY, S3Error
 from server.api.sigv4 import verify
 from server.api.daemon_api import NODE_INFO
 from server.api.gateway_map import GATEWAY
-from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, NODE_BODY_KEY, OP_KEY, read_body
+from server.api.state import API_KEY, CLUSTER_SECRET, CONFIG, FROM_NODE_KEY, NODE_BODY_KEY, NODE_SIGNED_KEY, OP_KEY, read_body
 from server.cluster.secret import (GRANT_PARAM, HEADER as CLUSTER_HEADER, NODE_HEADER, PROOF_HEADER, body_matches,
                                    granted_sha, signed_sha)
 
@@ -254,6 +254,8 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     # messages: a review); a request whose body is not signed must sign the empty body
     why = secret.verify(request.method, request.rel_url.raw_path_qs, header, None if with_body else b"",
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
+    if not why:
+        request[NODE_SIGNED_KEY] = True  # (its body, if read, is a node's: no client address's share)
     if not why and with_body:
         if _node_body(request):  # the cluster's own messages: their own body memory
             request[NODE_BODY_KEY] = True

@@ -74,19 +74,32 @@ class BodyBudget:
     (``server.api.app.error_boundary``). A body that does not fit is refused (503,
     Retry-After) instead of read: without this, connections × ``--max-json`` was the only
     bound (4,096 connections of one client × 16 MiB; 48 of them took a gateway from 63 to
-    834 MiB, an attack). Invariant: ``held`` ≤ ``limit`` + the chunk being charged."""
+    834 MiB, an attack). One client address may hold at most ``per_client`` of it
+    (``--body-memory-per-client``): before, one address's slow bodies refused every other
+    client's (a review). Requests signed by a node are charged under the key "" (no share:
+    the client they serve was counted where it came in). Invariants: ``held`` ≤ ``limit`` and
+    each address's ≤ ``per_client``; ``clients`` holds only addresses that hold bytes."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_client: int | None = None) -> None:
         self.limit, self.held = limit, 0
+        self.per_client = limit if per_client is None else per_client
+        self.clients: dict[str, int] = {}  # bytes held per client address
 
-    def take(self, n: int) -> bool:
-        if self.held + n > self.limit:
+    def take(self, n: int, client: str = "") -> bool:
+        mine = self.clients.get(client, 0) if client else 0
+        if self.held + n > self.limit or (client and mine + n > self.per_client):
             return False
         self.held += n
+        if client:
+            self.clients[client] = mine + n
         return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, client: str = "") -> None:
         self.held -= n
+        if client:
+            left = self.clients.pop(client) - n
+            if left:
+                self.clients[client] = left
 
 
 BODIES = web.AppKey("bodies", BodyBudget)
@@ -97,6 +110,8 @@ BODIES = web.AppKey("bodies", BodyBudget)
 NODE_BODIES = web.AppKey("node_bodies", BodyBudget)
 NODE_BODY_KEY = "batchfs.body.node"  # request key: a cluster message (signed), charged to NODE_BODIES
 BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of its budget (given back at its end)
+BODY_CLIENT_KEY = "batchfs.body.client"  # request key: the address its body is charged to ("": a node's)
+NODE_SIGNED_KEY = "batchfs.auth.signed"  # request key: its node signature checked, before its body is read
 BODY_KEY = "batchfs.body"  # request key: its body, read whole (``read_body``), for every later reader
 
 
@@ -142,13 +157,21 @@ def _charge(request: web.Request, n: int) -> None:
     budget = _budget(request)
     if budget is None:
         return
-    if request.get(BODY_HELD_KEY, 0) + n > budget.limit:  # could never fit: no use retrying
+    client = request.get(BODY_CLIENT_KEY)
+    if client is None:  # (fixed at the first charge: given back under the same key)
+        client = request[BODY_CLIENT_KEY] = "" if request.get(NODE_SIGNED_KEY) else (request.remote or "")
+    cap, option = (budget.per_client, "--body-memory-per-client") if client else (budget.limit, "--body-memory")
+    if request.get(BODY_HELD_KEY, 0) + n > cap:  # could never fit: no use retrying
         raise PayloadTooLarge(f"request body would take {request.get(BODY_HELD_KEY, 0) + n} bytes of memory, "
-                              f"with its decoded form, more than this node's --body-memory of {budget.limit} bytes")
-    if not budget.take(n):
+                              f"with its decoded form, more than this node's {option} of {cap} bytes")
+    if not budget.take(n, client):
         request.app[METRICS].bodies_refused.inc()
-        err = Unavailable(f"request bodies held in memory on this node exceed its --body-memory of "
-                          f"{budget.limit} bytes; retry")
+        if client and budget.clients.get(client, 0) + n > budget.per_client:
+            err = Unavailable(f"request bodies held in memory from {client} exceed this node's "
+                              f"--body-memory-per-client of {budget.per_client} bytes; retry")
+        else:
+            err = Unavailable(f"request bodies held in memory on this node exceed its --body-memory of "
+                              f"{budget.limit} bytes; retry")
         err.headers = {"Retry-After": "1"}
         raise err
     request[BODY_HELD_KEY] = request.get(BODY_HELD_KEY, 0) + n
@@ -181,7 +204,7 @@ def release_body(request: web.Request) -> None:
     """Give back what the request's body held of its budget (at the end of its request)."""
     held = request.pop(BODY_HELD_KEY, 0)
     if held:
-        _budget(request).give(held)
+        _budget(request).give(held, request.get(BODY_CLIENT_KEY) or "")
 
 
 async def read_json(request: web.Request, *, required: bool = True, charged: bool = False):

@@ -77,6 +77,33 @@ def test_bodies_past_the_budget_are_refused_and_the_budget_comes_back(small):
     assert r.status_code == 200, r.text
 
 
+def test_one_client_address_holds_at_most_its_share(tmp_path):
+    """``--body-memory-per-client``: one address's slow bodies fill its share and its next
+    bodies get 503 naming that option, while another address's body is read and served (with
+    the whole budget open to one address, it took all of it and the other got 503)."""
+    srv = ServerProcess([tmp_path / "d"], "--max-json", "1MiB", "--body-memory", "4MiB",
+                        "--body-memory-per-client", "2MiB").start()  # (one 900 KiB body counts 1.8 MB)
+    create = {"action": "create-bck", "name": "", "value": None}
+    holders = [_holder(srv.url, MiB, 900 * 1024) for _ in range(5)]  # 127.0.0.1: 4.4 MiB if all were read
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # one holder's bytes are held: 127.0.0.1's next body no longer fits its share
+            r = httpx.post(f"{srv.url}/v1/buckets/b", content=json.dumps(create).encode().ljust(900 * 1024),
+                           timeout=10)
+            if r.status_code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 503 and "--body-memory-per-client" in r.json()["message"], (r.status_code, r.text)
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=10)
+        with other:
+            r = other.post(f"{srv.url}/v1/buckets/b2", content=json.dumps(create).encode().ljust(900 * 1024))
+        assert r.status_code == 200, r.text  # another address: read and served
+    finally:
+        for s in holders:
+            s.close()
+        srv.stop()
+
+
 def test_a_body_that_decodes_past_the_budget_gets_413(small):
     bomb = b"[" + b",".join([b"{}"] * 300_000) + b"]"  # 900 KB: ~70 MB decoded (~24 bytes per byte)
     r = httpx.post(f"{small.url}/v1/buckets/b", content=bomb, timeout=10)
@@ -116,7 +143,8 @@ def test_a_body_that_could_never_fit_gets_413_and_wide_strings_are_counted(tmp_p
     """What a body holds (raw and decoded) past the budget is 413, not a 503 to retry for ever;
     and a string's text counts at CPython's width: one emoji makes every character of its
     string 4 bytes (15 MB of ASCII with one emoji took 60 MB uncounted: a review)."""
-    srv = ServerProcess([tmp_path / "d"], "--max-json", "1MiB", "--body-memory", "2MiB").start()
+    srv = ServerProcess([tmp_path / "d"], "--max-json", "1MiB", "--body-memory", "2MiB",
+                        "--body-memory-per-client", "2MiB").start()  # (the whole budget, to one address)
     try:
         httpx.post(f"{srv.url}/v1/buckets/b", json={"action": "create-bck", "name": "", "value": None},
                    timeout=10).raise_for_status()

@@ -96,6 +96,7 @@ def test_options_from_a_toml_config_file(tmp_path):
     ('chunk_size = "lots"\n', "not a size"),
     ('chunk_size = 0\n', "chunk_size_bytes must be positive, got 0 (option --chunk-size)"),
     ('getbatch_workers = "8"\n', "must be an integer"),
+    ('body_memory = "64MiB"\nbody_memory_per_client = "128MiB"\n', "body_memory_per_client_bytes (134217728) must be between"),
     ('listen = "nowhere"\n', "expected HOST:PORT"),
     ('data = [\n', "server.toml"),
 ])
