@@ -249,8 +249,7 @@ async def moss_redirect(request: web.Request) -> web.Response:
         items = _first_entries(msgspec.json.decode(raw, type=_Entries).in_, DT_SAMPLE)
         sample = [(item.get("bucket") or default_bucket, item.get("objname")) for item in items]
         sample = [(b, n) for b, n in sample if isinstance(b, str) and isinstance(n, str)]
-        for ranked in gw.smap.holders_many(sample):
-            owner = next((n for n in ranked if n.id not in gw.down), None)
+        for owner in gw.smap.first_holders(sample, gw.down):
             if owner is not None:  # none: every copy's target is down (the DT answers for it)
                 counts[owner.id] = counts.get(owner.id, 0) + 1
     except (ValueError, AttributeError, TypeError, RecursionError):
