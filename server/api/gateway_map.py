@@ -25,6 +25,7 @@ from aiohttp import web
 
 from server.api.gateway_election import GatewayElections
 from server.api.gateway_health import GatewayHealth
+from server.api.state import relay_headers
 from server.cluster import election, peers
 from server.cluster.health import Probes
 from server.cluster.join import Membership
@@ -348,8 +349,8 @@ class Gateway(GatewayElections, GatewayHealth):
                       seconds: float | None = None) -> tuple[int, dict, bytes]:
         """The request (or ``body``, ``path_qs``, ``method``) sent to ``target``: its answer;
         Unavailable if it does not answer (within ``seconds``, else FANOUT_TIMEOUT_SECONDS)."""
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "accept")}
+        headers = relay_headers(request, {k: v for k, v in request.headers.items()
+                                          if k.lower() in ("authorization", "content-type", "accept")})
         path_qs = path_qs or request.rel_url.raw_path_qs
         extra = {} if seconds is None else {"timeout": aiohttp.ClientTimeout(total=seconds)}
         try:  # signed: the target tells a gateway's fan-out from a client's request to it alone

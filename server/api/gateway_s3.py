@@ -45,7 +45,7 @@ from server.api.relay import relay
 from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, RESERVED_AT_ROOT
 from server.api.s3_listing import MAX_KEYS
 from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
-from server.api.state import API_KEY, OP_KEY, read_charged, read_upto
+from server.api.state import API_KEY, OP_KEY, read_charged, read_upto, relay_headers
 from server.cluster import peers
 from server.cluster.smap import ClusterNode
 from batchfs.wire.units import is_decimal
@@ -76,7 +76,7 @@ async def _send(request: web.Request, target: ClusterNode, body) -> aiohttp.Clie
     """Open the proxied request to ``target`` (the caller closes the response)."""
     gw = gateway_of(request)
     path_qs = request.rel_url.raw_path_qs
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    headers = relay_headers(request, {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED})
     try:  # the body is the client's, bound by its SigV4 signature: not signed again
         return await peers.signed(gw.session, gw.secret, request.method, target.url, path_qs, to=target.id, body=body,
                                   body_signed=False, headers=headers, timeout=PROXY_TIMEOUT, allow_redirects=False,

@@ -56,7 +56,7 @@ import msgspec
 from aiohttp import web
 
 from batchfs.wire.getbatch import STALL_HEADER
-from server.api.state import CONFIG, METRICS
+from server.api.state import CONFIG, METRICS, relay_headers
 from server.archive.writers import MIME_TYPES
 from server.cluster import peers
 from server.cluster.secret import ClusterSecret
@@ -139,7 +139,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         body = msgspec.json.encode({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
                              "onob": req.onob, "strm": req.strm})
         path_qs = request.rel_url.raw_path_qs
-        headers = {"Content-Type": "application/json"}
+        headers = relay_headers(request, {"Content-Type": "application/json"})
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         try:

@@ -112,6 +112,26 @@ NODE_BODY_KEY = "batchfs.body.node"  # request key: a cluster message (signed), 
 BODY_HELD_KEY = "batchfs.body.held"  # request key: bytes its body holds of its budget (given back at its end)
 BODY_CLIENT_KEY = "batchfs.body.client"  # request key: the address its body is charged to ("": a node's)
 NODE_SIGNED_KEY = "batchfs.auth.signed"  # request key: its node signature checked, before its body is read
+# a node's relay of a client's request (a gateway's forward, a designated target's sub-request)
+# names the client's address, whose body share it is charged to there too (an attack: relayed
+# bodies were charged to no address, and one client filled a target's budget through a gateway)
+CLIENT_HEADER = "Batchfs-Client"
+
+
+def client_address(request: web.Request) -> str:
+    """The client address a request's body is charged to: its peer's; for a request a node
+    signed, the client it relays (``CLIENT_HEADER``), "" for the node's own."""
+    if request.get(NODE_SIGNED_KEY):
+        return request.headers.get(CLIENT_HEADER, "")
+    return request.remote or ""
+
+
+def relay_headers(request: web.Request, headers: dict) -> dict:
+    """``headers`` of a node's relay of ``request``, naming its client (any ``CLIENT_HEADER``
+    the client sent itself dropped)."""
+    out = {k: v for k, v in headers.items() if k.lower() != CLIENT_HEADER.lower()}
+    out[CLIENT_HEADER] = client_address(request)
+    return out
 BODY_KEY = "batchfs.body"  # request key: its body, read whole (``read_body``), for every later reader
 
 
@@ -159,7 +179,7 @@ def _charge(request: web.Request, n: int) -> None:
         return
     client = request.get(BODY_CLIENT_KEY)
     if client is None:  # (fixed at the first charge: given back under the same key)
-        client = request[BODY_CLIENT_KEY] = "" if request.get(NODE_SIGNED_KEY) else (request.remote or "")
+        client = request[BODY_CLIENT_KEY] = client_address(request)
     cap, option = (budget.per_client, "--body-memory-per-client") if client else (budget.limit, "--body-memory")
     if request.get(BODY_HELD_KEY, 0) + n > cap:  # could never fit: no use retrying
         raise PayloadTooLarge(f"request body would take {request.get(BODY_HELD_KEY, 0) + n} bytes of memory, "

@@ -237,3 +237,51 @@ def test_clients_filling_their_body_memory_do_not_refuse_the_clusters_messages(t
         if late is not None:
             late.stop()
         c.stop()
+
+
+def test_bodies_a_gateway_relays_are_charged_to_their_client(tmp_path):
+    """A gateway streams S3 bodies (here CompleteMultipartUpload, up to 8 MiB each) to a target
+    and names the client (``Batchfs-Client``): the target charges them to that client's share.
+    Charged to no address, one client's slow bodies through the gateway filled the target's
+    whole budget and another client's GetBatch got 503 (an attack)."""
+    budget = ("--max-json", "1MiB", "--body-memory", "16MiB", "--body-memory-per-client", "8MiB")
+    c = Cluster(tmp_path, targets=1, target_args=budget, gateway_args=budget)
+    c.start()
+    held = []
+    try:
+        assert httpx.put(f"{c.url}/bk", timeout=10).status_code == 200
+        assert httpx.put(f"{c.url}/bk/o", content=b"x" * 100, timeout=10, follow_redirects=True).status_code == 200
+        upload = httpx.post(f"{c.url}/bk/big?uploads", timeout=10)
+        upload_id = upload.text.split("<UploadId>")[1].split("</UploadId>")[0]
+        host, port = c.url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(3):  # 127.0.0.1: 3 x 5.5 MB of 8 MiB bodies, held unfinished (16.5 MB: ~all of 16 MiB)
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(f"POST /bk/big?uploadId={upload_id} HTTP/1.1\r\nHost: x\r\n"
+                         f"Content-Length: {8 * MiB - 1}\r\n\r\n".encode() + b"<" * 5_500_000)
+            held.append(sock)
+        time.sleep(2)  # relayed and read at the target as far as its budget lets them
+        body = json.dumps({"in": [{"objname": "o"}] * 1000, "strm": False}).encode()  # ~0.3 MB counted
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30,
+                          follow_redirects=True) as other:
+            r = other.request("GET", f"{c.url}/v1/ml/moss/bk", content=body)
+        assert r.status_code == 200, r.text  # another address's body: read and served
+        assert c.targets[0].metrics()["batchfs_body_memory_refused_total"] >= 1  # 127.0.0.1's: past its share
+    finally:
+        for sock in held:
+            sock.close()
+        c.stop()
+
+
+def test_the_default_share_holds_a_largest_body_with_its_decoded_form():
+    """0 (the default) is a quarter of --body-memory but at least 16 x --max-json, capped at
+    --body-memory: a JSON body is counted with its decoded form (a GetBatch body ~13x its
+    length), and with a floor of one --max-json a 104 KB GetBatch body was 413 (an attack)."""
+    from server.config import ServerConfig
+
+    assert ServerConfig().body_memory_per_client == 256 * MiB
+    assert ServerConfig(max_json_bytes=MiB, body_memory_bytes=4 * MiB).body_memory_per_client == 4 * MiB
+    assert ServerConfig(max_json_bytes=MiB, body_memory_bytes=64 * MiB).body_memory_per_client == 16 * MiB
+    assert ServerConfig(body_memory_per_client_bytes=32 * MiB).body_memory_per_client == 32 * MiB
+    with pytest.raises(ValueError, match="must be between"):
+        ServerConfig(max_json_bytes=MiB, body_memory_bytes=4 * MiB, body_memory_per_client_bytes=8 * MiB)
+
