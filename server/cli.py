@@ -75,7 +75,7 @@ _TUNABLES = [
      "(at least --max-json; keep it several times that: decoded JSON counts too)", _mib(_D.body_memory_bytes)),
     ("--body-memory-per-client", "body_memory_per_client_bytes", _size, "SIZE",
      "what one client IP address may hold of --body-memory; past it its requests get 503 and "
-     "Retry-After, not other clients' (0: a quarter of --body-memory, at least 16x --max-json; set it to "
+     "Retry-After, not other clients' (0: a quarter of --body-memory, at least 16x --max-json, at most all of it; set it to "
      "--body-memory when every client comes through one proxy address)", _D.body_memory_per_client_bytes),
     ("--getbatch-max-entries", "getbatch_max_entries", int, "N",
      "most entries in one GetBatch request", _D.getbatch_max_entries),

@@ -36,9 +36,10 @@ class ServerConfig:
     # Request bodies read whole (JSON, XML, cluster messages) held in memory at once, counted as
     # their bytes arrive; a body that does not fit is refused (503). At least max_json_bytes.
     body_memory_bytes: int = 1024 * MiB
-    # What one client address may hold of it (0: a quarter, at least 16 x max_json_bytes): slow
-    # bodies from one address cannot refuse every other client's (nodes' signed requests are
-    # not per address: their clients were counted where they came in).
+    # What one client address may hold of it (0: a quarter, at least 16 x max_json_bytes, at
+    # most all of it): slow bodies from one address cannot refuse every other client's. A node
+    # relaying a client's request names the client, whose share it is charged to; a node's own
+    # messages are not per address.
     body_memory_per_client_bytes: int = 0
     # GetBatch limits.
     getbatch_max_entries: int = 100_000
@@ -168,7 +169,7 @@ class ServerConfig:
                 self.max_json_bytes <= self.body_memory_per_client_bytes <= self.body_memory_bytes):
             raise ValueError(f"body_memory_per_client_bytes ({self.body_memory_per_client_bytes}) must be between "
                              f"max_json_bytes ({self.max_json_bytes}) and body_memory_bytes ({self.body_memory_bytes}), "
-                             "or 0 (a quarter of body_memory_bytes)")
+                             "or 0 (a quarter of body_memory_bytes, at least 16 x max_json_bytes)")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0 = from RLIMIT_NOFILE)")
         if self.meta_cache_entries < 0:

@@ -255,7 +255,7 @@ async def _check_cluster(request: web.Request, with_body: bool = True) -> None:
     why = secret.verify(request.method, request.rel_url.raw_path_qs, header, None if with_body else b"",
                         me=_own_id(request.app), any_node=request.rel_url.path == ANY_NODE_PATH and request.method == "GET")
     if not why:
-        request[NODE_SIGNED_KEY] = True  # (its body, if read, is a node's: no client address's share)
+        request[NODE_SIGNED_KEY] = True  # (its body, if read, is charged to the client it names, if any)
     if not why and with_body:
         if _node_body(request):  # the cluster's own messages: their own body memory
             request[NODE_BODY_KEY] = True

@@ -45,7 +45,8 @@ from aiohttp import web
 from server.api import cluster_actions, gateway_admin, gateway_jobs, gateway_remove, gateway_s3, guard, native_buckets
 from server.api.gateway_map import (DT_SAMPLE, GATEWAY, LIST_PAGE_DEFAULT, Gateway, NotImplementedThroughGateway,
                                     Unavailable, gateway_of, passthrough, refuse_not_served)
-from server.api.state import CONFIG, OP_KEY, read_body, read_json
+from server.api.state import CONFIG, OP_KEY, read_body, read_json, relay_headers
+from server.cluster import peers
 from server.cluster.smap import ClusterNode
 from server.errors import BadRequest, NotFound, StoreError
 from server.validate import check_bucket
@@ -184,8 +185,9 @@ async def _list_one(gw: Gateway, request: web.Request, t: ClusterNode, body: byt
                     headers: dict) -> tuple[list[dict], str]:
     hdrs = {**headers, **({"Authorization": request.headers["Authorization"]}
                           if "Authorization" in request.headers else {}), "Content-Type": "application/json"}
-    try:
-        async with gw.session.get(t.url + request.path_qs, data=body, headers=hdrs) as r:
+    try:  # signed and naming the client: the target charges the body to the client, not to this gateway
+        async with peers.signed(gw.session, gw.secret, "GET", t.url, request.rel_url.raw_path_qs, to=t.id, body=body,
+                                headers=relay_headers(request, hdrs)) as r:
             raw = await r.read()
             if 400 <= r.status < 500:  # the request is wrong (or the bucket missing) everywhere: the same answer
                 raise gateway_jobs.TargetSaid(r.status, _message_of(raw))  # a listing's 4xx, as it is

@@ -139,7 +139,9 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         body = msgspec.json.encode({"in": [req.items[i] for i in idx], "mime": ".tar", "coer": req.coer or lenient or coer,
                              "onob": req.onob, "strm": req.strm})
         path_qs = request.rel_url.raw_path_qs
-        headers = relay_headers(request, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if node_id != me.id:  # (to itself, the client's body is charged already: not twice, a review)
+            headers = relay_headers(request, headers)
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         try:
@@ -152,10 +154,11 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
 
     async def reopen_busy(subs: dict[str, aiohttp.ClientResponse], groups: dict[str, list[int]]) -> None:
         """After the 200 a sender's 429 (its GetBatch admission is full — this batch's previous
-        window may still count there) is asked again, backing off, for up to
+        window may still count there) or 503 (its body memory, or the client's share of it, is
+        full: the client's other batches hold it) is asked again, backing off, for up to
         ``SENDER_WAIT_SECONDS``: the client's stream can wait, an error could only truncate it."""
         delay, deadline = BUSY_FIRST_SECONDS, time.monotonic() + SENDER_WAIT_SECONDS
-        while (busy := [n for n, r in subs.items() if r.status == 429]) and time.monotonic() < deadline:
+        while (busy := [n for n, r in subs.items() if r.status in (429, 503)]) and time.monotonic() < deadline:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
             for node_id in busy:
@@ -209,7 +212,8 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                         r = subs[node_id]
                         if r.status != 200:
                             return web.Response(status=r.status, body=await r.read(), headers={
-                                "Content-Type": r.headers.get("Content-Type", "application/json")})
+                                "Content-Type": r.headers.get("Content-Type", "application/json"),
+                                **({"Retry-After": r.headers["Retry-After"]} if "Retry-After" in r.headers else {})})
                     return subs
                 body = await subs[lacking].read()
                 for r in subs.values():

@@ -76,8 +76,8 @@ class BodyBudget:
     bound (4,096 connections of one client × 16 MiB; 48 of them took a gateway from 63 to
     834 MiB, an attack). One client address may hold at most ``per_client`` of it
     (``--body-memory-per-client``): before, one address's slow bodies refused every other
-    client's (a review). Requests signed by a node are charged under the key "" (no share:
-    the client they serve was counted where it came in). Invariants: ``held`` ≤ ``limit`` and
+    client's (a review). A request a node relays for a client is charged to that client
+    (``client_address``), a node's own under the key "" (no share). Invariants: ``held`` ≤ ``limit`` and
     each address's ≤ ``per_client``; ``clients`` holds only addresses that hold bytes."""
 
     def __init__(self, limit: int, per_client: int | None = None) -> None:
