@@ -100,6 +100,12 @@ def partition(req: MossReq, smap: ClusterMap, down: set[str] = frozenset(), none
     return owners, groups
 
 
+def _busy(r) -> bool:
+    """A sender's answer that passes if asked again: 429 (its admission), or 503 with Retry-After
+    (its body memory, or the client's share of it); not a 503 that says a copy's target is down."""
+    return r.status == 429 or (r.status == 503 and "Retry-After" in r.headers)
+
+
 def windows(n: int, strm: bool) -> list[tuple[int, int]]:
     """The request's entries in windows, each asked of its senders as one sub-request per
     sender: a streamed reply starts after the first FIRST_WINDOW, and the windows double up to
@@ -158,7 +164,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
         full: the client's other batches hold it) is asked again, backing off, for up to
         ``SENDER_WAIT_SECONDS``: the client's stream can wait, an error could only truncate it."""
         delay, deadline = BUSY_FIRST_SECONDS, time.monotonic() + SENDER_WAIT_SECONDS
-        while (busy := [n for n, r in subs.items() if r.status in (429, 503)]) and time.monotonic() < deadline:
+        while (busy := [n for n, r in subs.items() if _busy(r)]) and time.monotonic() < deadline:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
             for node_id in busy:
@@ -166,7 +172,7 @@ async def moss_across(request: web.Request, req: MossReq, smap: ClusterMap, me: 
                 try:
                     subs[node_id] = await open_sub(node_id, groups[node_id], coer=True)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                    raise SenderFailed(f"moss: sender {node_id}, asked again after a 429, cannot be reached: {e}") from None
+                    raise SenderFailed(f"moss: sender {node_id}, asked again after a 429 or 503, cannot be reached: {e}") from None
 
     async def open_window(lo: int, hi: int) -> dict[str, aiohttp.ClientResponse] | web.Response:
         """One sub-request per sender of entries [lo, hi), all 200; or the reply a sender's
