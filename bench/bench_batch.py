@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--rtt-ms", type=float, default=None,
                     help="put every side behind an emulated network (bench/delayline.py) of this round-trip "
                     "time, milliseconds; 0 is the line without delay (default: no line, direct loopback)")
+    ap.add_argument("--batchfs-args", default="",
+                    help="more arguments for every batchfs mount, e.g. '--fuse-loop pyfuse3' (an A/B on one machine)")
     a = ap.parse_args()
     global WORKERS
     WORKERS = a.workers
@@ -201,7 +203,7 @@ def main() -> int:
         """A fresh mount of ``side``; counts the daemon's CPU and the server's requests per
         sample (``per`` samples) from the mount, or from the last ``start()``."""
         mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
-        m = mount_side(MOUNT_KIND[side], BUCKET, mnt, url, work)
+        m = mount_side(MOUNT_KIND[side], BUCKET, mnt, url, work, a.batchfs_args.split())
         base = {}
 
         def start() -> None:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,12 +136,13 @@ def _run_daemonizing(cmd: list[str], log: Path, env: dict | None = None) -> int:
         return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120, env=env).returncode
 
 
-def mount_side(side: str, bucket: str, path: Path, url: str, work: Path) -> Mount:
+def mount_side(side: str, bucket: str, path: Path, url: str, work: Path, batchfs_args: Sequence[str] = ()) -> Mount:
+    """A fresh mount of ``side``; ``batchfs_args`` are added to a batchfs mount's command line."""
     path.mkdir(parents=True, exist_ok=True)
     cache = None
     if side in ("batchfs", "batchfs-nocache"):
         cmd = [str(Path(sys.executable).parent / "batchfs"), "mount", f"{url}/{bucket}", str(path),
-               "--log-file", str(work / "batchfs.log")]
+               "--log-file", str(work / "batchfs.log"), *batchfs_args]
         if side == "batchfs":  # as documented: with a disk cache, here a fresh one (cold)
             cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
             cmd += ["--cache-dir", str(cache)]

@@ -66,6 +66,9 @@ class MountConfig:
     # FUSE
     fuse_options: tuple[str, ...] = ()  # e.g. ("allow_other",); "ro" is implied
     max_fuse_tasks: int = 64  # pyfuse3.main(max_tasks=...): FUSE requests served concurrently
+    # "fast": a FUSE request already waiting is read without trio's scheduler (batchfs.mount.fastloop);
+    # "pyfuse3": pyfuse3's own loop (two scheduler passes per request)
+    fuse_loop: str = "fast"
     log_level: str = "INFO"
     log_file: Path | None = None
     # Bearer token sent with every request to an AIStore-API server (``Authorization: Bearer``);

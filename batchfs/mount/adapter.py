@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import pyfuse3
 import trio
 
+from batchfs.mount import fastloop
 from batchfs.objclient import make_client
 from batchfs.engine.config import MountConfig
 from batchfs.engine.filesystem import Engine
@@ -334,6 +335,7 @@ async def _run_mounted(config: MountConfig, ops: Operations, on_ready) -> None:
     if not os.path.isdir(config.mountpoint):
         raise SourceError(f"mountpoint {config.mountpoint} is not a directory")
     pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
+    waiter = fastloop.install() if config.fuse_loop == "fast" else None
     try:
         async with trio.open_nursery() as inner:
             on_ready()
@@ -344,5 +346,6 @@ async def _run_mounted(config: MountConfig, ops: Operations, on_ready) -> None:
 
             inner.start_soon(main)
     finally:
+        fastloop.uninstall(waiter)
         log.info("unmounting %s", config.mountpoint)
         pyfuse3.close(unmount=True)

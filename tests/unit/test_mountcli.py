@@ -87,7 +87,7 @@ def test_long_flags_and_o_options_set_the_same_fields():
               "negative-ttl": "1s", "metadata-cache-entries": "1000", "direct-io-min-size": "2M",
               "request-timeout": "9", "connect-timeout": "1.5", "retries": "0", "retry-time": "3s",
               "http-read-size": "256K",
-              "max-fuse-tasks": "16", "log-level": "warning", "log-file": "/tmp/l.log",
+              "max-fuse-tasks": "16", "fuse-loop": "pyfuse3", "log-level": "warning", "log-file": "/tmp/l.log",
               "rowgroup-cache-dir": "/tmp/rg", "rowgroup-cache-quota": "3G", "rowgroup-memory": "128M",
               "rowgroup-workers": "3", "rowgroup-transform": "mymod.sub:feat"}
     assert set(values) == {o.flag for o in mountcli.OPTIONS}
@@ -100,6 +100,9 @@ def test_long_flags_and_o_options_set_the_same_fields():
     assert by_flag.retries == 0 and by_flag.retry_seconds == 3 and by_flag.log_level == "WARNING" and by_flag.http_read_bytes == 256 * 1024
     assert by_flag.rowgroup_cache_dir == Path("/tmp/rg") and by_flag.rowgroup_cache_quota_bytes == 3 * GiB
     assert by_flag.rowgroup_memory_bytes == 128 * MiB and by_flag.rowgroup_workers == 3
+    assert by_flag.fuse_loop == "pyfuse3" and config("http://h:1/b", "/m").fuse_loop == "fast"
+    with pytest.raises(mountcli.UsageError, match="'fast' or 'pyfuse3'"):
+        config("http://h:1/b", "/m", "--fuse-loop", "uvloop")
 
 
 def test_defaults_and_precedence():
