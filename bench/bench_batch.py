@@ -10,7 +10,8 @@
         rclone mounts of the same server (``bench_mount.mount_side``);
     (c) the same loader on local disk (files in the page cache: the limit), and the FUSE
         floor: the same loader over the batchfs mount again, every file already in the
-        kernel's page cache (only open/flush/release reach the daemon).
+        kernel's page cache (only open, Python's isatty ioctl, flush and release reach the
+        daemon).
 
 Every round mounts each side afresh and reads files nobody read before (cold mount caches;
 the server's own files stay in the page cache, alike for every side); rounds rotate the order

@@ -327,6 +327,8 @@ def main() -> int:
     p.add_argument("--rtt-ms", type=float, default=None,
                    help="put every side (and curl) behind an emulated network (bench/delayline.py) of this "
                    "round-trip time, milliseconds (default: no line, direct loopback)")
+    p.add_argument("--batchfs-args", default="",
+                   help="more arguments for every batchfs mount, e.g. '--fuse-loop pyfuse3' (an A/B on one machine)")
     a = p.parse_args()
     sides = a.sides.split(",")
     tests = a.tests.split(",")
@@ -349,7 +351,7 @@ def main() -> int:
 
         def run_side(side: str, bucket: str, test: str, fn: Callable[[Path], float]) -> float:
             mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
-            m = mount_side(side, bucket, mnt, url, work)
+            m = mount_side(side, bucket, mnt, url, work, a.batchfs_args.split())
             mounts.append(m)
             try:
                 drop_caches()
@@ -400,7 +402,7 @@ def main() -> int:
         if "rss" in tests:
             for side in sides:
                 mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{side}-", dir=work))
-                m = mount_side(side, BUCKET, mnt, url, work)
+                m = mount_side(side, BUCKET, mnt, url, work, a.batchfs_args.split())
                 mounts.append(m)
                 try:
                     drop_caches()

@@ -70,7 +70,8 @@ async def test_an_empty_descriptor_waits_in_trio_until_readable(pipe):
 
 @pytest.mark.trio
 async def test_the_lock_takes_no_checkpoint_when_free_and_waits_in_order_when_held():
-    lock = fastloop._Lock()
+    waiter = fastloop.Waiter()
+    lock = fastloop._Lock(waiter)
     order = []
     async with trio.open_nursery() as nursery:
         other = Runnable(nursery)
@@ -88,6 +89,35 @@ async def test_the_lock_takes_no_checkpoint_when_free_and_waits_in_order_when_he
             assert order == []  # held: both wait
         await trio.testing.wait_all_tasks_blocked()
         assert order == ["a", "b"]
+        waiter.streak = 5
+        async with lock:
+            assert waiter.streak == 5  # free: taken at once, the streak goes on
+        async with lock:
+            nursery.start_soon(take, "c")
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.testing.wait_all_tasks_blocked()
+        assert order[-1] == "c" and waiter.streak == 0  # "c" parked: a pass, the streak starts over
+
+
+@pytest.mark.trio
+async def test_a_worker_pyfuse3_starts_runs_before_the_next_read(pipe):
+    """pyfuse3 starts a worker when no task waits to read; reading on without a pass, it would
+    start one for every request (review 73)."""
+    r, w = pipe
+    os.write(w, b"x")
+    waiter = fastloop.Waiter()
+    ran = []
+    async with trio.open_nursery() as others, fastloop._Trio(waiter).open_nursery() as workers:
+        async def worker(name):
+            ran.append(name)
+
+        workers.start_soon(worker, "new")
+        assert waiter.pending == 1 and ran == []
+        await waiter.wait_readable(r)  # passes the scheduler once first: the worker runs
+        assert ran == ["new"] and waiter.pending == 0 and waiter.at_once == 1
+        other = Runnable(others)
+        await waiter.wait_readable(r)  # nothing pending: no pass
+        assert not other.ran and waiter.at_once == 2
 
 
 def test_install_routes_only_the_lock_and_the_wait_and_uninstall_restores():
@@ -95,9 +125,8 @@ def test_install_routes_only_the_lock_and_the_wait_and_uninstall_restores():
     try:
         assert waiter is not None
         stand_in = pyfuse3.trio
-        assert stand_in is not trio and stand_in.Lock is fastloop._Lock
+        assert stand_in is not trio and isinstance(stand_in.Lock(), fastloop._Lock)
         assert stand_in.lowlevel.wait_readable == waiter.wait_readable
-        assert stand_in.open_nursery is trio.open_nursery
         assert stand_in.ClosedResourceError is trio.ClosedResourceError
         assert stand_in.lowlevel.notify_closing is trio.lowlevel.notify_closing
         assert stand_in.lowlevel.current_trio_token is trio.lowlevel.current_trio_token
