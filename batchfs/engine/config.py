@@ -15,6 +15,8 @@ from pathlib import Path
 from batchfs.objclient.config import ClientConfig, Source
 from batchfs.wire.units import GiB, MiB, SECONDS
 
+FUSE_LOOPS = ("fast", "pyfuse3")  # MountConfig.fuse_loop (batchfs.mount.fastloop)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +68,18 @@ class MountConfig:
     # FUSE
     fuse_options: tuple[str, ...] = ()  # e.g. ("allow_other",); "ro" is implied
     max_fuse_tasks: int = 64  # pyfuse3.main(max_tasks=...): FUSE requests served concurrently
-    # "fast": a FUSE request already waiting is read without trio's scheduler (batchfs.mount.fastloop);
-    # "pyfuse3": pyfuse3's own loop (two scheduler passes per request)
+    # "fast": a FUSE request already waiting is read without waiting in trio first, one pass of
+    # trio's scheduler per request instead of two (batchfs.mount.fastloop); "pyfuse3": its own loop
     fuse_loop: str = "fast"
     log_level: str = "INFO"
     log_file: Path | None = None
     # Bearer token sent with every request to an AIStore-API server (``Authorization: Bearer``);
     # from --token-file or AIS_AUTHN_TOKEN (see ``auth_token``), never from a command-line value.
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fuse_loop not in FUSE_LOOPS:
+            raise ValueError(f"fuse_loop must be one of {FUSE_LOOPS}, not {self.fuse_loop!r}")
 
     @property
     def client(self) -> ClientConfig:

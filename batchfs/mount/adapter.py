@@ -334,8 +334,6 @@ async def _batch_control(config: MountConfig, client, nursery: trio.Nursery, pla
 async def _run_mounted(config: MountConfig, ops: Operations, on_ready) -> None:
     if not os.path.isdir(config.mountpoint):
         raise SourceError(f"mountpoint {config.mountpoint} is not a directory")
-    if config.fuse_loop not in fastloop.LOOPS:
-        raise ValueError(f"fuse_loop must be one of {fastloop.LOOPS}, not {config.fuse_loop!r}")
     pyfuse3.init(ops, str(config.mountpoint), _mount_options(config))
     waiter = fastloop.install() if config.fuse_loop == "fast" else None
     try:

@@ -37,7 +37,6 @@ invariants (its loop was read for this); any other version keeps pyfuse3's loop
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import select
 
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 
 FAST_STREAK = 16  # requests read back to back before trio's scheduler runs once
 VERIFIED = ("3.5.0",)  # pyfuse3 versions whose request loop was read for the invariants above
-LOOPS = ("fast", "pyfuse3")  # MountConfig.fuse_loop
 
 
 def supported() -> bool:
@@ -131,6 +129,22 @@ class _Workers:
         return getattr(self._nursery, name)
 
 
+class _WorkersNursery:
+    """``trio.open_nursery()`` whose nursery is a ``_Workers``; entered and left with
+    KeyboardInterrupt held back, as trio's own (review 74: a generator-based manager was not)."""
+
+    def __init__(self, manager, waiter: Waiter):
+        self._manager, self._waiter = manager, waiter
+
+    @trio.lowlevel.enable_ki_protection
+    async def __aenter__(self) -> _Workers:
+        return _Workers(await self._manager.__aenter__(), self._waiter)
+
+    @trio.lowlevel.enable_ki_protection
+    async def __aexit__(self, *exc) -> bool | None:
+        return await self._manager.__aexit__(*exc)
+
+
 class _Lowlevel:
     def __init__(self, waiter: Waiter):
         self.wait_readable = waiter.wait_readable
@@ -147,10 +161,8 @@ class _Trio:
     def Lock(self) -> _Lock:  # noqa: N802 (trio's name)
         return _Lock(self._waiter)
 
-    @contextlib.asynccontextmanager
-    async def open_nursery(self, *args, **kwargs):
-        async with trio.open_nursery(*args, **kwargs) as nursery:
-            yield _Workers(nursery, self._waiter)
+    def open_nursery(self, *args, **kwargs) -> "_WorkersNursery":
+        return _WorkersNursery(trio.open_nursery(*args, **kwargs), self._waiter)
 
     def __getattr__(self, name: str):
         return getattr(trio, name)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchfs.engine.config import MountConfig
+from batchfs.engine.config import FUSE_LOOPS, MountConfig
 from batchfs.objclient.config import Source
 from batchfs.wire.errors import WireError
 from batchfs.wire.names import check_bucket  # the server's rule for bucket names
@@ -112,7 +112,7 @@ def _level(text: str) -> str:
 
 
 def _fuse_loop(text: str) -> str:
-    if text not in ("fast", "pyfuse3"):
+    if text not in FUSE_LOOPS:
         raise UsageError(f"FUSE loop must be 'fast' or 'pyfuse3', not {text!r}")
     return text
 
@@ -210,7 +210,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("fuse-loop", "fuse_loop", _fuse_loop, "LOOP",
            "how FUSE requests are taken from the kernel: 'fast' reads a request that is already "
            "waiting without waiting in trio first (one pass of trio's scheduler per request instead "
-           "of two: with four threads opening cached files, ~30%% less daemon CPU per file), "
+           "of two: with four threads opening cached files, about a third less daemon CPU per file), "
            "'pyfuse3' runs pyfuse3's own loop; 'fast' is used only with pyfuse3 3.5.0, which it was "
            "verified against (with another version the mount logs so and runs pyfuse3's loop) "
            "(default: {default})"),
