@@ -46,8 +46,8 @@ def digest(text: str) -> int:
 def digests(objects: Iterable[tuple[str, str]]) -> list[int]:
     """``digest(uname(bucket, objname))`` of each ais:// object, without two calls per object
     (a designated target places each window of a GetBatch: 256 to 4,096 entries)."""
-    h, seed = xxhash.xxh64_intdigest, XXHASH_SEED
-    return [h(f"ais/@#/{b}/{o}".encode("utf-8", "surrogateescape"), seed=seed) for b, o in objects]
+    h, seed, prefix = xxhash.xxh64_intdigest, XXHASH_SEED, uname("", "")[:-1]  # "ais/@#/"
+    return [h(f"{prefix}{b}/{o}".encode("utf-8", "surrogateescape"), seed=seed) for b, o in objects]
 
 
 def xoshiro256_hash(seed: int) -> int:

@@ -243,26 +243,9 @@ class ClusterMap:
         targets (a bucket of one copy: its only copy is there until the walk moved it)."""
         return self.holders(bucket, objname) + self._leaving_targets
 
-    def holders_many(self, objects: Sequence[tuple[str, str]]) -> list[list[ClusterNode]]:
-        """``holders`` of each (bucket, objname), computed together (``hrw.ranked_many``)."""
-        targets = self.placed
-        if not targets or not objects:
-            return [[] for _ in objects]
-        ids = list(targets)
-        order = hrw.ranked_many(hrw.digests(objects), ids, [self._target_digests[i] for i in ids]).tolist()
-        nodes = [targets[i] for i in ids]
-        copies: dict[str, int] = {}
-        out = []
-        for (bucket, _), row in zip(objects, order):
-            n = copies.get(bucket)
-            if n is None:
-                n = copies[bucket] = self.copies_for(bucket)
-            out.append([nodes[j] for j in row[:n]])
-        return out
-
     def first_holders(self, objects: Sequence[tuple[str, str]], skip: Collection[str] = ()) -> list[ClusterNode | None]:
         """For each (bucket, objname), the first of its ``holders`` not in ``skip`` (None: all
-        are): ``holders_many``'s answer reduced in NumPy, not a list per object (a GetBatch
+        are): ``holders`` of every object ranked together in NumPy (``hrw.ranked_many``), not a list per object (a GetBatch
         window's placement at its designated target: 0.33 ms per 256 entries, then ~1.5 ms
         on the loaded machine, on the way to the first byte)."""
         targets = self.placed
