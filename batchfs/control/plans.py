@@ -24,6 +24,11 @@ no metadata request (a HEAD and a listing otherwise). The planned bytes then go 
 kernel's page cache at ``open`` (the mount adapter: ``notify_store``), so the loader's reads of a
 planned file never reach the daemon.
 
+Order across plans: a plan starts no batch while an older plan (registered before it) is
+fetching or has room in its window; an older plan never waits for a younger one. A loader
+reads plans in the order it wrote them, and at an epoch's start two plans' first GetBatches
+side by side made the first one, which every reader waits for, take twice as long.
+
 Bounds: a plan holds at most ``window`` fetched batches; across all plans, no new batch
 starts while ``memory_bytes`` are held (so the bound is ``memory_bytes`` plus one batch);
 an entry larger than ``entry_max_bytes`` is not held (its reads go through). Fetched data
@@ -115,8 +120,7 @@ class Plan:
     async def run(self) -> None:
         try:
             while self.next_batch < self.nbatches:
-                while (self.next_batch >= self.cursor + self.window
-                       or self.registry.held >= self.registry.config.memory_bytes and self.next_batch > self.cursor):
+                while not self._may_start() or self.registry.older_busy(self):
                     self._moved = trio.Event()
                     await self._moved.wait()
                 b = self.next_batch
@@ -128,6 +132,16 @@ class Plan:
                 self.state = "cancelled"
             for ev in self.batch_done:
                 ev.set()
+            self.registry.wake()
+
+    def _may_start(self) -> bool:
+        """Whether the next batch is inside the window and memory allows it."""
+        return (self.next_batch < self.nbatches and self.next_batch < self.cursor + self.window
+                and not (self.registry.held >= self.registry.config.memory_bytes and self.next_batch > self.cursor))
+
+    def busy(self) -> bool:
+        """Fetching, or about to: a younger plan waits for this one (see ``PlanRegistry.older_busy``)."""
+        return self.state == "running" and (bool(self.fetching) or self._may_start())
 
     async def _fetch(self, b: int) -> None:
         lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, len(self.paths))
@@ -148,6 +162,7 @@ class Plan:
         finally:
             self.fetching.discard(b)
             self.batch_done[b].set()
+            self.registry.wake()
 
     def _store(self, i: int, data: bytes, mtime: int = 0) -> None:
         if self.consumed[i]:
@@ -335,6 +350,19 @@ class PlanRegistry:
                 if data is not None:
                     return data
         return None
+
+    def older_busy(self, plan: Plan) -> bool:
+        """Whether a plan made before ``plan`` is fetching or about to. Older plans go first:
+        their data is read first, and a younger plan's GetBatch sharing the link and the
+        server's CPU with it only delays it (a loader's first batch waited for two plans'
+        first fetches). An older plan never waits for a younger one, and is busy only while
+        its window is not full, so a younger plan waits at most one older fetch at a time."""
+        for other in self.plans.values():
+            if other is plan:
+                return False
+            if other.busy():
+                return True
+        return False
 
     def wake(self) -> None:
         for p in self.plans.values():
