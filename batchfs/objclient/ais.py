@@ -1,13 +1,15 @@
 """The AIStore-native backend (our server, or a real AIStore cluster) over httpx.
 
 Wire details are in docs/wire.md. Two choices worth knowing:
-- Directory listings. The list-objects API is recursive (no delimiter), so ``list_dir``
-  emulates one: it reads a page of names under the prefix, reports each immediate
-  subdirectory once, and when a page ends inside a subdirectory it skips the rest of that
-  subtree by restarting the listing ``start_after`` ``<subdir>/\\U0010ffff`` (after every name
-  in the subtree, in the byte order both AIStore and our server use). Listing a directory thus
-  costs about one request per page plus one per subdirectory that spans a page boundary, never
-  one per object.
+- Directory listings. ``list_dir`` asks for a non-recursive listing (AIStore's
+  ``LsNoRecursion``): the objects directly under the prefix and each subdirectory once, as
+  ``name/`` flagged ``EntryIsDir`` — one page for a directory of directories, where a
+  recursive listing read a page of names inside each. A server that ignores the flag answers
+  recursively, and that is understood too: each immediate subdirectory is reported once, and
+  when a page ends inside one the listing restarts ``start_after``
+  ``<subdir>/\\U0010ffff`` (after every name in the subtree, in the byte order both AIStore
+  and our server use), one more request per subdirectory that spans a page boundary. Never
+  one request per object.
 - Versions. An object's version string is ``<checksum>:<version>``, from the listing's
   ``cs``/``v`` fields and from the ``Ais-Checksum-Value``/``Ais-Version`` headers of HEAD and
   GET alike; every ranged GET checks it, so a replaced object is detected on the first byte.
@@ -41,6 +43,8 @@ from batchfs.wire.units import is_decimal
 log = logging.getLogger(__name__)
 
 SUBTREE_END = "\U0010ffff"  # sorts after any character of a valid name
+LS_NO_RECURSION = 1 << 11  # AIStore apc.LsNoRecursion (api/apc/lsmsg.go)
+ENTRY_IS_DIR = 1 << 8  # AIStore apc.EntryIsDir: a virtual directory of such a listing
 _LIST_PROPS = "name,size,checksum,version,atime"
 
 
@@ -121,7 +125,7 @@ class AisClient(ObjectClient):
 
     async def _list_page(self, bucket: str, prefix: str, token: str, start_after: str, page_size: int) -> dict:
         value = {"prefix": prefix, "pagesize": page_size, "uuid": "", "props": _LIST_PROPS,
-                 "continuation_token": token, "start_after": start_after, "flags": 0}
+                 "continuation_token": token, "start_after": start_after, "flags": LS_NO_RECURSION}
         body = json.dumps({"action": "list", "name": "", "value": value}).encode()
         what = f"list ais://{bucket}/{prefix}"
         resp = await with_retries(self.config, what, lambda: self.http.request(
@@ -140,11 +144,18 @@ class AisClient(ObjectClient):
         dirs: list[str] = []
         last_dir = None
         for e in reply.get("Entries") or []:
-            if (e.get("f", 0) & 31) != 0:  # not a present, healthy object
+            flags = e.get("f", 0)
+            if (flags & 31) != 0:  # not a present, healthy object
                 continue
             rel = e["n"][len(prefix):]
             if not e["n"].startswith(prefix) or not rel:
                 continue  # the directory's own marker object ("dir/")
+            if flags & ENTRY_IS_DIR:  # a subdirectory, once, of a non-recursive listing
+                head = rel.rstrip("/")
+                if head and "/" not in head:
+                    dirs.append(head)
+                last_dir = None  # the server's token resumes after its subtree
+                continue
             head, slash, _ = rel.partition("/")
             if slash:
                 if head != last_dir:

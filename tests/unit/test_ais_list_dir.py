@@ -1,0 +1,62 @@
+"""``AisClient.list_dir`` asks for a non-recursive listing and reads both answers a server may
+give: ``EntryIsDir`` entries (AIStore's LsNoRecursion, and ours), resumed by the server's
+token; or a recursive page (a server that ignores the flag), where each subdirectory is
+reported once and a page ending inside one skips the rest of its subtree."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import msgpack
+import pytest
+
+from batchfs.objclient.ais import ENTRY_IS_DIR, LS_NO_RECURSION, SUBTREE_END, AisClient
+from batchfs.objclient.config import ClientConfig, Source
+
+
+def _client(replies: list[dict], asked: list[dict]) -> AisClient:
+    """A client whose HTTP goes to a stand-in server answering ``replies`` in turn (msgpack,
+    as AIStore does) and recording each listing's message value."""
+    c = AisClient(ClientConfig(Source("ais", "http://127.0.0.1:9", "b")))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(json.loads(request.content)["value"])
+        return httpx.Response(200, content=msgpack.packb(replies.pop(0)),
+                              headers={"Content-Type": "application/msgpack"})
+
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return c
+
+
+def _obj(name: str) -> dict:
+    return {"n": name, "s": 3, "cs": "c", "v": "1", "f": 0}
+
+
+@pytest.mark.trio
+async def test_a_non_recursive_page_gives_each_directory_once_and_resumes_at_the_token():
+    asked: list[dict] = []
+    c = _client([{"Entries": [_obj("d/a"), {"n": "d/b/", "f": ENTRY_IS_DIR}, {"n": "d/c/", "f": ENTRY_IS_DIR}],
+                  "ContinuationToken": "d/c/"},
+                 {"Entries": [_obj("d/z")], "ContinuationToken": ""}], asked)
+    first = await c.list_dir("b", "d/", "", 3)
+    assert [f.key for f in first.files] == ["d/a"] and first.dirs == ["b", "c"]
+    assert first.next_token == "c:d/c/"  # the server's token: it resumes after the subtree
+    last = await c.list_dir("b", "d/", first.next_token, 3)
+    assert [f.key for f in last.files] == ["d/z"] and last.dirs == [] and last.next_token == ""
+    assert [(v["prefix"], v["continuation_token"], v["start_after"]) for v in asked] == \
+        [("d/", "", ""), ("d/", "d/c/", "")]
+    assert all(v["flags"] == LS_NO_RECURSION for v in asked)
+    await c.http.aclose()
+
+
+@pytest.mark.trio
+async def test_a_recursive_answer_is_understood_too():
+    asked: list[dict] = []
+    c = _client([{"Entries": [_obj("d/a"), _obj("d/b/1"), _obj("d/b/2"), _obj("d/c/x/1")],
+                  "ContinuationToken": "d/c/x/1"}], asked)
+    page = await c.list_dir("b", "d/", "", 4)
+    assert [f.key for f in page.files] == ["d/a"] and page.dirs == ["b", "c"]
+    assert page.next_token == f"s:d/c/{SUBTREE_END}"  # past the rest of d/c/, not into it
+    await c.http.aclose()
+
