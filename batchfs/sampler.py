@@ -172,6 +172,7 @@ class PlanSampler:
         self._tag = f"plan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._live: list[str] = []
         self._seq = itertools.count()
+        self._unstarted: _Planned | None = None  # the newest iterator, until it is advanced
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -181,9 +182,22 @@ class PlanSampler:
             self.sampler.set_epoch(epoch, *args)
 
     def __iter__(self) -> Iterator:
-        self.close()
-        it = iter(self.sampler)
-        chunk = self._take(it)
+        """The first chunk is planned here, not at the first ``next``: torch's ``DataLoader``
+        asks for the iterator before it starts its worker processes, so the mount fetches
+        while they start (~50 ms). It asks again before taking the first batch; an iterator
+        never advanced hands its planned chunk to the new one (and ends) instead of planning
+        it twice. Otherwise a new iterator deletes the older ones' plans, as before."""
+        prev = self._unstarted
+        if prev is not None and not prev.started:
+            it, chunk = prev.hand_over()
+        else:
+            self.close()
+            it = iter(self.sampler)
+            chunk = self._take(it)
+        self._unstarted = _Planned(self, it, chunk)
+        return self._unstarted
+
+    def _chunks(self, it: Iterator, chunk: list) -> Iterator:
         while chunk:
             nxt = self._take(it)  # planned before this chunk is handed out: one chunk ahead
             for item in chunk:
@@ -220,5 +234,31 @@ class PlanSampler:
 
     def close(self) -> None:
         """Delete every plan this sampler wrote (also done at the start of each iteration)."""
+        self._unstarted = None  # its planned chunk's plan is gone: the next iterator plans anew
         while self._live:
             self._remove(self._live.pop())
+
+
+class _Planned:
+    """``PlanSampler``'s iterator: its first chunk is already planned; ``started`` once advanced."""
+
+    def __init__(self, sampler: PlanSampler, it: Iterator, chunk: list):
+        self._sampler, self._it, self._chunk = sampler, it, chunk
+        self._items: Iterator | None = None
+        self.started = False
+
+    def __iter__(self) -> "_Planned":
+        return self
+
+    def __next__(self):
+        if self._items is None:
+            self.started = True
+            self._items = self._sampler._chunks(self._it, self._chunk)
+        return next(self._items)
+
+    def hand_over(self) -> tuple[Iterator, list]:
+        """(inner iterator, planned first chunk) for a new iterator; this one ends."""
+        self.started = True
+        out = self._it, self._chunk
+        self._it, self._chunk = iter(()), []
+        return out

@@ -4,6 +4,7 @@ under a real PyTorch DataLoader (num_workers=2) over an unchanged map-style Data
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import subprocess
 import sys
@@ -72,6 +73,29 @@ def test_plan_sampler_yields_exactly_the_inner_order(tmp_path):
     assert len(list((tmp_path / ".batch").iterdir())) <= 3
     pb.close()
     assert list((tmp_path / ".batch").iterdir()) == []
+
+
+def test_plan_sampler_plans_when_asked_for_its_iterator_and_once_for_a_second_ask(tmp_path):
+    ctl = tmp_path / ".batch"
+    ctl.mkdir()
+    paths = [str(tmp_path / f"f{i}") for i in range(50)]
+    ps = PlanSampler(_Ints(50), paths, batch_size=4, plan_batches=3)
+    first = iter(ps)
+    plans = sorted(os.listdir(ctl))
+    assert len(plans) == 1  # before anything is taken: a DataLoader starts its workers after
+    second = iter(ps)  # a DataLoader asks twice before its first batch
+    assert sorted(os.listdir(ctl)) == plans  # the same plan, not deleted and written again
+    assert list(second) == list(range(50))
+    assert list(first) == []  # it handed its chunk over
+    third = iter(ps)
+    assert next(third) == 0
+    fourth = iter(ps)  # an advanced iterator is not taken over: a new pass
+    assert list(fourth) == list(range(50))
+    iter(ps)
+    ps.close()  # its plans are gone: the next iterator plans anew
+    assert os.listdir(ctl) == []
+    assert list(ps) == list(range(50)) and os.listdir(ctl)
+    ps.close()
 
 
 # -- a real DataLoader over a real mount ----------------------------------------------------------
