@@ -113,7 +113,7 @@ def _level(text: str) -> str:
 
 def _fuse_loop(text: str) -> str:
     if text not in FUSE_LOOPS:
-        raise UsageError(f"FUSE loop must be 'fast' or 'pyfuse3', not {text!r}")
+        raise UsageError(f"FUSE loop must be {' or '.join(map(repr, FUSE_LOOPS))}, not {text!r}")
     return text
 
 
