@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from batchfs.loader import PathDataset
 from batchfs.sampler import EpochSampler, PlanSampler
-from bench.bench_mount import mount_side, request_counts
+from bench.bench_mount import add_batchfs_args, mount_side, request_counts
 from bench.delayline import LineProcess
 from server.store.store import Store
 from tests.support.procstat import cpu_seconds
@@ -166,8 +166,7 @@ def main() -> int:
     ap.add_argument("--rtt-ms", type=float, default=None,
                     help="put every side behind an emulated network (bench/delayline.py) of this round-trip "
                     "time, milliseconds; 0 is the line without delay (default: no line, direct loopback)")
-    ap.add_argument("--batchfs-args", default="",
-                    help="more arguments for every batchfs mount, e.g. '--fuse-loop pyfuse3' (an A/B on one machine)")
+    add_batchfs_args(ap)
     a = ap.parse_args()
     global WORKERS
     WORKERS = a.workers

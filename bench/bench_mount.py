@@ -136,6 +136,12 @@ def _run_daemonizing(cmd: list[str], log: Path, env: dict | None = None) -> int:
         return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120, env=env).returncode
 
 
+def add_batchfs_args(parser: argparse.ArgumentParser) -> None:
+    """``--batchfs-args``: what ``mount_side`` adds to a batchfs mount's command line."""
+    parser.add_argument("--batchfs-args", default="",
+                        help="more arguments for every batchfs mount, e.g. '--fuse-loop pyfuse3' (an A/B on one machine)")
+
+
 def mount_side(side: str, bucket: str, path: Path, url: str, work: Path, batchfs_args: Sequence[str] = ()) -> Mount:
     """A fresh mount of ``side``; ``batchfs_args`` are added to a batchfs mount's command line."""
     path.mkdir(parents=True, exist_ok=True)
@@ -327,8 +333,7 @@ def main() -> int:
     p.add_argument("--rtt-ms", type=float, default=None,
                    help="put every side (and curl) behind an emulated network (bench/delayline.py) of this "
                    "round-trip time, milliseconds (default: no line, direct loopback)")
-    p.add_argument("--batchfs-args", default="",
-                   help="more arguments for every batchfs mount, e.g. '--fuse-loop pyfuse3' (an A/B on one machine)")
+    add_batchfs_args(p)
     a = p.parse_args()
     sides = a.sides.split(",")
     tests = a.tests.split(",")
