@@ -140,7 +140,7 @@ class BatchFile:
         self.state = "running"
         if m.plan is not None:
             try:
-                self.plan = mgr.plans.add(self.name, mf.entry_paths(m.entries), self.targets, m.plan)
+                self.plan = mgr.plans.add(self.name, mf.entry_paths(m.entries), self.targets, m.plan, self.uid)
             except mf.ManifestError as e:
                 self._fail(str(e))
             self._start(self.plan.run)

@@ -24,8 +24,8 @@ no metadata request (a HEAD and a listing otherwise). The planned bytes then go 
 kernel's page cache at ``open`` (the mount adapter: ``notify_store``), so the loader's reads of a
 planned file never reach the daemon.
 
-Order across plans: a plan starts no batch while an older plan (registered before it) is
-fetching or has room in its window; an older plan never waits for a younger one. A loader
+Order across plans: a plan starts no batch while an older plan of the same user (registered
+before it) is fetching or has room in its window; an older plan never waits for a younger one. A loader
 reads plans in the order it wrote them, and at an epoch's start two plans' first GetBatches
 side by side made the first one, which every reader waits for, take twice as long.
 
@@ -90,9 +90,9 @@ class _Collect:
 
 class Plan:
     def __init__(self, registry: "PlanRegistry", name: str, paths: Sequence[str], targets: Sequence[Target],
-                 spec: PlanSpec):
+                 spec: PlanSpec, uid: int = 0):
         cfg = registry.config
-        self.registry, self.name = registry, name
+        self.registry, self.name, self.uid = registry, name, uid
         self.paths, self.targets = paths, targets
         self.batch_size = spec.batch_size or cfg.batch_size
         self.window = spec.window or cfg.window
@@ -294,7 +294,9 @@ class PlanRegistry:
         self.delegated: dict[str, PathPlanner] = {}  # plans another tree's planner runs
         self.held = 0  # bytes fetched and not yet consumed, across plans
 
-    def add(self, name: str, paths: Sequence[str], targets: Sequence[Target], spec: PlanSpec) -> Plan | TreePlan:
+    def add(self, name: str, paths: Sequence[str], targets: Sequence[Target], spec: PlanSpec,
+            uid: int = 0) -> Plan | TreePlan:
+        """Register a plan written by user ``uid`` (plans wait for older ones of the same user)."""
         owner = next((p for p in self.planners if p.claims(paths[0])), None)
         for i, path in enumerate(paths):
             other = next((p for p in self.planners if p.claims(path)), None)
@@ -308,7 +310,7 @@ class PlanRegistry:
                 raise ManifestError(str(e)) from None
             self.delegated[name] = owner
             return plan
-        plan = Plan(self, name, paths, targets, spec)
+        plan = Plan(self, name, paths, targets, spec, uid)
         self.plans[name] = plan
         return plan
 
@@ -352,15 +354,17 @@ class PlanRegistry:
         return None
 
     def older_busy(self, plan: Plan) -> bool:
-        """Whether a plan made before ``plan`` is fetching or about to. Older plans go first:
-        their data is read first, and a younger plan's GetBatch sharing the link and the
-        server's CPU with it only delays it (a loader's first batch waited for two plans'
-        first fetches). An older plan never waits for a younger one, and is busy only while
-        its window is not full, so a younger plan waits at most one older fetch at a time."""
+        """Whether a plan the same user made before ``plan`` is fetching or about to. Older
+        plans go first: their data is read first, and a younger plan's GetBatch sharing the
+        link and the server's CPU with it only delays it (a loader's first batch waited for
+        two plans' first fetches). An older plan never waits for a younger one, and is busy
+        only while its window is not full, so a younger plan waits at most one older fetch
+        at a time. Other users' plans are not in this order: one user's slow fetch (a plan
+        of large objects) never holds another's plans back."""
         for other in self.plans.values():
             if other is plan:
                 return False
-            if other.busy():
+            if other.uid == plan.uid and other.busy():
                 return True
         return False
 

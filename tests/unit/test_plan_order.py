@@ -1,6 +1,6 @@
 """Prefetch plans share the link in their order: a younger plan starts no GetBatch while an
-older one is fetching or has room in its window (its data is read first), and an older plan
-never waits for a younger one. Over a batch source that records when each fetch starts and
+older one of the same user is fetching or has room in its window (its data is read first),
+an older plan never waits for a younger one, and another user's plans are not held back. Over a batch source that records when each fetch starts and
 lets the test decide when it ends."""
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class _GatedSource:
         await trio.sleep(0.01)  # the plans see it and decide what to fetch next
 
 
-def _plan(reg: PlanRegistry, name: str, n: int):
+def _plan(reg: PlanRegistry, name: str, n: int, uid: int = 0):
     paths = [f"{name}/{i}" for i in range(n)]
-    return reg.add(name, paths, [Target("b", p, p) for p in paths], PlanSpec(batch_size=2, window=2))
+    return reg.add(name, paths, [Target("b", p, p) for p in paths], PlanSpec(batch_size=2, window=2), uid)
 
 
 @pytest.mark.trio
@@ -77,3 +77,17 @@ async def test_a_younger_plan_waits_for_an_older_one_filling_its_window():
         await src.finish("young/6")
         nursery.cancel_scope.cancel()
     assert src.started[-2:] == ["young/4", "young/6"]
+
+
+@pytest.mark.trio
+async def test_another_users_plan_is_not_held_back():
+    src = _GatedSource()
+    reg = PlanRegistry(src, PlanConfig())
+    mine, theirs, my_next = _plan(reg, "mine", 8, uid=1000), _plan(reg, "theirs", 8, uid=1001), \
+        _plan(reg, "next", 8, uid=1000)
+    async with trio.open_nursery() as nursery:
+        for p in (mine, theirs, my_next):
+            nursery.start_soon(p.run)
+        await trio.sleep(0.05)
+        assert sorted(src.started) == ["mine/0", "theirs/0"]  # mine's next plan waits for mine
+        nursery.cancel_scope.cancel()
