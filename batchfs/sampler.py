@@ -182,20 +182,34 @@ class PlanSampler:
             self.sampler.set_epoch(epoch, *args)
 
     def __iter__(self) -> Iterator:
-        """The first chunk is planned here, not at the first ``next``: torch's ``DataLoader``
+        """The first chunk is planned here, not at the first ``next``, when the sampler's
+        order does not come from a random generator (``_order_state``): torch's ``DataLoader``
         asks for the iterator before it starts its worker processes, so the mount fetches
         while they start (~50 ms). It asks again before taking the first batch; an iterator
-        never advanced hands its planned chunk to the new one (and ends) instead of planning
-        it twice. Otherwise a new iterator deletes the older ones' plans, as before."""
-        prev = self._unstarted
-        if prev is not None and not prev.started:
+        never advanced hands its planned chunk to the new one (and ends) if the order is still
+        the same (no ``set_epoch`` or resume in between) instead of planning it twice.
+        Otherwise a new iterator deletes the older ones' plans, as before. A random order
+        (torch's ``RandomSampler`` draws its seed from the global generator when iterated) is
+        drawn at the first ``next``, where the loader draws it without plans: the same seed
+        gives the same order and worker seeds with or without ``PlanSampler``."""
+        prev, state = self._unstarted, _order_state(self.sampler)
+        self._unstarted = None
+        if state is None:
+            return self._at_first_next()
+        if prev is not None and not prev.started and prev.state == state:
             it, chunk = prev.hand_over()
         else:
             self.close()
             it = iter(self.sampler)
             chunk = self._take(it)
-        self._unstarted = _Planned(self, it, chunk)
+            state = _order_state(self.sampler)  # after iter(): a resumed EpochSampler's cursor is spent
+        self._unstarted = _Planned(self, it, chunk, state)
         return self._unstarted
+
+    def _at_first_next(self) -> Iterator:
+        self.close()
+        it = iter(self.sampler)
+        yield from self._chunks(it, self._take(it))
 
     def _chunks(self, it: Iterator, chunk: list) -> Iterator:
         while chunk:
@@ -239,11 +253,30 @@ class PlanSampler:
             self._remove(self._live.pop())
 
 
+def _order_state(sampler) -> tuple | None:
+    """What fixes ``sampler``'s next order, or None if it is drawn from a random generator.
+
+    A list or tuple: ``()``. A sampler chain (a batch sampler's ``.sampler``, …) in which
+    one has ``set_epoch`` (``EpochSampler``, torch's ``DistributedSampler``: seeded from
+    ``(seed, epoch)``): each one's ``epoch`` and ``cursor``, so a changed epoch or resume
+    point shows. Anything else (``RandomSampler``): None."""
+    if isinstance(sampler, (list, tuple)):
+        return ()
+    chain, s = [], sampler
+    while s is not None and len(chain) < 8:
+        chain.append(s)
+        s = getattr(s, "sampler", None)
+    if not any(hasattr(x, "set_epoch") for x in chain):
+        return None
+    return tuple((id(x), getattr(x, "epoch", None), getattr(x, "cursor", None)) for x in chain)
+
+
 class _Planned:
     """``PlanSampler``'s iterator: its first chunk is already planned; ``started`` once advanced."""
 
-    def __init__(self, sampler: PlanSampler, it: Iterator, chunk: list):
+    def __init__(self, sampler: PlanSampler, it: Iterator, chunk: list, state: tuple):
         self._sampler, self._it, self._chunk = sampler, it, chunk
+        self.state = state  # the order's state when it was planned (_order_state)
         self._items: Iterator | None = None
         self.started = False
 

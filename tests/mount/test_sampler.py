@@ -79,23 +79,56 @@ def test_plan_sampler_plans_when_asked_for_its_iterator_and_once_for_a_second_as
     ctl = tmp_path / ".batch"
     ctl.mkdir()
     paths = [str(tmp_path / f"f{i}") for i in range(50)]
-    ps = PlanSampler(_Ints(50), paths, batch_size=4, plan_batches=3)
+    order = EpochSampler(50, seed=1)
+    want = order.order()
+    ps = PlanSampler(order, paths, batch_size=4, plan_batches=3)
     first = iter(ps)
     plans = sorted(os.listdir(ctl))
     assert len(plans) == 1  # before anything is taken: a DataLoader starts its workers after
     second = iter(ps)  # a DataLoader asks twice before its first batch
     assert sorted(os.listdir(ctl)) == plans  # the same plan, not deleted and written again
-    assert list(second) == list(range(50))
+    assert list(second) == want
     assert list(first) == []  # it handed its chunk over
     third = iter(ps)
-    assert next(third) == 0
+    assert next(third) == want[0]
     fourth = iter(ps)  # an advanced iterator is not taken over: a new pass
-    assert list(fourth) == list(range(50))
+    assert list(fourth) == want
     iter(ps)
     ps.close()  # its plans are gone: the next iterator plans anew
     assert os.listdir(ctl) == []
-    assert list(ps) == list(range(50)) and os.listdir(ctl)
+    assert list(ps) == want and os.listdir(ctl)
+    # a new epoch or a resume point between the two asks: the new order, not the planned one
+    iter(ps)
+    ps.set_epoch(1)
+    assert list(iter(ps)) == epoch_order(50, 1, 1)
+    iter(ps)
+    order.set_epoch(2, 6)  # on the inner sampler, as a resume would
+    assert list(iter(ps)) == epoch_order(50, 1, 2)[6:]
     ps.close()
+
+
+def test_a_random_order_is_drawn_where_the_loader_draws_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    (tmp_path / ".batch").mkdir()
+    paths = [str(tmp_path / f"f{i}") for i in range(40)]
+
+    def run(plans: bool) -> tuple[list, int]:
+        torch.manual_seed(0)
+        batches = BatchSampler(RandomSampler(range(40)), 4, False)
+        sampler = PlanSampler(batches, paths) if plans else batches
+        if plans:
+            iter(sampler)
+            assert os.listdir(tmp_path / ".batch") == []  # nothing drawn (or planned) yet
+        loader = DataLoader(list(range(40)), batch_sampler=sampler, collate_fn=list)
+        it = iter(loader)
+        got = [b for b in it]
+        if plans:
+            sampler.close()
+        return got, it._base_seed
+
+    assert run(True) == run(False)  # the same seed: the same order and worker seeds
 
 
 # -- a real DataLoader over a real mount ----------------------------------------------------------
