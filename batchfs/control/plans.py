@@ -25,7 +25,8 @@ kernel's page cache at ``open`` (the mount adapter: ``notify_store``), so the lo
 planned file never reach the daemon.
 
 Order across plans: a plan starts no batch while an older plan of the same user (registered
-before it) is fetching or has room in its window; an older plan never waits for a younger one. A loader
+before it) is fetching or has room in its window, unless one of its own readers waits for it;
+an older plan never waits for a younger one. A loader
 reads plans in the order it wrote them, and at an epoch's start two plans' first GetBatches
 side by side made the first one, which every reader waits for, take twice as long.
 
@@ -115,12 +116,13 @@ class Plan:
         self.errors: list[str] = []
         self.last_activity = time.monotonic()
         self._moved = trio.Event()
+        self.readers_waiting = 0  # readers in _await: this plan then fetches whatever older plans do
 
     # -- fetching ----------------------------------------------------------------------------
     async def run(self) -> None:
         try:
             while self.next_batch < self.nbatches:
-                while not self._may_start() or self.registry.older_busy(self):
+                while not self._may_start() or (not self.readers_waiting and self.registry.older_busy(self)):
                     self._moved = trio.Event()
                     await self._moved.wait()
                 b = self.next_batch
@@ -212,8 +214,13 @@ class Plan:
         self.last_activity = time.monotonic()
         if i not in self.data and self.state == "running" and (b in self.fetching or b < self.cursor + self.window):
             t = time.monotonic()
-            with trio.move_on_after(self.registry.config.wait_seconds):
-                await self.batch_done[b].wait()
+            self.readers_waiting += 1
+            self._moved.set()  # a reader is here: older plans no longer go first (run)
+            try:
+                with trio.move_on_after(self.registry.config.wait_seconds):
+                    await self.batch_done[b].wait()
+            finally:
+                self.readers_waiting -= 1
             self.counts["waits"] += 1  # a reader came before its batch: the plan is not far enough ahead
             self.counts["wait_seconds"] += time.monotonic() - t
 
@@ -358,9 +365,10 @@ class PlanRegistry:
         plans go first: their data is read first, and a younger plan's GetBatch sharing the
         link and the server's CPU with it only delays it (a loader's first batch waited for
         two plans' first fetches). An older plan never waits for a younger one, and is busy
-        only while its window is not full, so a younger plan waits at most one older fetch
-        at a time. Other users' plans are not in this order: one user's slow fetch (a plan
-        of large objects) never holds another's plans back."""
+        while it fetches or its window has room; a younger plan waits for that, but no longer
+        once one of its own readers waits for it (``run``): two loaders of one user each get
+        their plans fetched. Other users' plans are not in this order: one user's slow fetch
+        (a plan of large objects) never holds another's back."""
         for other in self.plans.values():
             if other is plan:
                 return False
