@@ -56,8 +56,9 @@ class LocalNode:
         """The buckets clients see, sorted: not the chunks buckets a cluster keeps beside them."""
         return sorted(b for b in self.target_store.buckets if owner_bucket(b) is None)
 
-    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:
-        return self.target_store.list_page(bucket, prefix, after, limit)
+    def list_page(self, bucket: str, prefix: str, after: str, limit: int,
+                  inclusive: bool = False) -> tuple[list[Listed], str]:
+        return self.target_store.list_page(bucket, prefix, after, limit, inclusive)
 
     # -- objects ---------------------------------------------------------------------------
     def lookup(self, bucket: str, name: str) -> ObjectMeta:

@@ -252,33 +252,36 @@ def _entry(m) -> dict:
             "c": 1, "f": ENTRY_OK_PRESENT}
 
 
-_PAST = "\U0010ffff"  # the largest code point: d + _PAST sorts after every name under d/
 _FIRST_READ = 8  # names a non-recursive page reads first, and again past each subtree
 
 
 def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bool) -> tuple[list[dict], str]:
     """One page of a non-recursive listing: the objects directly under ``prefix`` (up to its
     last '/') and, unless ``dirs`` is False, each virtual subdirectory once, as ``name/`` with
-    ``EntryIsDir``, in name order (as AIStore's LsNoRecursion). A token naming a directory
-    resumes after its whole subtree."""
+    ``EntryIsDir``, in name order (as AIStore's LsNoRecursion). A token naming a subdirectory
+    resumes after its whole subtree; the directory's own marker object (``base`` itself, a
+    name ending in '/') is an object of the level, after which its names follow."""
     base = prefix[: prefix.rfind("/") + 1]
-    after = token + _PAST if token.endswith("/") else token
+    if token.endswith("/") and len(token) > len(base):
+        after, inclusive = _past(token), True
+    else:
+        after, inclusive = token, False
     out: list[dict] = []
     size = min(limit, _FIRST_READ)
     while len(out) < limit:
-        page, nxt = node.list_page(bucket, prefix, after, size)
+        page, nxt = node.list_page(bucket, prefix, after, size, inclusive)
         skipped = False
         for m in page:
             rest = m.name[len(base):]
             cut = rest.find("/")
             if cut < 0:
                 out.append(_entry(m))
-                after = m.name
+                after, inclusive = m.name, False
             else:  # a name in a subdirectory: the directory once, then past its subtree
                 d = base + rest[: cut + 1]
                 if dirs:
                     out.append({"n": d, "s": 0, "f": ENTRY_IS_DIR})
-                after, skipped = d + _PAST, True
+                after, inclusive, skipped = _past(d), True, True
                 break
             if len(out) == limit:
                 break
@@ -286,10 +289,17 @@ def _list_level(node, bucket: str, prefix: str, token: str, limit: int, dirs: bo
             return out, ""
         # Reads start small and double while they find names of this level: in a directory
         # of directories each read stops at the next one's first name (a full page each: a
-        # root of 24 directories took 65-78 ms, now 6-13), and a flat one reads in ~log pages.
+        # root of 24 directories took 65-78 ms, now 4-13), and a flat one reads in ~log pages.
         size = min(limit, _FIRST_READ if skipped else size * 2)
-    more = bool(node.list_page(bucket, prefix, after, 1)[0])
+    more = bool(node.list_page(bucket, prefix, after, 1, inclusive)[0])
     return out, (out[-1]["n"] if more else "")
+
+
+def _past(d: str) -> str:
+    """The least name after every name under the directory ``d`` (from, inclusive): '0'
+    follows '/'. (``d`` + U+10FFFF, exclusive, was not: ``d/\U0010ffffx`` sorts after it,
+    and such a name made the listing find ``d/`` again forever.)"""
+    return d[:-1] + "0"
 
 
 async def _bucket_summary(request: web.Request, bucket: str, value) -> web.Response:

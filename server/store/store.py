@@ -387,15 +387,17 @@ class Store:
                 for i, c in enumerate(meta.chunks) if c.mp != ELSEWHERE]
 
     # -- listing ---------------------------------------------------------------------------
-    def list_page(self, bucket: str, prefix: str, after: str, limit: int) -> tuple[list[Listed], str]:
-        """Up to ``limit`` objects with names > ``after`` starting with ``prefix``, in name
-        order, and the token for the next page ('' when this is the last page)."""
+    def list_page(self, bucket: str, prefix: str, after: str, limit: int,
+                  inclusive: bool = False) -> tuple[list[Listed], str]:
+        """Up to ``limit`` objects with names > ``after`` (>= with ``inclusive``) starting with
+        ``prefix``, in name order, and the token for the next page ('' when this is the last
+        page)."""
         self.require_bucket(bucket)
         if limit <= 0:
             raise ValueError("page size must be positive")
         # Names strictly after the token, or from the prefix on, whichever is later.
         if after >= prefix:
-            where, bound = "name > ?", after
+            where, bound = ("name >= ?" if inclusive else "name > ?"), after
         else:
             where, bound = "name >= ?", prefix
 
