@@ -10,8 +10,9 @@
   before handing out indices, writes prefetch plans (``*.plan``) for the upcoming
   ``plan_batches`` batches, so an unchanged map-style ``Dataset`` whose ``__getitem__`` does
   ``open(path).read()`` reads data the mount already fetched, one GetBatch per batch, in any
-  DataLoader worker process. It keeps the plan for the chunk being handed out and the next
-  one; older plans are deleted (they are cancelled and freed by the mount).
+  DataLoader worker process. It keeps three plans — the chunk being handed out, the one
+  before it (its stragglers) and the next — and deletes older ones (the mount cancels and
+  frees them).
 
 A ``DataLoader`` accepts any iterable with ``__len__`` as ``sampler`` or ``batch_sampler``,
 which is why nothing here needs to subclass ``torch.utils.data.Sampler``.
