@@ -26,9 +26,9 @@ planned file never reach the daemon.
 
 Order across plans: a plan starts no batch while an older plan of the same user (registered
 before it) is fetching or has room in its window, unless one of its own readers waits for it;
-an older plan never waits for a younger one. A loader
-reads plans in the order it wrote them, and at an epoch's start two plans' first GetBatches
-side by side made the first one, which every reader waits for, take twice as long.
+an older plan never waits for a younger one. A loader reads plans in the order it wrote
+them, and at an epoch's start two plans' first GetBatches side by side made the first one,
+which every reader waits for, take twice as long.
 
 Bounds: a plan holds at most ``window`` fetched batches; across all plans, no new batch
 starts while ``memory_bytes`` are held (so the bound is ``memory_bytes`` plus one batch);
