@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import re
@@ -139,7 +140,8 @@ async def list_objects(request: web.Request) -> web.Response:
     pagesize = value.get("pagesize") or LIST_PAGE_DEFAULT
     if not isinstance(pagesize, int) or isinstance(pagesize, bool) or pagesize < 0:
         raise BadRequest("pagesize must be a non-negative integer")
-    value["pagesize"] = pagesize
+    # a node's cap (AIStore's too): a target answers at most LIST_PAGE_MAX names a page
+    pagesize = value["pagesize"] = min(pagesize, native_buckets.LIST_PAGE_MAX)
     uuid = value.pop("uuid", None)  # the listing's id, echoed (AIStore's continuation carries it)
     gw = gateway_of(request)
     # compact, and no larger than a target reads from a node (its 403 for a larger signed body
@@ -170,6 +172,12 @@ async def list_objects(request: web.Request) -> web.Response:
         for e in entries:
             merged.setdefault(e["n"], e)  # a name on two targets (a copy) is listed once
     names = sorted(merged)
+    # A target with more to list stopped at its last name: past the least of those, a name it
+    # holds may be missing here, so the page ends there (the client's next page resumes from
+    # it). Merging past it skipped names: targets capped at 10,000 while 20,000 were asked.
+    bound = min((entries[-1]["n"] for entries, token in pages if token and entries), default=None)
+    if bound is not None:
+        names = names[:bisect.bisect_right(names, bound)]
     page = [merged[n] for n in names[:pagesize]]
     more |= len(names) > pagesize
     reply = {"UUID": uuid if isinstance(uuid, str) and uuid else gw.smap.uuid, "Entries": page, "Flags": 0,
