@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import random
@@ -83,9 +84,13 @@ def load(data_dir: Path, sets: dict[str, tuple[int, int]]) -> None:
 # ---------------------------------------------------------------- (a) TAR views
 
 
-def read_view(ctl: Path, listing: list[str], bufsize: int = MiB) -> tuple[float, float, int]:
-    """Submit ``listing`` as batch ``ctl`` and read its TAR view with tarfile (stream mode,
-    ``bufsize`` reads): (seconds to the first byte, seconds in all, bytes of members)."""
+def read_view(ctl: Path, listing: list[str], buffer: int = MiB) -> tuple[float, float, int]:
+    """Submit ``listing`` as batch ``ctl`` and read its TAR view with tarfile in stream mode
+    over a ``buffer``-byte BufferedReader, as docs/batch.md advises (``open(ctl, "rb")`` gets
+    the mount's 1 MiB block size as its buffer): (seconds to the first byte, seconds in all,
+    bytes of members). Not ``bufsize=1 MiB``, as this did until 2026-11-29: tarfile's stream
+    mode copies what is left of its buffer at every header and member it reads (3.7 ms more
+    per 128 members, in the reader's CPU, for the same 1 MiB reads)."""
     t0 = time.perf_counter()
     with open(ctl, "w") as f:
         f.write("\n".join(listing) + "\n")
@@ -93,15 +98,18 @@ def read_view(ctl: Path, listing: list[str], bufsize: int = MiB) -> tuple[float,
     first = None
     got = n = 0
     try:
-        class Raw:  # tarfile's stream mode reads a file object; time the first read(2)
-            def read(self, size):
+        class Raw(io.RawIOBase):  # the reads of open(ctl, "rb"), timing the first read(2)
+            def readable(self):
+                return True
+
+            def readinto(self, b):
                 nonlocal first
-                b = os.read(fd, size)
+                k = os.readv(fd, [b])
                 if first is None:
                     first = time.perf_counter() - t0
-                return b
+                return k
 
-        with tarfile.open(fileobj=Raw(), mode="r|", bufsize=bufsize) as tf:
+        with io.BufferedReader(Raw(), buffer) as f, tarfile.open(fileobj=f, mode="r|") as tf:
             for m in tf:
                 got += len(tf.extractfile(m).read())
                 n += 1
