@@ -165,26 +165,34 @@ async def list_objects(request: web.Request) -> web.Response:
         raise Unavailable(f"{len(gw.missing())} targets are down ({', '.join(sorted(gw.missing()))}): with "
                           f"{copies} copies of each object of ais://{bucket}, a listing would miss objects")
     pages = await asyncio.gather(*(_list_one(gw, request, t, body, request_headers) for t in live))
-    merged: dict[str, dict] = {}
-    more = False
-    for entries, token in pages:
-        more |= bool(token)
-        for e in entries:
-            merged.setdefault(e["n"], e)  # a name on two targets (a copy) is listed once
-    names = sorted(merged)
-    # A target with more to list stopped at its last name: past the least of those, a name it
-    # holds may be missing here, so the page ends there (the client's next page resumes from
-    # it). Merging past it skipped names: targets capped at 10,000 while 20,000 were asked.
-    bound = min((entries[-1]["n"] for entries, token in pages if token and entries), default=None)
-    if bound is not None:
-        names = names[:bisect.bisect_right(names, bound)]
-    page = [merged[n] for n in names[:pagesize]]
-    more |= len(names) > pagesize
+    page, more = merge_pages(pages, pagesize)
     reply = {"UUID": uuid if isinstance(uuid, str) and uuid else gw.smap.uuid, "Entries": page, "Flags": 0,
              "ContinuationToken": page[-1]["n"] if more and page else ""}
     if request.headers.get("Accept", "").startswith("application/json"):
         return web.json_response(reply)
     return web.Response(body=msgpack.packb(reply), headers={"Content-Type": "application/msgpack"})
+
+
+def merge_pages(pages: list[tuple[list[dict], str]], pagesize: int) -> tuple[list[dict], bool]:
+    """Targets' pages of one listing (entries, continuation token) -> the gateway's page (at
+    most ``pagesize`` entries, in name order, a name held by two targets once) and whether
+    more follow. A target with more to list stopped at its last name: past the least of
+    those a name it holds may be missing, so the page ends there and the client's next page
+    resumes from it. (Merging past it skipped names: targets capped at 10,000 a page while
+    20,000 were asked.) A target answering a token with no entries is not a bound: nodes
+    never do (a page holds at least one name)."""
+    merged: dict[str, dict] = {}
+    more = False
+    for entries, token in pages:
+        more |= bool(token)
+        for e in entries:
+            merged.setdefault(e["n"], e)
+    names = sorted(merged)
+    bound = min((entries[-1]["n"] for entries, token in pages if token and entries), default=None)
+    if bound is not None:
+        names = names[:bisect.bisect_right(names, bound)]
+    more |= len(names) > pagesize
+    return [merged[n] for n in names[:pagesize]], more
 
 
 def _message_of(raw: bytes) -> str:

@@ -28,7 +28,7 @@ def test_a_page_larger_than_a_targets_cap_skips_nothing(tmp_path):
         # a page, a stops at its 10,000th name and b's page is its four: the gateway used to
         # merge both pages whole, so a's 10,001st name was never listed (and the page was
         # larger than a node's).
-        on_b = [n for n in (f"{p}{i}" for p in "mz" for i in range(200)) if ranked(smap, "big", n)[0] == b]
+        on_b = [n for n in (f"{p}{i:03d}" for p in "mz" for i in range(200)) if ranked(smap, "big", n)[0] == b]
         on = {name: ranked(smap, "big", name)[0] for name in (f"n{i:06d}" for i in range(30_000))}
         names = on_b[:3] + list(itertools.islice((n for n, t in on.items() if t == a), CAP + 1))
         names.append(next(n for n in on_b if n.startswith("z")))
