@@ -14,8 +14,9 @@ from ``base`` to ``produced``: whatever a reader has passed (minus ``keep_behind
 kernel's readahead, which may revisit a little) is dropped. Bounds:
 
 - memory: the producer waits while ``produced - base >= buffer_bytes`` and no reader is waiting
-  beyond ``produced``; pieces are appended at most ``PIECE`` bytes at a time, so the buffer never
-  holds more than ``buffer_bytes + PIECE``;
+  beyond ``produced``; a member's header, bytes and padding are gathered and appended as one
+  chunk, at most ``PIECE`` bytes at a time, so the buffer never holds more than
+  ``buffer_bytes + PIECE`` and the member being gathered at most ``PIECE`` more;
 - time to first byte: a read returns once ``min(size, return_min_bytes)`` of its bytes exist
   (or the batch ended), with as much as is there: a short read, which read(2) callers
   (tarfile, GNU tar, BufferedReader) loop on. So a reader asking for 1 MiB at a time gets the
@@ -31,7 +32,9 @@ the status file. A truncated TAR is therefore never served as if complete.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 import dataclasses
 import tarfile
@@ -78,6 +81,9 @@ class TarView:
         self.config = config
         self._gz = zlib.compressobj(6, zlib.DEFLATED, 31) if mime == "tgz" else None
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._ends: collections.deque[int] = collections.deque()  # each chunk's end offset (for bisect)
+        self._member: list[bytes] = []  # the member being produced: header, bytes (see ``end``)
+        self._member_bytes = 0
         self.base = 0  # offset of the first byte still held
         self.produced = 0  # bytes produced so far
         self._want_end = 0  # a reader waits for bytes up to here
@@ -109,20 +115,36 @@ class TarView:
             self.finished = True
             self._notify()
 
+    # A member is gathered (header, bytes, padding) and appended as one chunk, up to PIECE
+    # bytes at a time: three chunks per small member made every read's slice walk three times
+    # as many (a third of the view's CPU in the daemon for 10 KiB members).
     async def begin(self, head: MemberHead) -> None:
         self._member_size = head.size
         self.missing += head.missing
-        await self._put(tar_header(head.name, head.size, head.mtime))
+        await self._gather(tar_header(head.name, head.size, head.mtime))
 
     async def data(self, chunk) -> None:
         for i in range(0, len(chunk), PIECE):
-            await self._put(bytes(chunk[i:i + PIECE]))  # a copy: chunk may be a view of the socket's buffer
+            await self._gather(chunk[i:i + PIECE])  # copied by the join: chunk may be a view of the socket's buffer
 
     async def end(self) -> None:
         pad = -self._member_size % tarfile.BLOCKSIZE
         if pad:
-            await self._put(b"\0" * pad)
+            self._member.append(b"\0" * pad)
+        await self._flush_member()
         self.members_done += 1
+
+    async def _gather(self, piece) -> None:
+        if self._member_bytes + len(piece) > PIECE:
+            await self._flush_member()
+        self._member.append(piece)
+        self._member_bytes += len(piece)
+
+    async def _flush_member(self) -> None:
+        if self._member:
+            data = b"".join(self._member)
+            self._member, self._member_bytes = [], 0
+            await self._put(data)
 
     async def _put(self, data: bytes, raw: bool = False) -> None:
         if self._gz is not None and not raw:
@@ -133,6 +155,7 @@ class TarView:
             await self._changed()
         self._chunks.append(data)
         self.produced += len(data)
+        self._ends.append(self.produced)
         if self.first_byte_seconds is None:
             self.first_byte_seconds = time.monotonic() - self.started
         self._notify()
@@ -160,20 +183,21 @@ class TarView:
         return out
 
     def _slice(self, start: int, stop: int) -> bytes:
-        parts, pos = [], self.base
-        for c in self._chunks:
+        i = bisect.bisect_right(self._ends, start)  # the chunk holding ``start``, found, not walked to
+        parts = []
+        for c, end in zip(itertools.islice(self._chunks, i, None), itertools.islice(self._ends, i, None)):
+            pos = end - len(c)
             if pos >= stop:
                 break
-            lo, hi = max(start, pos), min(stop, pos + len(c))
-            if lo < hi:
-                parts.append(c[lo - pos:hi - pos])
-            pos += len(c)
+            lo, hi = max(start, pos), min(stop, end)
+            parts.append(c[lo - pos:hi - pos] if lo > pos or hi < end else c)
         return b"".join(parts)
 
     def _trim(self, upto: int) -> None:
         freed = False
         while self._chunks and self.base + len(self._chunks[0]) <= upto:
             self.base += len(self._chunks.popleft())
+            self._ends.popleft()
             freed = True
         if freed:
             self._notify()
