@@ -48,6 +48,8 @@ import httpx
 import trio
 
 from batchfs.objclient.base import ObjectClient
+from batchfs.objclient.http1 import ConnectionFailed, StreamedReply
+from batchfs.objclient.httppool import lean_stream
 from batchfs.objclient.tarstream import BLOCK, TarStream, next_header
 from batchfs.errors import BackendError, NotFound
 from batchfs.wire.getbatch import MISSING_PREFIX, STALL_HEADER, Target, member_name, request_body
@@ -140,20 +142,25 @@ class GetBatchSource:
         self.base = endpoint.rstrip("/")
         self.config = config
 
-    def _request(self, targets: Sequence[Target]) -> httpx.Request:
-        body = request_body(targets, coer=True, onob=False, strm=True)
-        url = self.base + moss_path(targets[0].bucket)
-        return self.http.build_request("GET", url, params={"provider": "ais"}, content=json.dumps(body).encode(),
-                                       headers={"Content-Type": "application/json"})
+    async def _send(self, targets: Sequence[Target]) -> httpx.Response | StreamedReply:
+        """The part's request, its reply streaming: over the lean HTTP/1.1 pool when the
+        client is ours and the endpoint ``http://`` (``httppool.lean_stream``), else httpx."""
+        body = json.dumps(request_body(targets, coer=True, onob=False, strm=True)).encode()
+        url = self.base + moss_path(targets[0].bucket) + "?provider=ais"
+        headers = {"Content-Type": "application/json"}
+        resp = await lean_stream(self.http, "GET", url, headers, body)
+        if resp is None:
+            resp = await self.http.send(self.http.build_request("GET", url, content=body, headers=headers), stream=True)
+        return resp
 
-    async def _open(self, targets: Sequence[Target], first: int) -> httpx.Response:
+    async def _open(self, targets: Sequence[Target], first: int) -> httpx.Response | StreamedReply:
         """Send one part's request; retry 429/5xx/connection errors; return it streaming."""
         last, status = "", None
         n, give_up_at = 0, trio.current_time() + self.config.retry_seconds
         while True:
             try:  # the client's headers carry the bearer token, if any (objclient.ais)
-                resp = await self.http.send(self._request(targets), stream=True)
-            except httpx.TransportError as e:
+                resp = await self._send(targets)
+            except (httpx.TransportError, ConnectionFailed) as e:
                 last, status, transient = f"{type(e).__name__}: {e}", None, True
             else:
                 status = resp.status_code
@@ -175,7 +182,7 @@ class GetBatchSource:
             n += 1
         raise BatchFetchError(first, last, status)
 
-    def _unread_max(self, resp: httpx.Response) -> float:
+    def _unread_max(self, resp: httpx.Response | StreamedReply) -> float:
         """How long a pipelined reply may wait unread: ``pipelined_unread_max_seconds``, or half
         of what the server says it waits (``STALL_HEADER``) if less — a server set to cut
         unread replies sooner than 20 s cut the pipelined part all the same (a review)."""
@@ -237,14 +244,14 @@ class GetBatchSource:
                 # start() returns once the part holds a pipeline slot: parts open in order
                 await nursery.start(run_part, k, first, count)
 
-    async def _consume(self, resp: httpx.Response, first: int, part: Sequence[Target], coer: bool,
+    async def _consume(self, resp: httpx.Response | StreamedReply, first: int, part: Sequence[Target], coer: bool,
                        sink: MemberSink) -> None:
         r = TarStream(resp)
         for j, t in enumerate(part):
             i = first + j
             try:
                 info = await next_header(r)
-            except (ValueError, httpx.HTTPError) as e:
+            except (ValueError, httpx.HTTPError, ConnectionFailed) as e:
                 raise BatchFetchError(i, f"{t.member}: {e}") from None
             if info is None:
                 raise BatchFetchError(i, f"{t.member}: the GetBatch stream ended after {i} of the batch's members")
@@ -262,7 +269,7 @@ class GetBatchSource:
                 async for piece in r.pieces(info.size):
                     got_bytes += len(piece)
                     await sink.data(piece)
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, ConnectionFailed) as e:
                 raise BatchFetchError(i, f"{t.member}: stream failed: {e}") from None
             if got_bytes < info.size:
                 raise BatchFetchError(i, f"{t.member}: the stream ended {info.size - got_bytes} bytes short")
@@ -273,11 +280,14 @@ class GetBatchSource:
             await trio.lowlevel.checkpoint()
         try:
             extra = await next_header(r)
-        except (ValueError, httpx.HTTPError):
+        except (ValueError, httpx.HTTPError, ConnectionFailed):
             extra = None  # the trailer after the last member is not worth failing a complete batch
         if extra is not None:
             raise BatchFetchError(first + len(part), f"server sent an unexpected member {extra.name!r}")
-        await r.drain(DRAIN_MAX_BYTES)
+        try:
+            await r.drain(DRAIN_MAX_BYTES)
+        except (httpx.HTTPError, ConnectionFailed):
+            pass  # every member is delivered; the connection is closed rather than reused
 
 
 DRAIN_MAX_BYTES = 64 * 1024  # the rest of a reply (end-of-archive blocks) read so its connection is reused

@@ -46,6 +46,57 @@ class Reply1:
 
 
 
+class Headers(dict):
+    """Response headers with lower-case keys; ``get`` is case-insensitive like httpx's."""
+
+    def get(self, key: str, default=None):
+        return dict.get(self, key.lower(), default)
+
+
+class StreamParse:
+    """``httptools`` callbacks for a response whose body is read as it arrives: the final head
+    (1xx heads skipped), then the body's pieces — chunked coding already removed by the
+    parser — queued in ``pieces`` until the reader takes them. The queue holds at most what
+    one ``feed_data`` call parsed (one socket read), because the reader empties it before it
+    reads the socket again."""
+
+    __slots__ = ("parser", "status", "headers", "head_done", "done", "broken", "pieces")
+
+    def __init__(self):
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers = Headers()
+        self.head_done = self.done = False
+        self.broken = False  # the framing is lost: the connection must not be reused
+        self.pieces: list[bytes] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # informational: the real head follows
+            self.headers = Headers()
+            return
+        self.status, self.head_done = status, True
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+
+    def on_message_begin(self) -> None:
+        if self.done:  # we never pipeline: bytes after the response's end mean the framing is lost
+            self.broken = True
+            raise ConnectionFailed("more bytes after the end of the response")
+
+    def on_message_complete(self) -> None:
+        self.done = self.head_done
+
+    def keep_alive(self) -> bool:
+        """Whether the connection may carry another request once this response is complete."""
+        return (self.done and not self.broken and self.parser.get_http_version() == "1.1"
+                and "close" not in self.headers.get("connection", "").lower())
+
+
 class StaleConnection(Exception):
     """A reused connection failed before any byte of its reply (the server closed it idle)."""
 

@@ -15,7 +15,9 @@ GET per file, so that is most of the daemon's time per file (docs/mount-bench.md
 ``lean_request`` sends ``http://`` object requests through ``Http1Pool`` (h11 still parses and
 validates every response) and ``https://`` ones straight to the httpcore pool under the httpx
 client; both follow redirects (an AIStore proxy redirects object requests to a target) and
-return a small ``Reply``. Listings and bucket requests stay on httpx. When the client has
+return a small ``Reply``. GetBatch replies, which stream, go the same way (``lean_stream``:
+``Http1Pool.stream``, head and body in one send, the chunked reply parsed by httptools) for
+``http://`` endpoints. Listings and bucket requests stay on httpx. When the client has
 another transport (tests' ``MockTransport``), everything takes the ordinary httpx path.
 
 Retry policy: 429, 5xx and connection errors are retried with full-jitter exponential
@@ -34,7 +36,8 @@ import httpcore
 import httpx
 import trio
 
-from batchfs.objclient.http1 import ConnectionFailed, Http1Pool
+from batchfs.objclient.http1 import ConnectionFailed, Http1Pool, StreamedReply
+from batchfs.objclient.http1exchange import Headers
 from batchfs.buffers import uninitialized
 from batchfs.objclient.config import ClientConfig
 from batchfs.errors import BackendError, RequestTimeout
@@ -122,11 +125,7 @@ class _PooledTransport(httpx.AsyncHTTPTransport):
         await super().aclose()
 
 
-class _Headers(dict):
-    """Response headers with lower-case keys; ``get`` is case-insensitive like httpx's."""
-
-    def get(self, key: str, default=None):
-        return dict.get(self, key.lower(), default)
+_Headers = Headers
 
 
 class Reply:
@@ -247,6 +246,35 @@ async def _http1_request(transport: _PooledTransport, method: str, url: str, hea
     if into is not None and r.body is into:
         return Reply(r.status, _Headers(r.headers), b"", {BODY: into})
     return Reply(r.status, _Headers(r.headers), r.body, {})
+
+
+async def lean_stream(http: httpx.AsyncClient, method: str, url: str, headers: dict[str, str],
+                      body: bytes) -> StreamedReply | None:
+    """``method url`` with ``body``, its response's body left to read as it arrives
+    (``StreamedReply.aiter_raw``), redirects followed with the same method and body (a gateway
+    sends a GetBatch to its designated target with a 307); the client's own headers (a bearer
+    token) go along. None when the client is not ours or the URL is not ``http://``: the caller
+    then uses httpx. Why: per GetBatch reply httpx and h11 cost the daemon more CPU than the
+    members' own handling, and send a request's head and body in two writes (docs/network.md)."""
+    transport = getattr(http, "_transport", None)
+    if not isinstance(transport, _PooledTransport) or not url.startswith("http://"):
+        return None
+    sent = [(k, v) for k, v in http.headers.items() if k.lower() == "authorization"]
+    sent += [(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length", "authorization")]
+    origin = url[len("http://"):].partition("/")[0]
+    for _ in range(MAX_REDIRECTS):
+        netloc, _, path = url[len("http://"):].partition("/")
+        if netloc != origin:  # as httpx: no credentials to another origin (the redirect carries a grant)
+            sent = [(k, v) for k, v in sent if k.lower() != "authorization"]
+        resp = await transport.http1_pool(netloc).stream(method, "/" + path, sent, body)
+        location = resp.headers.get("location") if resp.status_code in REDIRECT_STATUS else None
+        if not location:
+            return resp
+        await resp.aclose()
+        url = urllib.parse.urljoin(url, location)
+        if not url.startswith("http://"):
+            raise ConnectionFailed(f"{method}: redirected to {url}, which is not http://")
+    raise BackendError(f"{method} {url}: more than {MAX_REDIRECTS} redirects")
 
 
 def make_http_client(config: ClientConfig) -> httpx.AsyncClient:
