@@ -112,6 +112,7 @@ class TarView:
             log.exception("batch view failed")
             self.error = f"internal error: {type(e).__name__}: {e}"
         finally:
+            self._append_gathered()  # what arrived of a failed member stays readable
             self.finished = True
             self._notify()
 
@@ -122,6 +123,8 @@ class TarView:
         self._member_size = head.size
         self.missing += head.missing
         await self._gather(tar_header(head.name, head.size, head.mtime))
+        if head.size >= PIECE:  # a large member's header goes at once: its first byte is not delayed
+            await self._flush_member()
 
     async def data(self, chunk) -> None:
         for i in range(0, len(chunk), PIECE):
@@ -130,7 +133,7 @@ class TarView:
     async def end(self) -> None:
         pad = -self._member_size % tarfile.BLOCKSIZE
         if pad:
-            self._member.append(b"\0" * pad)
+            await self._gather(b"\0" * pad)
         await self._flush_member()
         self.members_done += 1
 
@@ -145,6 +148,19 @@ class TarView:
             data = b"".join(self._member)
             self._member, self._member_bytes = [], 0
             await self._put(data)
+
+    def _append_gathered(self) -> None:
+        """After a failure: the gathered part of the member appended without waiting for room
+        (at most PIECE over the bound, once), so a reader gets every byte that arrived."""
+        if self._member:
+            data = b"".join(self._member)
+            self._member, self._member_bytes = [], 0
+            if self._gz is not None:
+                data = self._gz.compress(data)
+            if data:
+                self._chunks.append(data)
+                self.produced += len(data)
+                self._ends.append(self.produced)
 
     async def _put(self, data: bytes, raw: bool = False) -> None:
         if self._gz is not None and not raw:
@@ -176,6 +192,8 @@ class TarView:
                     await self._changed()
         except trio.TooSlowError:
             raise BatchIOError(f"no data for {self.config.read_timeout_seconds:g}s at offset {offset}") from None
+        if offset < self.base:  # a reader further on trimmed past it while this one waited
+            raise Rewound(f"offset {offset} was dropped while the read waited (the view holds {self.base}..{self.produced})")
         if offset >= self.produced and self.error is not None:
             raise BatchIOError(self.error)
         out = self._slice(offset, min(want, self.produced))
@@ -183,7 +201,7 @@ class TarView:
         return out
 
     def _slice(self, start: int, stop: int) -> bytes:
-        i = bisect.bisect_right(self._ends, start)  # the chunk holding ``start``, found, not walked to
+        i = bisect.bisect_right(self._ends, start)  # the chunk holding ``start`` (islice skips to it in C)
         parts = []
         for c, end in zip(itertools.islice(self._chunks, i, None), itertools.islice(self._ends, i, None)):
             pos = end - len(c)
