@@ -136,6 +136,13 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 # -- GetBatch ------------------------------------------------------------------------------------
+async def _close(resp: httpx.Response | StreamedReply) -> None:
+    """Close a reply, even in a cancelled scope: its connection (and, in the lean pool, its
+    slot) must be given back, or the pool shrinks for good."""
+    with trio.CancelScope(shield=True):
+        await resp.aclose()
+
+
 class GetBatchSource:
     def __init__(self, http: httpx.AsyncClient, endpoint: str, config: BatchClientConfig = BatchClientConfig()):
         self.http = http
@@ -166,8 +173,12 @@ class GetBatchSource:
                 status = resp.status_code
                 if resp.status_code == 200:
                     return resp
-                detail = (await resp.aread())[:300].decode("utf-8", "replace")
-                await resp.aclose()
+                try:
+                    detail = (await resp.aread())[:300].decode("utf-8", "replace")
+                except (httpx.HTTPError, ConnectionFailed) as e:
+                    detail = f"(its error page unreadable: {e})"
+                finally:
+                    await _close(resp)
                 try:
                     detail = json.loads(detail).get("message", detail)
                 except (ValueError, AttributeError):
@@ -220,22 +231,25 @@ class GetBatchSource:
                 part = targets[first:first + count]  # sliced at its turn: targets may be made on access
                 if k:  # the server starts the previous part alone: its first byte is not delayed
                     await answered[k - 1].wait()
-                try:
-                    resp = await self._open(part, first)
-                except BatchFetchError as e:
-                    resp, error = None, e
-                answered[k].set()
-                sent = trio.current_time()
-                await turns[k].wait()
-                if resp is None:
-                    raise error
-                if trio.current_time() - sent > self._unread_max(resp):
-                    await resp.aclose()  # nothing of it was read: asking again changes nothing
-                    resp = await self._open(part, first)
-                try:
+                resp = None
+                try:  # the reply is closed however this ends: cancelled while it waits its turn too
+                    try:
+                        resp = await self._open(part, first)
+                    except BatchFetchError as e:
+                        error = e
+                    answered[k].set()
+                    sent = trio.current_time()
+                    await turns[k].wait()
+                    if resp is None:
+                        raise error
+                    if trio.current_time() - sent > self._unread_max(resp):
+                        unread, resp = resp, None
+                        await _close(unread)  # nothing of it was read: asking again changes nothing
+                        resp = await self._open(part, first)
                     await self._consume(resp, first, part, coer, sink)
                 finally:
-                    await resp.aclose()
+                    if resp is not None:
+                        await _close(resp)
             if k + 1 < len(turns):
                 turns[k + 1].set()
 

@@ -1,4 +1,5 @@
-"""Keep-alive HTTP/1.1 connections for object HEADs and GETs: httptools over plain sockets.
+"""Keep-alive HTTP/1.1 connections for object HEADs and GETs, and GetBatch's streamed replies
+(``Http1Pool.stream``, the reply in ``http1stream``): httptools over plain sockets.
 
 Why not httpcore for these (measured on this machine, 10 KiB GETs against our server, CPU per
 request): httpx 1.0-1.2 ms, httpcore's pool 0.55-0.6 ms, this module ~0.1 ms. A map-style
@@ -61,8 +62,9 @@ import traceback
 import httptools
 import trio
 
-from batchfs.objclient.http1exchange import (ERROR_BODY_KEEP_BYTES, HEAD_READ_BYTES, ConnectionFailed, Reply1,
-                                             StaleConnection, StreamParse, exchange_steps, request_bytes)
+from batchfs.objclient.http1exchange import (HEAD_MAX_BYTES, HEAD_READ_BYTES, ConnectionFailed, Reply1, StaleConnection,
+                                             StreamParse, exchange_steps, request_bytes)
+from batchfs.objclient.http1stream import StreamedReply, failure, send_all
 
 
 # Ranged bodies at least this large are read on a worker thread (``_drive_blocking``); below
@@ -134,7 +136,7 @@ class Http1Pool:
             except StaleConnection as e:
                 raise ConnectionFailed(str(e)) from None
 
-    async def stream(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> "StreamedReply":
+    async def stream(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> StreamedReply:
         """Send one request with ``body`` (head and body in one send) and return once the
         response's head has arrived; its body is then read with ``aiter_raw`` as it arrives
         (GetBatch's TAR). The caller must ``aclose`` the reply: that frees its slot, and gives
@@ -144,7 +146,12 @@ class Http1Pool:
         data = request_bytes(method, target, [("Host", self.host_header), *headers,
                                               ("Content-Length", str(len(body)))]) + body
         token = object()  # the slot is held by the reply, whichever task closes it
-        await self._limit.acquire_on_behalf_of(token)
+        try:  # bounded, as httpx's pool wait was: a slot never given back must not hang GetBatch
+            with trio.fail_after(self.read_timeout_seconds):
+                await self._limit.acquire_on_behalf_of(token)
+        except trio.TooSlowError:
+            raise ConnectionFailed(f"{self.host_header}: no free connection within {self.read_timeout_seconds:g}s "
+                                   f"({self._limit.borrowed_tokens} in use)") from None
         try:
             conn = self._take_idle()
             if conn is not None:
@@ -161,22 +168,26 @@ class Http1Pool:
             self._limit.release_on_behalf_of(token)
             raise
 
-    async def _open_stream(self, conn: _Conn, data: bytes, token: object) -> "StreamedReply":
+    async def _open_stream(self, conn: _Conn, data: bytes, token: object) -> StreamedReply:
         r = StreamParse()
         try:
             with trio.fail_after(self.read_timeout_seconds):
                 try:  # a reused connection the server closed while idle fails here, before any reply byte
-                    await _send_all(conn.sock, data)
+                    await send_all(conn.sock, data)
                     got = await conn.sock.recv(HEAD_READ_BYTES)
                 except OSError as e:
                     raise StaleConnection(f"{self.host_header}: {e}") from None
                 if not got:
                     raise StaleConnection(f"{self.host_header} closed the connection")
                 r.parser.feed_data(got)
+                seen = len(got)
                 while not r.head_done:
+                    if seen > HEAD_MAX_BYTES:  # h11 stopped at 100 KiB; a hostile head would grow forever
+                        raise ConnectionFailed(f"{self.host_header}: a response head of more than {HEAD_MAX_BYTES} bytes")
                     got = await conn.sock.recv(HEAD_READ_BYTES)
                     if not got:
                         raise ConnectionFailed(f"{self.host_header}: connection closed before the response's head")
+                    seen += len(got)
                     r.parser.feed_data(got)
         except trio.TooSlowError:
             conn.sock.close()
@@ -185,14 +196,14 @@ class Http1Pool:
         except (OSError, httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             conn.sock.close()
             r.parser = None
-            raise ConnectionFailed(_failure(self.host_header, e)) from None
+            raise ConnectionFailed(failure(self.host_header, e)) from None
         except BaseException:
             conn.sock.close()
             r.parser = None
             raise
         return StreamedReply(self, conn, r, token)
 
-    def _give_back(self, conn: _Conn, reusable: bool, token: object) -> None:
+    def give_back(self, conn: _Conn, reusable: bool, token: object) -> None:
         if reusable and not self.closed:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
@@ -259,81 +270,6 @@ class Http1Pool:
             self._idle.pop().sock.close()
 
 
-
-
-class StreamedReply:
-    """A response whose body is read as it arrives (``Http1Pool.stream``): ``status_code``,
-    ``headers``, then ``aiter_raw`` (the body's pieces, chunked coding removed), ``aread`` (an
-    error page, up to ``ERROR_BODY_KEEP_BYTES``) and ``aclose`` — the part of a streamed
-    ``httpx.Response`` GetBatch replies use. Every socket read is bounded by the pool's
-    ``read_timeout_seconds``; a broken or malformed stream raises ``ConnectionFailed``.
-    The connection goes back to the pool only once the response ended and nothing followed."""
-
-    def __init__(self, pool: Http1Pool, conn: _Conn, parse: StreamParse, token: object):
-        self._pool, self._conn, self._r, self._token = pool, conn, parse, token
-        self.status_code = parse.status
-        self.headers = parse.headers
-        self._closed = False
-
-    async def aiter_raw(self):
-        r, pool = self._r, self._pool
-        while True:
-            if r.pieces:
-                pieces, r.pieces = r.pieces, []
-                for p in pieces:
-                    yield p
-            if r.done or self._closed:
-                return
-            try:
-                with trio.fail_after(pool.read_timeout_seconds):
-                    data = await self._conn.sock.recv(pool.read_bytes)
-            except trio.TooSlowError:
-                raise ConnectionFailed(f"{pool.host_header}: no data within {pool.read_timeout_seconds:g}s") from None
-            except OSError as e:
-                raise ConnectionFailed(f"{pool.host_header}: {e}") from None
-            if not data:
-                if "content-length" not in r.headers and "transfer-encoding" not in r.headers:
-                    r.done = True  # a body framed by the connection's close: its end (never reused)
-                    r.headers["connection"] = "close"
-                    continue
-                raise ConnectionFailed(f"{pool.host_header}: connection closed before the end of the response")
-            try:
-                r.parser.feed_data(data)
-            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
-                r.broken = True
-                raise ConnectionFailed(_failure(pool.host_header, e)) from None
-
-    async def aread(self) -> bytes:
-        """The body, up to ``ERROR_BODY_KEEP_BYTES`` (an error page); the rest is left unread."""
-        out, n = [], 0
-        async for p in self.aiter_raw():
-            out.append(p)
-            n += len(p)
-            if n >= ERROR_BODY_KEEP_BYTES:
-                break
-        return b"".join(out)[:ERROR_BODY_KEEP_BYTES]
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        r = self._r
-        reusable = r.parser is not None and r.keep_alive()  # ended, nothing after it, keep-alive
-        r.parser = None  # the parser and its callbacks reference each other: broken here
-        self._pool._give_back(self._conn, reusable, self._token)
-
-
-def _failure(host: str, e: BaseException) -> str:
-    """What went wrong, for a ``ConnectionFailed``: a parser callback's own exception (e.g.
-    bytes after the response's end) rather than the parser's wrapper of it."""
-    cause = (e.__cause__ or e.__context__) if isinstance(e, httptools.HttpParserCallbackError) else None
-    return f"{host}: {cause}" if cause is not None else f"{host}: {type(e).__name__}: {e}"
-
-
-async def _send_all(sock, data: bytes) -> None:
-    out = memoryview(data)
-    while out:
-        out = out[await sock.send(out):]
 
 
 async def _drive(steps, perform):

@@ -25,6 +25,9 @@ from batchfs.errors import BackendError
 # Reads until the response head is parsed: a small object's whole reply fits, and a large
 # body goes mostly through recv_into rather than through the parser (three copies).
 HEAD_READ_BYTES = 64 * 1024
+# A response head (status line, headers) larger than this fails the request: a server sending
+# an endless header would otherwise grow our buffer until the read timeout (h11: 100 KiB).
+HEAD_MAX_BYTES = 256 * 1024
 # error pages are kept up to this much (enough for any message), the rest of them unread.
 ERROR_BODY_KEEP_BYTES = 64 * 1024
 # ... and a 2xx body that does not fit the buffer (a server that ignores Range sends the whole
@@ -199,6 +202,7 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
         raise StaleConnection(f"{host_header}: {e}") from None
     if not data:
         raise StaleConnection(f"{host_header} closed the connection")
+    seen = 0  # bytes received before the head was complete
     while True:
         try:
             r.parser.feed_data(data)
@@ -208,6 +212,10 @@ def _exchange_with(r: _Response, method: str, head: bytes, into: bytearray | Non
             break
         if r.done or (r.head_done and (method == "HEAD" or r.view is not None)):
             break
+        if not r.head_done:
+            seen += len(data)
+            if seen > HEAD_MAX_BYTES:
+                raise ConnectionFailed(f"{host_header}: a response head of more than {HEAD_MAX_BYTES} bytes")
         data = yield ("recv", HEAD_READ_BYTES if not r.head_done else None)
         if not data:  # EOF: the end only of a body framed by the connection's close
             if r.head_done and "content-length" not in r.headers and "transfer-encoding" not in r.headers:

@@ -272,8 +272,8 @@ async def lean_stream(http: httpx.AsyncClient, method: str, url: str, headers: d
             return resp
         await resp.aclose()
         url = urllib.parse.urljoin(url, location)
-        if not url.startswith("http://"):
-            raise ConnectionFailed(f"{method}: redirected to {url}, which is not http://")
+        if not url.startswith("http://"):  # not retried: every attempt would end the same
+            raise BackendError(f"{method}: redirected to {url}; streamed requests follow http:// redirects only")
     raise BackendError(f"{method} {url}: more than {MAX_REDIRECTS} redirects")
 
 

@@ -195,3 +195,80 @@ async def test_a_redirect_carries_the_body_and_credentials_go_to_the_same_origin
         finally:
             await http.aclose()
         nursery.cancel_scope.cancel()
+
+
+class _Sink:
+    async def begin(self, head):
+        pass
+
+    async def data(self, chunk):
+        pass
+
+    async def end(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["part cancelled before its turn", "error page cut short"])
+async def test_a_getbatch_that_fails_gives_every_connection_slot_back(mode):
+    """A batch in two pipelined parts whose first fails (a bad TAR header) while the second
+    waits its turn, or a 500 whose error page ends early: the batch fails with its reason and
+    the pool's slots are all free again (each leaked one for good, and the pool also serves
+    object reads)."""
+    from batchfs.objclient.getbatch import BatchClientConfig, BatchFetchError, GetBatchSource
+    from batchfs.wire.getbatch import Target
+
+    async def handler(stream, n, head, body, log):
+        if mode == "error page cut short":
+            await stream.send_all(b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+            return "close"
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if b'"o0"' in body:
+            await trio.sleep(0.2)
+            await stream.send_all(b"200\r\n" + b"x" * 512 + b"\r\n")  # not a TAR header
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        port, log = await _server(nursery, handler)
+        http = make_http_client(ClientConfig(Source("ais", f"http://127.0.0.1:{port}", "b")))
+        src = GetBatchSource(http, f"http://127.0.0.1:{port}", BatchClientConfig(
+            single_request_max=1, first_part_entries=1, part_entries=1, retries=0, retry_seconds=0))
+        with trio.fail_after(10):
+            with pytest.raises(BatchFetchError, match="bad TAR header" if mode.startswith("part") else "unreadable"):
+                await src.fetch([Target("b", "o0", "o0"), Target("b", "o1", "o1")], True, _Sink())
+        assert http._transport.http1[f"127.0.0.1:{port}"]._limit.borrowed_tokens == 0
+        await http.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_endless_response_head_is_refused():
+    async def endless(stream, n, head, body, log):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nX-Long: ")
+        with trio.move_on_after(5):
+            while True:
+                await stream.send_all(b"a" * 65536)
+
+    async with trio.open_nursery() as nursery:
+        port, _ = await _server(nursery, endless)
+        pool = _pool(port)
+        with trio.fail_after(5):
+            with pytest.raises(ConnectionFailed, match="response head of more than"):
+                await pool.stream("GET", "/x", [], b"{}")
+        assert pool._limit.borrowed_tokens == 0
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_redirect_to_https_fails_at_once_not_retried():
+    from batchfs.errors import BackendError
+
+    async def to_https(stream, n, head, body, log):
+        await stream.send_all(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: https://127.0.0.1:1/x\r\nContent-Length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        port, log = await _server(nursery, to_https)
+        http = make_http_client(ClientConfig(Source("ais", f"http://127.0.0.1:{port}", "b")))
+        with pytest.raises(BackendError, match="http:// redirects only"):
+            await lean_stream(http, "GET", f"http://127.0.0.1:{port}/v1/ml/moss/b", {}, b"{}")
+        assert len(log) == 1
+        await http.aclose()
+        nursery.cancel_scope.cancel()
