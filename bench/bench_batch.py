@@ -81,6 +81,15 @@ def load(data_dir: Path, sets: dict[str, tuple[int, int]]) -> None:
 
 
 
+# What a result is held to, by RTT (None: direct loopback): docs/batch.md for loopback, issue 13
+# (docs/network.md) through the delay line; the loader's targets are for 10 KiB, 4 workers.
+TARGETS: dict[float | None, dict[str, str]] = {
+    None: {"view": ">= 20x", "noplans": ">= 10x", "s3fs": ">= 10x", "rclone": ">= 10x", "floor": ">= 0.6"},
+    1.0: {"s3fs": ">= 5x", "rclone": ">= 5x"},
+    5.0: {"view": ">= 50x", "noplans": ">= 10x", "s3fs": ">= 10x", "rclone": ">= 10x"},
+}
+
+
 # ---------------------------------------------------------------- (a) TAR views
 
 
@@ -298,12 +307,14 @@ def report(res, reqs, cpu, server_cpu, a, sizes, sides) -> None:
     print(f"\n{a.runs} rounds, medians; {net}; DataLoader num_workers={a.workers}; commit {head or '?'}; "
           f"load average at the end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    targets = dict(TARGETS.get(a.rtt_ms, {}))
+    targets.setdefault("view", "report")
     if "a view s" in med:
         mb = a.batch * a.size / 1e6
         print(f"(a) {a.batch} x {a.size // KiB} KiB cold: TAR view {med['a view s'] * 1e3:.1f} ms "
               f"(first byte {med['a view ttfb s'] * 1e3:.1f} ms, {mb / med['a view s']:.0f} MB/s), "
               f"one by one {med['a each s'] * 1e3:.1f} ms: {med['a each s'] / med['a view s']:.1f}x "
-              f"(median of per-round ratios {med['a ratio']:.1f}x; target >= 20x)")
+              f"(median of per-round ratios {med['a ratio']:.1f}x; target {targets['view']})")
     if "ttfb 100 s" in med:
         print(f"TTFB through the mount: 100 entries {med['ttfb 100 s'] * 1e3:.1f} ms, 10,000 entries "
               f"{med['ttfb 10000 s'] * 1e3:.1f} ms: {med['ttfb 10000 s'] / med['ttfb 100 s']:.2f}x (target <= 2x); "
@@ -316,8 +327,8 @@ def report(res, reqs, cpu, server_cpu, a, sizes, sides) -> None:
             print(f"| {s} | " + " | ".join(f"{med.get(f'{kb // KiB}k {s}', float('nan')):.0f}" for kb in sizes) + " |")
         print("\n| ratio | " + " | ".join(f"{kb // KiB} KiB" for kb in sizes) + " | target |")
         print("|---|" + "---|" * (len(sizes) + 1))
-        for other, target in (("noplans", ">= 10x"), ("s3fs", ">= 10x"), ("rclone", ">= 10x"),
-                              ("local", "report"), ("floor", "report")):
+        for other in ("noplans", "s3fs", "rclone", "local", "floor"):
+            target = targets.get(other, "report")
             cells = []
             for kb in sizes:
                 p, o = med.get(f"{kb // KiB}k plans"), med.get(f"{kb // KiB}k {other}")
