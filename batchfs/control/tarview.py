@@ -155,12 +155,7 @@ class TarView:
         if self._member:
             data = b"".join(self._member)
             self._member, self._member_bytes = [], 0
-            if self._gz is not None:
-                data = self._gz.compress(data)
-            if data:
-                self._chunks.append(data)
-                self.produced += len(data)
-                self._ends.append(self.produced)
+            self._append(self._gz.compress(data) if self._gz is not None else data)
 
     async def _put(self, data: bytes, raw: bool = False) -> None:
         if self._gz is not None and not raw:
@@ -169,12 +164,16 @@ class TarView:
             return
         while self.produced - self.base >= self.config.buffer_bytes and self._want_end <= self.produced:
             await self._changed()
-        self._chunks.append(data)
-        self.produced += len(data)
-        self._ends.append(self.produced)
+        self._append(data)
         if self.first_byte_seconds is None:
             self.first_byte_seconds = time.monotonic() - self.started
         self._notify()
+
+    def _append(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self.produced += len(data)
+            self._ends.append(self.produced)
 
     # -- readers -----------------------------------------------------------------------------
     async def read(self, offset: int, size: int) -> bytes:

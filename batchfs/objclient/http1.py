@@ -203,12 +203,17 @@ class Http1Pool:
             raise
         return StreamedReply(self, conn, r, token)
 
-    def give_back(self, conn: _Conn, reusable: bool, token: object) -> None:
+    def _put_back(self, conn: _Conn, reusable: bool) -> None:
+        """An idle connection again if its last reply left it reusable, else closed."""
         if reusable and not self.closed:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.sock.close()
+
+    def give_back(self, conn: _Conn, reusable: bool, token: object) -> None:
+        """A streamed reply's end: its connection (``_put_back``) and its slot."""
+        self._put_back(conn, reusable)
         self._limit.release_on_behalf_of(token)
 
     async def _exchange(self, conn: _Conn, method: str, head: bytes, into: bytearray | None) -> Reply1:
@@ -227,11 +232,7 @@ class Http1Pool:
             detail = f"{e}: {cause}" if cause is not None else str(e)
             raise ConnectionFailed(f"{self.host_header}: {type(e).__name__}: {detail}") from None
         finally:
-            if reusable and not self.closed:
-                conn.idle_since = time.monotonic()
-                self._idle.append(conn)
-            else:
-                conn.sock.close()
+            self._put_back(conn, reusable)
 
     async def _drive_in_thread(self, sock, steps) -> tuple[Reply1, bool]:
         """Run the exchange on a worker thread over a blocking duplicate of the socket. On
