@@ -240,15 +240,20 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
             for s in socks:
                 s.settimeout(10)
                 statuses.append(s.recv(12)[9:12])
-            assert statuses.count(b"429") == clients - limit, statuses
-            assert statuses.count(b"200") == limit, statuses
+            admitted, refused = statuses.count(b"200"), statuses.count(b"429")
+            assert admitted + refused == clients, statuses
+            # At most `limit` are admitted. Fewer is right too: when the first replies' read-ahead
+            # fills the byte budget before the later requests arrive (a slow machine: 8 of 12 in
+            # one CI run), those are refused by the budget (their parse charge does not fit).
+            # Both are the limits under test; the exact pending count is test_getbatch's.
+            assert 1 <= admitted <= limit, statuses
             # every admitted reply stalls (nobody reads) and is aborted, then all is freed
-            wait_for(lambda: srv.metrics()["getbatch_aborted_stalled_n_total"] == limit, 60,
+            wait_for(lambda: srv.metrics()["getbatch_aborted_stalled_n_total"] == admitted, 60,
                      "every stalled reply aborted")
             wait_for(lambda: srv.metrics()["getbatch_pending"] == 0, 10, "pending back to 0")
             m = srv.metrics()
             assert m["getbatch_buffered_bytes"] == 0
-            assert m["getbatch_rejected_n_total"] == clients - limit
+            assert m["getbatch_rejected_n_total"] == refused
         finally:
             stop.set()
             sampler.join(10)
