@@ -6,10 +6,10 @@ Wire details are in docs/wire.md. Two choices worth knowing:
   ``name/`` flagged ``EntryIsDir`` — one page for a directory of directories, where a
   recursive listing read a page of names inside each. A server that ignores the flag answers
   recursively, and that is understood too: each immediate subdirectory is reported once, and
-  when a page ends inside one the listing restarts ``start_after``
-  ``<subdir>/\\U0010ffff`` (after every name in the subtree, in the byte order both AIStore
-  and our server use), one more request per subdirectory that spans a page boundary. Never
-  one request per object.
+  when a page ends inside one the listing restarts ``start_after`` ``<subdir>/`` followed by
+  U+10FFFF until longer than any name (``names.past_subtree``: after every name in the
+  subtree, in the byte order both AIStore and our server use), one more request per
+  subdirectory that spans a page boundary. Never one request per object.
 - Versions. An object's version string is ``<checksum>:<version>``, from the listing's
   ``cs``/``v`` fields and from the ``Ais-Checksum-Value``/``Ais-Version`` headers of HEAD and
   GET alike; every ranged GET checks it, so a replaced object is detected on the first byte.
@@ -38,11 +38,11 @@ from batchfs.objclient.config import ClientConfig
 from batchfs.wire.retry import retryable
 from batchfs.wire.urls import bucket_path, object_path
 from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
+from batchfs.wire.names import past_subtree
 from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
 
-SUBTREE_END = "\U0010ffff"  # sorts after any character of a valid name
 LS_NO_RECURSION = 1 << 11  # AIStore apc.LsNoRecursion (api/apc/lsmsg.go)
 ENTRY_IS_DIR = 1 << 8  # AIStore apc.EntryIsDir: a virtual directory of such a listing
 _LIST_PROPS = "name,size,checksum,version,atime"
@@ -169,7 +169,7 @@ class AisClient(ObjectClient):
         if not server_token:
             next_token = ""
         elif last_dir is not None:  # the page ended inside a subtree: skip the rest of it
-            next_token = f"s:{prefix}{last_dir}/{SUBTREE_END}"
+            next_token = f"s:{past_subtree(f'{prefix}{last_dir}/')}"
         else:
             next_token = f"c:{server_token}"
         return DirPage(files, dirs, next_token)

@@ -16,6 +16,7 @@ import trio
 
 from batchfs.objclient.base import DirPage, HeadInfo, ObjectClient, ObjectInfo
 from batchfs.errors import NotFound, VersionChanged
+from batchfs.wire.names import past_subtree
 
 
 class MemoryClient(ObjectClient):
@@ -65,7 +66,7 @@ class MemoryClient(ObjectClient):
             head, slash, _ = rel.partition("/")
             if slash:
                 dirs.append(head)
-                last = prefix + head + "/\U0010ffff"
+                last = past_subtree(prefix + head + "/")
                 i = bisect.bisect_right(names, last)
             else:
                 data, version = self.buckets[bucket][names[i]]

@@ -21,6 +21,20 @@ _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 MAX_OBJNAME_BYTES = 1024
 
 
+# The greatest code point; its UTF-8 (F4 8F BF BF) is, byte by byte, the greatest any valid
+# name can hold at those positions.
+GREATEST_CHAR = "\U0010ffff"
+
+
+def past_subtree(directory: str) -> str:
+    """An exclusive ``start_after`` past every name under ``directory`` (which ends in ``/``)
+    and before every name after that subtree: the directory followed by U+10FFFF until it is
+    longer than any name may be. (``directory`` + one U+10FFFF was not enough: a name
+    ``d/\U0010ffffx`` sorts after it, and a listing restarted there found ``d/`` again.)"""
+    n = (MAX_OBJNAME_BYTES - len(directory.encode())) // 4 + 1
+    return directory + GREATEST_CHAR * max(n, 1)
+
+
 def check_bucket(name: str) -> str:
     if not _BUCKET_RE.match(name or "") or ".." in name:
         raise WireError(f"invalid bucket name {name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")

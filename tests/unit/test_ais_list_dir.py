@@ -11,8 +11,9 @@ import httpx
 import msgpack
 import pytest
 
-from batchfs.objclient.ais import ENTRY_IS_DIR, LS_NO_RECURSION, SUBTREE_END, AisClient
+from batchfs.objclient.ais import ENTRY_IS_DIR, LS_NO_RECURSION, AisClient
 from batchfs.objclient.config import ClientConfig, Source
+from batchfs.wire.names import MAX_OBJNAME_BYTES, past_subtree
 
 
 def _client(replies: list[dict], asked: list[dict]) -> AisClient:
@@ -57,6 +58,49 @@ async def test_a_recursive_answer_is_understood_too():
                   "ContinuationToken": "d/c/x/1"}], asked)
     page = await c.list_dir("b", "d/", "", 4)
     assert [f.key for f in page.files] == ["d/a"] and page.dirs == ["b", "c"]
-    assert page.next_token == f"s:d/c/{SUBTREE_END}"  # past the rest of d/c/, not into it
+    assert page.next_token == f"s:{past_subtree('d/c/')}"  # past the rest of d/c/, not into it
     await c.http.aclose()
 
+
+
+def _recursive_server(names: list[str]):
+    """A stand-in for a server that ignores LsNoRecursion: every name under the prefix, in
+    UTF-8 byte order, strictly after ``start_after`` or the token, ``pagesize`` a page."""
+    ordered = sorted(names, key=str.encode)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        v = json.loads(request.content)["value"]
+        after = (v["continuation_token"] or v["start_after"]).encode()
+        rest = [n for n in ordered if n.startswith(v["prefix"]) and n.encode() > after]
+        page = rest[:v["pagesize"]]
+        token = page[-1] if len(rest) > len(page) else ""
+        return httpx.Response(200, content=msgpack.packb({"Entries": [_obj(n) for n in page],
+                                                          "ContinuationToken": token}),
+                              headers={"Content-Type": "application/msgpack"})
+    return answer
+
+
+@pytest.mark.trio
+async def test_a_subtree_skipped_on_a_recursive_server_stays_skipped_whatever_its_names():
+    """A page that ends inside ``d/c/`` restarts past the whole subtree, also past names made of
+    U+10FFFF (the greatest code point) and a name of the greatest length. Restarting after
+    ``d/c/`` + one U+10FFFF found ``d/c/\U0010ffffx`` and reported ``c`` again, page after page."""
+    top = "\U0010ffff"
+    deep = "d/c/" + top * ((MAX_OBJNAME_BYTES - 4) // 4)  # 1024 bytes
+    names = ["d/a", "d/c/1", "d/c/2", "d/c/" + top, "d/c/" + top * 2 + "x", "d/c/" + top * 2 + "y",
+             "d/c/" + top * 3, deep, "d/c0", "d/z"]
+    assert len(deep.encode()) == MAX_OBJNAME_BYTES
+    c = AisClient(ClientConfig(Source("ais", "http://127.0.0.1:9", "b")))
+    c.http = httpx.AsyncClient(transport=httpx.MockTransport(_recursive_server(names)))
+    files, dirs, token = [], [], ""
+    for _ in range(20):
+        page = await c.list_dir("b", "d/", token, 2)
+        files += [f.key for f in page.files]
+        dirs += page.dirs
+        token = page.next_token
+        if not token:
+            break
+    await c.http.aclose()
+    assert (files, dirs, token) == (["d/a", "d/c0", "d/z"], ["c"], "")
+    assert past_subtree("d/c/") > deep and past_subtree("d/c/").encode() > deep.encode()
+    assert past_subtree("d/c/").encode() < b"d/c0"
