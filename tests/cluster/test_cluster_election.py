@@ -326,7 +326,9 @@ def test_a_primary_that_reaches_no_majority_changes_nothing(tmp_path):
                 os.kill(p.proc.pid, signal.SIGSTOP)
                 stopped.append(p)
             r = copies(1)  # the probes have not noticed yet: the push cannot reach them
-            assert r.status_code == 503 and "only 2 of 4 nodes confirmed it" in r.text, r.text
+            # (on a loaded machine the probes may have seen them down already: the other refusal)
+            assert r.status_code == 503 and ("only 2 of 4 nodes confirmed it" in r.text or
+                                             "reaches 2 of the cluster map's 4 nodes, not a majority" in r.text), r.text
             until(lambda: sum(not n["alive"] for n in cluster.status()["nodes"]) == 2, 20, "both seen down")
             r = copies(1)
             assert r.status_code == 503 and "reaches 2 of the cluster map's 4 nodes, not a majority" in r.text, r.text

@@ -196,14 +196,22 @@ def test_a_target_dropped_without_knowing_checks_every_read(tmp_path):
         smap, victim = cluster.smap(), cluster.targets[0]
         victim_id = next(i for i, n in smap["tmap"].items() if n["public_net"]["direct_url"] == line.url)
         mine = [n for n in names if ranked(smap, "away", n)[0] == victim_id]
-        # joins come every 10 s from the target's start: stop it just after one, so that it is
-        # resumed (once dropped) seconds before the next one takes it back
-        victim.stop()
-        victim = cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
-        started = time.monotonic()
-        cluster.wait_joined(3)
-        cluster.wait_rebalanced()
-        time.sleep(max(0.0, started + 10.3 - time.monotonic()))
+        # joins come every 10 s from the answer to its first one (logged "in cluster …"): stop
+        # it just after one, so that it is resumed (once dropped) seconds before the next one
+        # takes it back. The phase is read from its log, not guessed from its start (a slow
+        # restart put the first join later); a restart whose waits overran the phase is redone.
+        for _ in range(3):
+            victim.stop()
+            victim = cluster.targets[0] = type(victim)(victim.data_dirs, *victim.args).start()
+            joined_at = until(lambda: any("in cluster" in line for line in victim.output) and time.monotonic(),
+                              30, "the restarted target's join")
+            cluster.wait_joined(3)
+            cluster.wait_rebalanced()
+            if time.monotonic() < joined_at + 9.0:
+                break
+        else:
+            raise AssertionError("three restarts took longer than a join interval to settle")
+        time.sleep(max(0.0, joined_at + 10.3 - time.monotonic()))
         line.block()
         victim.proc.send_signal(19)  # SIGSTOP
         deadline = time.monotonic() + 30

@@ -42,6 +42,7 @@ HEADER_TIMEOUT = 5.0
 IDLE_TIMEOUT = 6.0  # > HEADER_TIMEOUT: aiohttp's keep-alive timer also runs from accept
 BODY_TIMEOUT = 3.0
 SEND_TIMEOUT = 1.5
+FAST_ENOUGH = 3.0  # s: an answer the attack did not hold up (held, it waits for a 5-10 s timeout)
 MARGIN = 6.0  # seconds of slack on every "closed after its timeout" (2 shared cores)
 RSS_BOUND_MIB = 300  # server RSS while holding MAX_CONNS + RESERVE attack connections
 
@@ -222,12 +223,18 @@ def test_slowloris_one_address(server):
         assert len(socks) == 2500
         # Those past the reserve were answered at once with a canned 429 and closed.
         # (the kernel completes connects before the server accepts them: give it a moment)
-        shed, replies, deadline = [], [], time.monotonic() + 5
+        # (a reserve slot has its own 2 s header timeout: on a loaded machine the poll may
+        # first come after it, and such a 408 close is a held connection's end, not a shed)
+        shed, replies, timed_out, deadline = [], [], [], time.monotonic() + 5
         while len(shed) < 2500 - PER_CLIENT - RESERVE // 8 and time.monotonic() < deadline:
             time.sleep(0.2)
-            gone = set(shed)
-            more, got = closed_by_server([s for s in socks if s not in gone])
-            shed, replies = shed + more, replies + got
+            gone = set(shed + timed_out)
+            for s, r in zip(*closed_by_server([s for s in socks if s not in gone])):
+                if r.startswith(b"HTTP/1.1 408 "):
+                    timed_out.append(s)
+                else:
+                    shed.append(s)
+                    replies.append(r)
         assert len(shed) == 2500 - PER_CLIENT - RESERVE // 8, len(shed)
         # most got the 429 (those shed past SHED_LINGER_MAX may see a reset instead)
         assert sum(r.startswith(b"HTTP/1.1 429 ") and b'"status": 429' in r for r in replies) >= 256, replies[:3]
@@ -235,18 +242,23 @@ def test_slowloris_one_address(server):
         held = [s for s in socks if s not in gone]
         assert len(held) == PER_CLIENT + RESERVE // 8, len(held)  # none of them closed early
         # Under the attack: health elsewhere, on the admin address, and a legitimate client.
+        # Each answers within 1 s (4 rounds of 5, and none over FAST_ENOUGH: one stall of a
+        # loaded machine is not the server's; a server the attack blocks takes 10 s or more)
         rss_peak = rss_mib(pid)
+        slow: dict[str, int] = {}
         for _ in range(5):
-            for src, base in (("127.0.0.2", url), ("127.0.0.1", admin)):
-                status, took = health(base, src)
-                assert status == 200 and took < 1.0, (src, base, status, took)
-            status, took = health(url, "127.0.0.3", "/v1/objects/b/obj")
-            assert status == 200 and took < 1.0, (status, took)
-            # the attacker's own address: an answer (200 from the reserve, or a fast 429)
-            status, took = health(url, "127.0.0.1")
-            assert status in (200, 429) and took < 1.0, (status, took)
+            for what, (base, src, path, ok) in {
+                    "health elsewhere": (url, "127.0.0.2", "/v1/health", (200,)),
+                    "admin": (admin, "127.0.0.1", "/v1/health", (200,)),
+                    "a data client": (url, "127.0.0.3", "/v1/objects/b/obj", (200,)),
+                    # the attacker's own address: an answer (200 from the reserve, or a fast 429)
+                    "the attacker's address": (url, "127.0.0.1", "/v1/health", (200, 429))}.items():
+                status, took = health(base, src, path)
+                assert status in ok and took < FAST_ENOUGH, (what, status, took)
+                slow[what] = slow.get(what, 0) + (took >= 1.0)
             rss_peak = max(rss_peak, rss_mib(pid))
             time.sleep(0.2)
+        assert max(slow.values()) <= 1, slow
         assert rss_peak < RSS_BOUND_MIB, rss_peak
         # Every held connection is closed after the header timeout, with a 408.
         still_open, late = wait_all_closed(held, started + HEADER_TIMEOUT + MARGIN)
@@ -290,16 +302,20 @@ def test_global_limit_keeps_health_answering(server):
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=10) as c:
             started = time.monotonic()  # (not the client's own setup, slow on a loaded machine)
             r = c.get(url + "/v1/objects/b/obj")
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < FAST_ENOUGH  # a fast 503, not one queued for a slot
         assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.status_code
         body = r.json()
         assert body["status"] == 503 and "too many connections" in body["message"], body
         assert body["url_path"] == "/v1/objects/b/obj"
+        slow = 0
         for _ in range(3):
             status, took = health(url, "127.0.0.2")
-            assert status == 200 and took < 1.0, (status, took)
+            assert status == 200 and took < FAST_ENOUGH, (status, took)
+            slow += took >= 1.0
             status, took = health(admin, "127.0.0.1")
-            assert status == 200 and took < 1.0, (status, took)
+            assert status == 200 and took < FAST_ENOUGH, (status, took)
+            slow += took >= 1.0
+        assert slow <= 1, slow  # within 1 s, but for one stall of the machine
         # the node was full all along (read on the admin address, which uses no main slot)
         assert time.monotonic() - opened < HEADER_TIMEOUT
         text = httpx.get(admin + "/metrics", timeout=10).text
@@ -326,7 +342,7 @@ def test_per_client_cap_leaves_other_clients_served(server):
         assert r.status_code == 429, r.text
         assert r.json()["status"] == 429 and f"limit {PER_CLIENT}" in r.json()["message"]
         status, took = health(url, "127.0.0.3", "/v1/objects/b/obj")
-        assert status == 200 and took < 1.0
+        assert status == 200 and took < FAST_ENOUGH, took
     finally:
         close_all(socks)
 
@@ -419,6 +435,7 @@ def test_replies_the_client_does_not_read_are_aborted(tmp_path):
         before = fd_count(srv.proc.pid)
         host, port = _addr(srv.url)
         socks = []
+        first_sent = time.monotonic()
         for path, extra in (("/v1/objects/b/big", ""), ("/v1/objects/b/big", "Range: bytes=100-7000000\r\n"),
                             ("/v1/objects/b/s.tgz?archpath=m.bin", "")) * 2:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -426,15 +443,19 @@ def test_replies_the_client_does_not_read_are_aborted(tmp_path):
             s.connect((host, port))
             s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
             socks.append(s)
-        time.sleep(1.0)
-        assert fd_count(srv.proc.pid) >= before + len(socks) + 16  # each holds its connection and chunk files
-        started = time.monotonic()
-        deadline = started + SEND_TIMEOUT + MARGIN + 5
+        # each holds its connection and chunk files: seen by polling until just before the
+        # earliest abort (a fixed 1 s sleep left 0.5 s of slack on a loaded machine)
+        held, want = 0, before + len(socks) + 16
+        while held < want and time.monotonic() < first_sent + SEND_TIMEOUT - 0.2:
+            held = max(held, fd_count(srv.proc.pid))
+            time.sleep(0.02)
+        assert held >= want, (held, want)
+        deadline = first_sent + SEND_TIMEOUT + MARGIN + 5
         while fd_count(srv.proc.pid) > before and time.monotonic() < deadline:
-            time.sleep(0.1)
-        took = time.monotonic() - started
+            time.sleep(0.05)
+        took = time.monotonic() - first_sent
         assert fd_count(srv.proc.pid) <= before, (fd_count(srv.proc.pid), before)
-        assert took >= SEND_TIMEOUT - 1.5, took
+        assert took >= SEND_TIMEOUT - 0.3, took  # aborted for the timeout, not at once
         for s in socks:  # what the server had sent is still readable, then the connection ends
             s.settimeout(10)
             got = 0

@@ -409,12 +409,19 @@ def test_fair_pool_serves_requests_round_robin_and_caps_each():
             with lock:
                 running[owner] -= 1
 
+        def seen(what, cond) -> None:  # polled: a loaded machine wakes a thread late
+            deadline = time.monotonic() + 5
+            while not cond():
+                assert time.monotonic() < deadline, (what, started)
+                time.sleep(0.01)
+
         hog = [pool.submit("hog", work, "hog") for _ in range(20)]
-        time.sleep(0.1)
+        seen("the hog's calls started", lambda: started.count("hog") >= 2)
         other = pool.submit("other", work, "other")
-        time.sleep(0.1)
+        seen("the other request's call started", lambda: "other" in started)
+        time.sleep(0.1)  # (a third hog call, if the cap failed, would have started by now)
         # the hog queued 20 calls first, yet holds only its 2 threads, and the other request
-        # started at once on a free one
+        # started on a free one
         assert started.count("hog") == 2 and "other" in started
         gate.set()
         other.result(5)

@@ -259,7 +259,11 @@ def test_bodies_a_gateway_relays_are_charged_to_their_client(tmp_path):
             sock.sendall(f"POST /bk/big?uploadId={upload_id} HTTP/1.1\r\nHost: x\r\n"
                          f"Content-Length: {8 * MiB - 1}\r\n\r\n".encode() + b"<" * 5_500_000)
             held.append(sock)
-        time.sleep(2)  # relayed and read at the target as far as its budget lets them
+        # relayed and read at the target as far as its budget lets them: until it refuses more
+        deadline = time.monotonic() + 30
+        while c.targets[0].metrics()["batchfs_body_memory_refused_total"] < 1:
+            assert time.monotonic() < deadline, "the target never refused a body past the share"
+            time.sleep(0.1)
         body = json.dumps({"in": [{"objname": "o"}] * 1000, "strm": False}).encode()  # ~0.3 MB counted
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30,
                           follow_redirects=True) as other:

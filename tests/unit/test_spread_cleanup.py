@@ -6,6 +6,7 @@ stand-ins; what is tested is the decision."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import types
 
@@ -42,14 +43,18 @@ async def _stored(app, meta, obj, i):
 
 
 def test_a_commit_cancelled_midway_keeps_its_chunks(monkeypatch):
+    begun = threading.Event()
+
     def commit(events):
+        begun.set()
         time.sleep(0.2)
         events.append("committed")
     app, meta, events = _setup(monkeypatch, _stored, commit)
 
     async def main():
         t = asyncio.create_task(spread.spread_committed(app, meta))
-        await asyncio.sleep(0.1)
+        while not begun.is_set():  # midway: the commit has begun (a fixed sleep could come first)
+            await asyncio.sleep(0.01)
         t.cancel()  # e.g. the server shutting down cuts the handler
         with pytest.raises(asyncio.CancelledError):
             await t
