@@ -29,6 +29,9 @@ Invariants:
   (Content-Length, no ``Connection: close``); on any error or cancellation it is closed, so a
   half-read response can never be mistaken for the next one. Bytes received after the end of
   a response (a second response, junk) fail the request: the framing is lost.
+- An idle connection with anything to read (the server closed it, or sent bytes after a
+  response's end: junk, or a whole second response that would pass for the next request's)
+  is closed, never reused: checked with one ``poll`` when it is taken, as httpcore does.
 - A reused connection that fails before any byte of the response (the server closed it while
   idle) is retried once at once on a new connection, as httpcore does (a read timeout there is
   a slow server, not a stale connection: not retried); every other failure, malformed replies
@@ -54,6 +57,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import time
@@ -70,6 +74,14 @@ from batchfs.objclient.http1stream import StreamedReply, failure, send_all
 # Ranged bodies at least this large are read on a worker thread (``_drive_blocking``); below
 # it the thread hop (~60 us, and the GIL handoffs) costs more than it saves.
 THREAD_BODY_MIN_BYTES = 512 * 1024
+
+
+def _readable(sock) -> bool:
+    """Whether an idle connection has something to read (EOF, an error, bytes): then it is
+    not reusable. One poll(0), a few microseconds."""
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+    return bool(p.poll(0))
 
 
 class _Conn:
@@ -111,7 +123,7 @@ class Http1Pool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if now - conn.idle_since < self.keepalive_seconds:
+            if now - conn.idle_since < self.keepalive_seconds and not _readable(conn.sock):
                 return conn
             conn.sock.close()
         return None

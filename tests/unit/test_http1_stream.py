@@ -1,8 +1,8 @@
 """Streamed replies over the lean HTTP/1.1 pool (``Http1Pool.stream``, ``httppool.lean_stream``),
 as GetBatch uses them, against small TCP servers written here to misbehave on purpose: a body
 read to its end gives its connection back, one closed early does not; a connection the server
-closed while idle is replaced; a stalled reply or bytes after a response's end fail the
-request (never reused); a redirect carries the body and keeps credentials to the same origin only."""
+closed while idle, or that received anything while idle, is replaced; a stalled reply or
+bytes after a response's end fail the request (never reused); a redirect carries the body and keeps credentials to the same origin only."""
 
 from __future__ import annotations
 
@@ -158,6 +158,41 @@ async def test_bytes_after_the_end_of_a_reply_fail_it_and_its_connection_is_not_
             finally:
                 await resp.aclose()
         assert not pool._idle
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("path", ["request", "stream"])
+async def test_a_response_sent_after_a_complete_reply_is_never_taken_for_the_next_one(path):
+    """The server answers, then (once the client has the whole reply and the connection is
+    idle) sends a second, complete response. Reused, that connection gave the next request
+    the planted body; now an idle connection with bytes to read is dropped."""
+    planted = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nPLANTED"
+
+    async def answer(stream, n, head, body, log):
+        mine = b"real %d" % len(log)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(mine), mine))
+        if n == 1:
+            await trio.sleep(0.1)
+            await stream.send_all(planted)
+
+    async with trio.open_nursery() as nursery:
+        port, log = await _server(nursery, answer)
+        pool = _pool(port)
+
+        async def one() -> bytes:
+            if path == "request":
+                return bytes((await pool.request("GET", "/x", [])).body)
+            resp = await pool.stream("GET", "/x", [], b"{}")
+            try:
+                return await _body(resp)
+            finally:
+                await resp.aclose()
+
+        assert await one() == b"real 1"
+        await trio.sleep(0.3)  # the planted response is in the idle connection's buffer
+        assert await one() == b"real 2"
+        assert [c for c, _, _ in log] == [1, 2]  # asked on a new connection
         await pool.aclose()
         nursery.cancel_scope.cancel()
 
