@@ -9,7 +9,9 @@ Wire details are in docs/wire.md. Two choices worth knowing:
   when a page ends inside one the listing restarts ``start_after`` ``<subdir>/`` followed by
   U+10FFFF until longer than any name (``names.past_subtree``: after every name in the
   subtree, in the byte order both AIStore and our server use), one more request per
-  subdirectory that spans a page boundary. Never one request per object.
+  subdirectory that spans a page boundary. Never one request per object. (A server allowing
+  longer names may still list some past that end: the listing then goes on from the server's
+  token, reporting none of that subtree again — it always progresses.)
 - Versions. An object's version string is ``<checksum>:<version>``, from the listing's
   ``cs``/``v`` fields and from the ``Ais-Checksum-Value``/``Ais-Version`` headers of HEAD and
   GET alike; every ranged GET checks it, so a replaced object is detected on the first byte.
@@ -38,7 +40,7 @@ from batchfs.objclient.config import ClientConfig
 from batchfs.wire.retry import retryable
 from batchfs.wire.urls import bucket_path, object_path
 from batchfs.errors import ACCESS_DENIED_STATUS, BackendError, ChecksumMismatch, NotFound, VersionChanged
-from batchfs.wire.names import past_subtree
+from batchfs.wire.names import GREATEST_CHAR, past_subtree
 from batchfs.wire.units import is_decimal
 
 log = logging.getLogger(__name__)
@@ -137,12 +139,19 @@ class AisClient(ObjectClient):
         return msgpack.unpackb(resp.content, raw=False)
 
     async def list_dir(self, bucket: str, prefix: str, token: str = "", page_size: int = 1000) -> DirPage:
+        # tokens: "c:<server's>"; "s:<start_after>" past a subdirectory's subtree; "k:<subdir>\0
+        # <server's>", still inside a subtree being skipped (see below)
         kind, _, arg = token.partition(":")
-        reply = await self._list_page(bucket, prefix, arg if kind == "c" else "",
+        skipping = None  # a subdirectory reported on an earlier page, whose names may still come
+        if kind == "s":
+            skipping = arg.rstrip(GREATEST_CHAR)[len(prefix):-1]
+        elif kind == "k":
+            skipping, _, arg = arg.partition("\0")
+        reply = await self._list_page(bucket, prefix, arg if kind in ("c", "k") else "",
                                       arg if kind == "s" else "", page_size)
         files: list[ObjectInfo] = []
         dirs: list[str] = []
-        last_dir = None
+        last_dir = skipping
         for e in reply.get("Entries") or []:
             flags = e.get("f", 0)
             if (flags & 31) != 0:  # not a present, healthy object
@@ -168,6 +177,11 @@ class AisClient(ObjectClient):
         server_token = reply.get("ContinuationToken") or ""
         if not server_token:
             next_token = ""
+        elif last_dir is not None and last_dir == skipping:
+            # Still inside the subtree this page was to skip: only names longer than our name
+            # limit sort past its end (a server allowing longer names). Restarting at that end
+            # again would never progress: go on from the server's token, reporting none of it.
+            next_token = f"k:{skipping}\0{server_token}"
         elif last_dir is not None:  # the page ended inside a subtree: skip the rest of it
             next_token = f"s:{past_subtree(f'{prefix}{last_dir}/')}"
         else:

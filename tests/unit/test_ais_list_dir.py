@@ -84,11 +84,14 @@ def _recursive_server(names: list[str]):
 async def test_a_subtree_skipped_on_a_recursive_server_stays_skipped_whatever_its_names():
     """A page that ends inside ``d/c/`` restarts past the whole subtree, also past names made of
     U+10FFFF (the greatest code point) and a name of the greatest length. Restarting after
-    ``d/c/`` + one U+10FFFF found ``d/c/\U0010ffffx`` and reported ``c`` again, page after page."""
+    ``d/c/`` + one U+10FFFF found ``d/c/\U0010ffffx`` and reported ``c`` again, page after page;
+    names longer than the limit, past the padded end, are paged through without a restart."""
     top = "\U0010ffff"
     deep = "d/c/" + top * ((MAX_OBJNAME_BYTES - 4) // 4)  # 1024 bytes
+    # and names longer than our limit (AIStore allows them): past the end, paged through
+    longer = ["d/c/" + top * k for k in (300, 301, 302, 303, 304)]
     names = ["d/a", "d/c/1", "d/c/2", "d/c/" + top, "d/c/" + top * 2 + "x", "d/c/" + top * 2 + "y",
-             "d/c/" + top * 3, deep, "d/c0", "d/z"]
+             "d/c/" + top * 3, deep, *longer, "d/c0", "d/z"]
     assert len(deep.encode()) == MAX_OBJNAME_BYTES
     c = AisClient(ClientConfig(Source("ais", "http://127.0.0.1:9", "b")))
     c.http = httpx.AsyncClient(transport=httpx.MockTransport(_recursive_server(names)))
