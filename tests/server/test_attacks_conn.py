@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.api.connlimits import RESERVE_HEADER_TIMEOUT_SECONDS
 from tests.support.processes import ServerProcess
 
 PARTIAL = b"GET /v1/health HTTP/1.1\r\nHost: attacker\r\nX-Slow: "  # never ends its header
@@ -232,6 +233,9 @@ def test_slowloris_one_address(server):
             for s, r in zip(*closed_by_server([s for s in socks if s not in gone])):
                 if r.startswith(b"HTTP/1.1 408 "):
                     timed_out.append(s)
+                    # only a reserve slot's, and only once its own timeout has run out
+                    assert time.monotonic() >= started + RESERVE_HEADER_TIMEOUT_SECONDS, "an early 408"
+                    assert len(timed_out) <= RESERVE // 8, "more 408s than reserve slots"
                 else:
                     shed.append(s)
                     replies.append(r)
@@ -242,8 +246,8 @@ def test_slowloris_one_address(server):
         held = [s for s in socks if s not in gone]
         assert len(held) == PER_CLIENT + RESERVE // 8, len(held)  # none of them closed early
         # Under the attack: health elsewhere, on the admin address, and a legitimate client.
-        # Each answers within 1 s (4 rounds of 5, and none over FAST_ENOUGH: one stall of a
-        # loaded machine is not the server's; a server the attack blocks takes 10 s or more)
+        # Each answers within 1 s (in 4 rounds of 5 each, and none over FAST_ENOUGH: one stall
+        # of a loaded machine is not the server's; a server the attack blocks takes 10 s or more)
         rss_peak = rss_mib(pid)
         slow: dict[str, int] = {}
         for _ in range(5):

@@ -20,6 +20,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import socket
 import tarfile
 import threading
@@ -208,6 +209,24 @@ def test_client_that_leaves_stops_the_work(tmp_path, big_bomb):
 
 
 # -- clients that never read --------------------------------------------------------------------
+def _rest_of_reply(s: socket.socket) -> str:
+    """The rest of a small reply whose first 12 bytes were read: its body, as text."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    while length and len(body) < int(length[1]):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return body.decode(errors="replace")
+
+
 def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
     limit, cap, clients = 12, 48 * MiB, 24
     with ServerProcess([tmp_path / "d"], "--getbatch-max-pending", str(limit), "--getbatch-max-buffered",
@@ -244,9 +263,15 @@ def test_nonreading_clients_stay_within_pending_and_buffered_limits(tmp_path):
             assert admitted + refused == clients, statuses
             # At most `limit` are admitted. Fewer is right too: when the first replies' read-ahead
             # fills the byte budget before the later requests arrive (a slow machine: 8 of 12 in
-            # one CI run), those are refused by the budget (their parse charge does not fit).
-            # Both are the limits under test; the exact pending count is test_getbatch's.
+            # one CI run), those are refused by the budget (their parse charge does not fit, or
+            # the budget is full) — and then each such refusal must say so.
             assert 1 <= admitted <= limit, statuses
+            why = [_rest_of_reply(s) for s, st in zip(socks, statuses) if st == b"429"]
+            by_budget = [w for w in why if f"{limit} GetBatch requests pending (limit {limit})" not in w]
+            for w in by_budget:
+                full = re.search(r"(\d+) bytes buffered \(limit (\d+)\)", w)
+                assert "to be parsed" in w or (full and int(full[1]) >= int(full[2])), w
+            assert admitted == limit or by_budget, why
             # every admitted reply stalls (nobody reads) and is aborted, then all is freed
             wait_for(lambda: srv.metrics()["getbatch_aborted_stalled_n_total"] == admitted, 60,
                      "every stalled reply aborted")

@@ -53,7 +53,9 @@ def test_a_commit_cancelled_midway_keeps_its_chunks(monkeypatch):
 
     async def main():
         t = asyncio.create_task(spread.spread_committed(app, meta))
+        deadline = time.monotonic() + 10
         while not begun.is_set():  # midway: the commit has begun (a fixed sleep could come first)
+            assert not t.done() and time.monotonic() < deadline, t  # (ended, or never got there)
             await asyncio.sleep(0.01)
         t.cancel()  # e.g. the server shutting down cuts the handler
         with pytest.raises(asyncio.CancelledError):
