@@ -29,9 +29,10 @@ Invariants:
   (Content-Length, no ``Connection: close``); on any error or cancellation it is closed, so a
   half-read response can never be mistaken for the next one. Bytes received after the end of
   a response (a second response, junk) fail the request: the framing is lost.
-- An idle connection with anything to read (the server closed it, or sent bytes after a
-  response's end: junk, or a whole second response that would pass for the next request's)
-  is closed, never reused: checked with one ``poll`` when it is taken, as httpcore does.
+- An idle connection with anything already received when it is taken (the server closed
+  it, or sent bytes after a response's end: junk, or a whole second response that would pass
+  for the next request's) is closed, not reused: one ``poll`` when it is taken, as httpcore
+  does. Bytes still in flight then cannot be seen (httpcore has the same limit).
 - A reused connection that fails before any byte of the response (the server closed it while
   idle) is retried once at once on a new connection, as httpcore does (a read timeout there is
   a slow server, not a stale connection: not retried); every other failure, malformed replies
