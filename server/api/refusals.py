@@ -9,7 +9,16 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.api.state import MEMBERSHIP, OP_KEY, read_json
-from server.errors import BadRequest, MethodNotAllowed
+from server.errors import BadRequest, MethodNotAllowed, NotFound
+
+# AIStore services this node does not run: each path answers 404 naming the service, for any
+# method (aiohttp's own answers were a bare "Not Found" or, for POST, "Method Not Allowed")
+_NO_SERVICE = [
+    ("/v1/sort", "dsort (Client.dsort: start, get_job_info, abort...)"),
+    ("/v1/etl", "ETL (Client.etl, Cluster.list_etls)"),
+    ("/v1/reverse", "a node's daemon API through the proxy (Cluster.get_performance, get_node_log, "
+                    "get_node_log_archive, get_cluster_logs)"),
+]
 
 _REFUSED_ROUTES = [
     # (method, path, what): calls the SDK makes that this node cannot honour; a clear 400
@@ -27,6 +36,15 @@ async def _object_post_patch(request: web.Request) -> web.Response:
                            "changed (objects take GET, HEAD, PUT and DELETE; docs/server.md)", "GET, HEAD, PUT, DELETE")
 
 
+def _no_service(what: str):
+    async def no_service(request: web.Request) -> web.Response:
+        request[OP_KEY] = "refused"
+        raise NotFound(f"{request.method} {request.path}: {what} is not a service of batchfs; nothing was "
+                       "changed (docs/server.md lists what a node serves)")
+
+    return no_service
+
+
 def _refuse(what: str):
     async def refuse(request: web.Request) -> web.Response:
         request[OP_KEY] = "refused"
@@ -42,7 +60,12 @@ def _refuse(what: str):
 
 def add_routes(router: web.UrlDispatcher, object_route: str) -> None:
     """After the node's own routes: object POST and PATCH on ``object_route``, and the rest."""
-    router.add_post(object_route, _object_post_patch)
-    router.add_patch(object_route, _object_post_patch)
+    bucket_route = object_route.rsplit("/", 1)[0]  # promote and blob download name no object in the path
+    for route in (object_route, bucket_route):
+        router.add_post(route, _object_post_patch)
+        router.add_patch(route, _object_post_patch)
+    for path, what in _NO_SERVICE:
+        for route in (path, path + r"/{rest:[\s\S]*}"):
+            router.add_route("*", route, _no_service(what))
     for method, path, what in _REFUSED_ROUTES:
         router.add_route(method, path, _refuse(what))
