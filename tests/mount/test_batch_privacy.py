@@ -204,6 +204,30 @@ def test_mode_follows_the_creators_umask_and_is_capped(shared_mnt, data):
 
 
 # -- point 7: a manifest reaches only what the mount shows ----------------------------------------
+def test_an_object_directory_named_batch_stays_shadowed_after_the_root_is_listed(server, bucket, tmp_path):
+    """A bucket holding ".batch/x": listing the mount root handed the kernel that object
+    directory's entry (readdirplus), so ".batch" became it — the hidden object readable,
+    every manifest write EROFS — until the entry expired (a new user's run)."""
+    with httpx.Client() as c:
+        for k, v in (("a.jpg", b"A"), (".batch/x", b"hidden"), ("d/b.jpg", b"B")):
+            c.put(f"{server.url}/v1/objects/{bucket}/{k}", content=v).raise_for_status()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    m = MountProcess({"kind": "ais", "endpoint": server.url, "bucket": bucket}, mp)
+    try:
+        m.start()
+        for _ in range(2):
+            assert sorted(os.listdir(mp)) == ["a.jpg", "d"]  # the object directory is not listed
+            assert sorted(e.name for e in os.scandir(mp)) == ["a.jpg", "d"]
+            ctl = mp / ".batch"
+            assert oct(os.stat(ctl).st_mode) == "0o41777"  # still the control directory
+            (ctl / "v").write_text("a.jpg\nd/b.jpg\n")
+            assert [d for _, d in members(ctl / "v")] == [b"A", b"B"]
+            os.unlink(ctl / "v")
+    finally:
+        m.stop()
+
+
 def _status(path) -> dict:
     return json.loads(Path(str(path) + ".status").read_text())
 
