@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import cachetools
 import trio
@@ -110,6 +111,10 @@ class Namespace:
         self.mounted_ns = time.time_ns()  # directories have no mtime of their own
         self.nodes: dict[int, Node] = {}
         self._by_key: dict[tuple[str | None, str], int] = {}
+        # Names of the mount root that another tree claims (the adapter sets it: ".batch",
+        # ".rowgroups"): left out of the root's listing, so the kernel never caches an object
+        # directory's entry under them; kept in the listing cache.
+        self.hidden_at_root: Callable[[str], bool] | None = None
         self._next_ino = ROOT_INODE + 1
         root = Node(ROOT_INODE, src.bucket, src.prefix if src.bucket else "", True, lookups=1)
         self.nodes[ROOT_INODE] = root
@@ -348,7 +353,7 @@ class Namespace:
         if offset < h.base or not h.started:
             cached = self._dirs.get((h.node.bucket, h.node.key))
             if cached is not None:
-                h.page, h.done = sorted(cached.items()), True
+                h.page, h.done = self._shown(h.node, sorted(cached.items())), True
             else:
                 h.page, h.token, h.done = [], "", False
                 h.page_size = self._first_page_size()
@@ -366,6 +371,14 @@ class Namespace:
                 return
             await self._next_page(h)
 
+    def _shown(self, node: Node, entries: list) -> list:
+        """A listing page as readdir shows it: at the root, without ``hidden_at_root`` names
+        (filtered here, not by the caller, so that offsets count only what is shown)."""
+        hide = self.hidden_at_root
+        if node.ino != ROOT_INODE or hide is None:
+            return entries
+        return [e for e in entries if not hide(e[0])]
+
     async def _next_page(self, h: DirHandle) -> None:
         node = h.node
         if node.bucket is None:
@@ -377,7 +390,7 @@ class Namespace:
         h.page_size = self._next_page_size(h.page_size)
         entries = self._page_entries(node.key, page)
         h.base += len(h.page)
-        h.page = entries
+        h.page = self._shown(node, entries)
         h.token = page.next_token
         h.done = not page.next_token
         if h.collected is not None:

@@ -69,7 +69,10 @@ class Operations(pyfuse3.Operations):
         self.engine = engine
         self.trees = tuple(trees)
         self.timeout = engine.config.metadata_ttl_seconds
-        self._root_dirs: set[int] = set()  # the engine's open handles of the mount root
+        # an object directory named like a control tree (".batch/x" in the bucket) is not
+        # listed: listed (readdirplus), the kernel would cache its entry and send later lookups
+        # of the name to it, not to the tree that claims it (manifest writes got EROFS)
+        engine.ns.hidden_at_root = lambda name: any(t.claims(pyfuse3.ROOT_INODE, name) for t in self.trees)
 
     def _tree(self, ino_or_fh: int) -> Tree:
         for t in self.trees:
@@ -116,24 +119,12 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def opendir(self, inode, ctx):
-        tree = self._tree(inode)
-        fh = tree.opendir(inode, _caller(ctx))
-        if inode == pyfuse3.ROOT_INODE and tree is self.engine:
-            self._root_dirs.add(fh)
-        return fh
+        return self._tree(inode).opendir(inode, _caller(ctx))
 
     @_boundary
     async def readdir(self, fh, start_id, token):
         tree = self._tree(fh)
-        in_root = tree is self.engine and fh in self._root_dirs
         async for name, attr, next_id in tree.readdir(fh, start_id):
-            if in_root and any(t.claims(pyfuse3.ROOT_INODE, name) for t in self.trees):
-                # An object directory named like a control tree (".batch/x" in the bucket):
-                # listed (readdirplus), the kernel would cache its entry and send every later
-                # lookup of the name to it, not to the tree that claims it (manifests then got
-                # EROFS until the entry expired). Such names are reached by lookup only.
-                tree.listed(attr.ino, False)
-                continue
             taken = pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), next_id)
             tree.listed(attr.ino, taken)
             if not taken:
@@ -141,10 +132,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def releasedir(self, fh):
-        tree = self._tree(fh)
-        if tree is self.engine:
-            self._root_dirs.discard(fh)
-        tree.releasedir(fh)
+        self._tree(fh).releasedir(fh)
 
     @_boundary
     async def open(self, inode, flags, ctx):

@@ -36,6 +36,14 @@ async def _object_post_patch(request: web.Request) -> web.Response:
                            "changed (objects take GET, HEAD, PUT and DELETE; docs/server.md)", "GET, HEAD, PUT, DELETE")
 
 
+async def _bucket_objects_post_patch(request: web.Request) -> web.Response:
+    """/v1/objects/BUCKET names no object: the SDK's promote and blob download post there."""
+    request[OP_KEY] = "refused"
+    raise MethodNotAllowed(f"{request.method} {request.path}: promote and blob download are not supported by batchfs; "
+                           "nothing was changed (objects take GET, HEAD, PUT and DELETE at /v1/objects/BUCKET/NAME; "
+                           "docs/server.md)", "")
+
+
 def _no_service(what: str):
     async def no_service(request: web.Request) -> web.Response:
         request[OP_KEY] = "refused"
@@ -60,10 +68,12 @@ def _refuse(what: str):
 
 def add_routes(router: web.UrlDispatcher, object_route: str) -> None:
     """After the node's own routes: object POST and PATCH on ``object_route``, and the rest."""
+    router.add_post(object_route, _object_post_patch)
+    router.add_patch(object_route, _object_post_patch)
     bucket_route = object_route.rsplit("/", 1)[0]  # promote and blob download name no object in the path
-    for route in (object_route, bucket_route):
-        router.add_post(route, _object_post_patch)
-        router.add_patch(route, _object_post_patch)
+    for route in (bucket_route, bucket_route + "/"):
+        router.add_post(route, _bucket_objects_post_patch)
+        router.add_patch(route, _bucket_objects_post_patch)
     for path, what in _NO_SERVICE:
         for route in (path, path + r"/{rest:[\s\S]*}"):
             router.add_route("*", route, _no_service(what))

@@ -102,7 +102,7 @@ def keys_only(tmp_path_factory):
 def registered_routes(tmp: Path) -> list[tuple[str, str]]:
     """(method, concrete path) for every route on the app the server builds."""
     app = build_app(ServerConfig(data_dirs=(tmp,)))
-    values = {"bucket": BUCKET, "obj": OBJ, "key": OBJ}
+    values = {"bucket": BUCKET, "obj": OBJ, "key": OBJ, "rest": "x"}
     out = set()
     for route in app.router.routes():
         canonical = route.resource.canonical

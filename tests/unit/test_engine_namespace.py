@@ -198,3 +198,37 @@ async def test_find_over_100k_objects_is_not_one_request_per_object():
     total = sum(client.calls.values())
     assert total <= 1_100 + 100, client.calls  # about one listing per directory
     assert client.calls["head"] == 0 and client.calls["get"] == 0
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+async def test_names_hidden_at_the_root_are_not_listed_and_take_no_offset(chunk):
+    """A name another tree claims (".batch") is left out of the root's listing, by the
+    namespace, so offsets count only what is shown: read back a few entries at a time, as the
+    kernel does, across pages, nothing repeats, nothing is lost and no page is listed twice
+    (filtered in the adapter instead, a hidden name ending a page sent the next read back to
+    the first page)."""
+    client = memory_client()
+    names = [f"-{i}" for i in range(5)] + [f"a{i}" for i in range(9)]
+    for k in [*names, ".batch/x", ".batch/y/z"]:
+        client.put("b", k, b"x")
+    async with engine(client) as eng:
+        ns = eng.ns
+        ns.page_size = 3  # pages of 3: ".batch" ends the second one
+        ns.hidden_at_root = lambda name: name == ".batch"
+        h = ns.opendir(ROOT_INODE)
+        seen, offset = [], 0
+        client.calls.clear()
+        while True:
+            got = []
+            async for name, node, next_offset in ns.readdir(h, offset):
+                got.append((name, next_offset))
+                if len(got) == chunk:
+                    break  # the kernel's buffer is full: the next call resumes at the offset
+            if not got:
+                break
+            seen += [n for n, _ in got]
+            offset = got[-1][1]
+        assert seen == sorted(names)
+        assert client.calls["list"] == -(-(len(names) + 1) // 3)  # each page once
+        assert (await eng.lookup(ROOT_INODE, "-1")).size == 1  # the rest is as before
