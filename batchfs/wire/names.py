@@ -30,8 +30,9 @@ def past_subtree(directory: str) -> str:
     """An exclusive ``start_after`` past every name under ``directory`` (which ends in ``/``)
     and before every name after that subtree: the directory followed by U+10FFFF until it is
     longer than ``MAX_OBJNAME_BYTES`` (a server allowing longer names — AIStore does — may
-    list names of the subtree past it: callers must still progress). (``directory`` + one U+10FFFF was not enough: a name
-    ``d/\U0010ffffx`` sorts after it, and a listing restarted there found ``d/`` again.)"""
+    list names of the subtree past it: callers must still progress). (``directory`` + one
+    U+10FFFF was not enough: a name ``d/\U0010ffffx`` sorts after it, and a listing
+    restarted there found ``d/`` again.)"""
     if not directory.endswith("/"):
         raise ValueError(f"not a directory: {directory!r}")  # (without the '/', d0 would be skipped)
     n = (MAX_OBJNAME_BYTES - len(directory.encode())) // 4 + 1
