@@ -58,21 +58,25 @@ def file_name_ok(name: str) -> bool:
 
 def clashes(names: list[str]) -> dict[str, str]:
     """Columns whose files could have another column's file names: ``{column: why}``. A name
-    given twice; or one that is another column's name plus a suffix its files may use — both
-    columns are refused whatever their types and data, so that every row group and ``meta.json``
-    agree."""
+    given twice; or two columns one of whose files could be named as one of the other's — ``x``
+    and ``x.null``, but also ``a`` and ``a.items``, whose ``.items.null`` and ``.null`` files
+    are both ``a.items.null.npy`` — both columns are refused whatever their types and data, so
+    that every row group and ``meta.json`` agree."""
     out: dict[str, str] = {}
     seen = set()
     for name in names:
         if name in seen:
             out[name] = f"column {name!r}: two columns have this name"
         seen.add(name)
-    for name in seen:
-        for s in SUFFIXES[1:]:
-            if name + s in seen:
-                why = f"columns {name!r} and {name + s!r}: their files would have the same names"
-                out.setdefault(name, why)
-                out.setdefault(name + s, why)
+    owners: dict[str, list[str]] = {}
+    for name in sorted(seen):
+        for s in SUFFIXES:
+            owners.setdefault(name + s, []).append(name)
+    for file, who in owners.items():
+        for name in who if len(who) > 1 else ():
+            others = ", ".join(repr(o) for o in who if o != name)
+            out.setdefault(name, f"columns {name!r} and {others}: their files would have the same names "
+                                 f"({file}.npy)")
     return out
 
 

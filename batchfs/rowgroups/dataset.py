@@ -28,7 +28,10 @@ Invariants: ``seed`` must be an int (0 included): there is no unseeded mode. ``s
 after ``n`` items names exactly the groups consumed, and ``load_state_dict`` resumes with the
 next one, neither replaying nor skipping. Arrays are memory-mapped from the mount and indexed
 by the shuffle, so one item costs its own rows; columns stored as values + offsets (lists,
-binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on.
+binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on. An item's arrays
+are of one object version (one descriptor of the group's directory), and a group whose row
+counts differ from the layout read at construction (the object replaced since) raises
+ValueError: rows are never cut or padded to fit.
 """
 
 from __future__ import annotations
@@ -73,14 +76,16 @@ class RowGroupStream:
         self.tables: list[str] = []  # .rowgroups/ directory of each path, sorted by path
         self.roots: list[str] = []  # the mount each table is under
         self.groups: list[tuple[int, int, int]] = []  # (table index, row group, rows)
+        self.owners: list[dict[str, tuple[str, str]] | None] = []  # per table: file stem -> (column, suffix)
         for path in sorted(os.path.abspath(p) for p in paths):
             root, rel = find_mount(path)
             table = os.path.join(root, ROWGROUPS_DIR, rel)
             with open(os.path.join(table, "meta.json"), "rb") as f:
-                rows = json.load(f)["rows"]
-            self.groups += [(len(self.tables), rg, n) for rg, n in enumerate(rows)]
+                meta = json.load(f)
+            self.groups += [(len(self.tables), rg, n) for rg, n in enumerate(meta["rows"])]
             self.tables.append(table)
             self.roots.append(root)
+            self.owners.append(_owners(meta))
         self.consumed = 0  # items handed out in this epoch (state_dict)
 
     # -- order ---------------------------------------------------------------------------------
@@ -107,22 +112,43 @@ class RowGroupStream:
 
     # -- reading ---------------------------------------------------------------------------------
     def read(self, g: int) -> dict[str, np.ndarray]:
-        """Row group ``g`` (an index into ``groups``) as {column: array}, rows shuffled."""
+        """Row group ``g`` (an index into ``groups``) as {column: array}, rows shuffled.
+
+        The group's files are opened through one descriptor of its directory: the mount makes a
+        row-group directory one object version's (the version current at its lookup), so they
+        are all of one version even if the object is replaced meanwhile. A version whose group
+        has other row counts than the layout this stream read raises ValueError."""
         t, rg, rows = self.groups[g]
         d = os.path.join(self.tables[t], f"{rg:05d}")
-        names = sorted(n for n in os.listdir(d) if n.endswith(".npy"))
-        out: dict[str, np.ndarray] = {}
+        owners = self.owners[t]
         perm = np.random.default_rng([self.seed, self.epoch, g]).permutation(rows) if self.shuffle_rows else None
-        for n in names:
-            col = n[:-4]
-            base = col.split(".")[0]
-            if self.columns is not None and base not in self.columns:
-                continue
-            if perm is not None and col.endswith((".values", ".offsets", ".values.null")):
-                raise ValueError(f"column {base!r} has variable-length rows (values + offsets): read it "
-                                 "with shuffle_rows=False")
-            arr = np.load(os.path.join(d, n), mmap_mode="r")
-            out[col] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)
+        out: dict[str, np.ndarray] = {}
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            stems = sorted(n[:-4] for n in os.listdir(dfd) if n.endswith(".npy"))
+            found = {(owners.get(s, (s, "")) if owners is not None else (s, ""))[0] for s in stems}
+            missing = [c for c in self.columns or () if c not in found]
+            if missing:
+                raise ValueError(f"{d}: no column {', '.join(map(repr, missing))} in this row group "
+                                 f"(it has {', '.join(map(repr, sorted(found))) or 'none'}; meta.json and "
+                                 "status.json say why a column is not produced)")
+            for stem in stems:
+                col, suffix = owners.get(stem, (stem, "")) if owners is not None else (stem, "")
+                if self.columns is not None and col not in self.columns:
+                    continue
+                if perm is not None and suffix in (".values", ".offsets", ".values.null"):
+                    raise ValueError(f"column {col!r} has variable-length rows (values + offsets): read it "
+                                     "with shuffle_rows=False")
+                arr = _load(dfd, stem + ".npy")
+                want = rows + 1 if suffix == ".offsets" else rows
+                if (perm is not None or suffix in ("", ".null", ".items.null", ".offsets")) and \
+                        (arr.ndim == 0 or arr.shape[0] != want):
+                    raise ValueError(f"{d}/{stem}.npy has {arr.shape[0] if arr.ndim else 0} rows, not the "
+                                     f"{want} of the layout this stream read: the object was replaced "
+                                     "since (make a new stream), or its transform does not keep rows")
+                out[stem] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)
+        finally:
+            os.close(dfd)
         return out
 
     def iter_share(self, worker: int = 0, num_workers: int = 1, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
@@ -163,6 +189,37 @@ class RowGroupStream:
         for item in self.iter_share(skip=self.consumed):
             self.consumed += 1
             yield item
+
+
+# the suffixes the default transform's files add to a column's name (``arrays.SUFFIXES``: this
+# module needs only numpy, so it does not import it; a test checks the two agree)
+SUFFIXES = ("", ".null", ".values", ".offsets", ".items.null", ".values.null")
+
+
+def _owners(meta: dict) -> dict[str, tuple[str, str]] | None:
+    """For the default transform: each file name (without ``.npy``) its column may have ->
+    (column, suffix), from ``meta.json``'s produced columns — a column's name may hold dots
+    (``f.x``), and the mount refuses columns whose files could share a name, so this is exact.
+    None for another transform: each file is then an array of its own name."""
+    if not str(meta.get("transform", "")).startswith("default/") or "columns" not in meta:
+        return None
+    return {c["name"] + s: (c["name"], s) for c in meta["columns"] if "unsupported" not in c for s in SUFFIXES}
+
+
+def _load(dfd: int, name: str) -> np.ndarray:
+    """The ``.npy`` file ``name`` in directory ``dfd``, memory-mapped read-only (no pickle).
+    ``np.load`` maps only a path, which a later lookup could resolve to another version."""
+    with os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dfd), "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):  # 3.0: only structured dtypes with non-Latin-1 field names
+            raise ValueError(f"{name}: .npy format {version} is not read here")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        if dtype.hasobject:
+            raise ValueError(f"{name}: an object array (would need pickle)")
+        if not shape or 0 in shape:
+            return np.zeros(shape, dtype)
+        return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
 
 
 def _unlink(path: str) -> None:

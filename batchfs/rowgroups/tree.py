@@ -12,8 +12,10 @@ subdirectories and objects named ``*.parquet`` appear, each as a directory.
 Invariants:
 - Listing a table directory reads the footer only; a row-group directory transforms that one
   row group (its file names and exact sizes are those of the arrays); nothing else transforms.
-- A file's inode is one object version's file (the version current at its lookup): its bytes
-  and size never change, so the kernel keeps its pages across opens (``keep_cache``) and a
+- A row-group directory's inode is one object version's group (the version current at its
+  lookup), and a file's inode is a file of its directory's version: its bytes and size never
+  change, so the kernel keeps its pages across opens (``keep_cache``), the files opened through
+  one directory (one descriptor of it: ``RowGroupStream``) are never of two versions, and a
   replaced object shows as new inodes once the kernel looks the names up again (metadata TTL).
   Lookups and ``stat`` need only the group's file sizes (``RowGroupSource.sizes``, kept apart
   from the arrays), opening needs nothing, the first read needs the bytes: so a second epoch
@@ -167,8 +169,10 @@ class RowGroupTree(ReadOnlyTree):
             return Attr(ino, False, size, info.mtime_ns, info.version)
         if e.kind == "status":  # changes as failures happen: never cached by the kernel
             return Attr(ino, False, len(self._status(e)), time.time_ns(), ttl=0)
+        if e.kind == "group":
+            return Attr(ino, True, 0, e.info.mtime_ns, e.info.version)
         info = await self._info(e)
-        if e.kind in ("table", "group"):
+        if e.kind == "table":
             return Attr(ino, True, 0, info.mtime_ns)
         return Attr(ino, False, len(await self._meta(e)), info.mtime_ns, info.version)
 
@@ -177,6 +181,9 @@ class RowGroupTree(ReadOnlyTree):
             return await self._looked_up(BASE)
         p = self._ent(parent)
         if p.kind in ("root", "dir"):
+            hide = self.ns.hidden_at_root
+            if p.ns_ino == ROOT_INODE and hide is not None and hide(name):  # as at the mount root
+                raise NotFound(f"{name}: a name of the mount's own at its root")
             a = await self.ns.lookup(p.ns_ino, name)  # one namespace reference, ours now
             node = self.ns.node(a.ino)
             if node.is_dir:
@@ -190,16 +197,16 @@ class RowGroupTree(ReadOnlyTree):
                 return await self._looked_up(self._intern("meta", p.ns_ino))
             if name == STATUS:
                 return await self._looked_up(self._intern("status", p.ns_ino))
-            lay = await self._layout(p)
+            info = await self._info(p)
+            lay = await self._layout(p, info)
             rg = group_number(name)
             if rg is not None and rg < lay.num_row_groups:
-                return await self._looked_up(self._intern("group", p.ns_ino, rg))
+                return await self._looked_up(self._intern("group", p.ns_ino, rg, info=info))
             raise NotFound(f"{name}: not a row group of this table ({lay.num_row_groups} groups)")
-        if p.kind == "group":
-            info = await self._info(p)
-            if name in await self._sizes(p, info):
-                return await self._looked_up(self._intern("file", p.ns_ino, p.rg, name, info=info))
-            raise NotFound(f"{name}: not a file of row group {p.rg}")
+        if p.kind == "group":  # its files are of the group's version, whatever is current now
+            if name in await self._sizes(p, p.info):
+                return await self._looked_up(self._intern("file", p.ns_ino, p.rg, name, info=p.info))
+            raise NotFound(f"{name}: not a file of row group {p.rg} of version {p.info.version}")
         raise NotADirectory(f"inode {parent} is not a directory")
 
     async def _looked_up(self, ino: int) -> Attr:
@@ -216,9 +223,9 @@ class RowGroupTree(ReadOnlyTree):
     async def getattr(self, ino: int) -> Attr:
         return await self._attr(ino)
 
-    async def _layout(self, e: _Ent):
+    async def _layout(self, e: _Ent, info: ObjectInfo | None = None):
         node = self.ns.node(e.ns_ino)
-        return await self.source.layout(node.bucket, node.key, await self.ns.current(node))
+        return await self.source.layout(node.bucket, node.key, info or await self.ns.current(node))
 
     async def _sizes(self, e: _Ent, info: ObjectInfo) -> dict[str, int]:
         node = self.ns.node(e.ns_ino)
@@ -268,19 +275,19 @@ class RowGroupTree(ReadOnlyTree):
         if e.kind == "table":
             if offset == 0:
                 yield STATUS, await self._attr(self._intern("status", e.ns_ino)), 1
+            info = await self._info(e)
             try:
-                lay = await self._layout(e)
+                lay = await self._layout(e, info)
             except BatchfsError:  # not Parquet, a corrupt footer: status.json says why
                 return
             names = [META] + [f"{i:0{GROUP_DIGITS}d}" for i in range(lay.num_row_groups)]
             for i in range(max(offset - 1, 0), len(names)):
-                child = self._intern("meta", e.ns_ino) if i == 0 else self._intern("group", e.ns_ino, i - 1)
+                child = self._intern("meta", e.ns_ino) if i == 0 else self._intern("group", e.ns_ino, i - 1, info=info)
                 yield names[i], await self._attr(child), i + 2
             return
-        info = await self._info(e)
-        names = list(await self._sizes(e, info))
+        names = list(await self._sizes(e, e.info))
         for i in range(offset, len(names)):
-            yield names[i], await self._attr(self._intern("file", e.ns_ino, e.rg, names[i], info=info)), i + 1
+            yield names[i], await self._attr(self._intern("file", e.ns_ino, e.rg, names[i], info=e.info)), i + 1
 
     def releasedir(self, fh: int) -> None:
         self._fhs.pop(fh, None)

@@ -114,6 +114,56 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         assert os.stat(f).st_ino != ino
 
 
+
+def test_a_replaced_object_never_mixes_versions_in_a_group_or_a_stream(server, bucket, tmp_path):
+    """A row-group directory is one object version's: files opened through a descriptor of it
+    after the object was replaced are still the old version's (until then the new version's
+    arrays were served for files looked up later: columns of two versions in one group); and a
+    stream made under the old layout raises instead of cutting the new groups to the old row
+    counts (a tester's run: 33,333 rows a group silently dropped, then an IndexError)."""
+    t1 = _parquet(1)
+    t = pq.read_table(io.BytesIO(_parquet(2)))
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=7_000)  # the same columns, other row groups
+    t2 = buf.getvalue()
+    put(server, bucket, "t.parquet", t1)
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    with MountProcess(src, tmp_path / "m", metadata_ttl_seconds=0.5) as m:
+        table = m.mountpoint / ".rowgroups" / "t.parquet"
+        stream = RowGroupStream([str(m.mountpoint / "t.parquet")], seed=0)
+        expect = pq.ParquetFile(io.BytesIO(t1)).read_row_group(0)
+        dfd = os.open(table / "00000", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with os.fdopen(os.open("id.npy", os.O_RDONLY, dir_fd=dfd), "rb") as f:
+                assert list(np.load(f)) == expect.column("id").to_pylist()
+            put(server, bucket, "t.parquet", t2)
+            time.sleep(1.5)  # past the metadata TTL: a new lookup sees the new version
+            with os.fdopen(os.open("score.npy", os.O_RDONLY, dir_fd=dfd), "rb") as f:
+                assert np.array_equal(np.load(f), np.array(expect.column("score").to_pylist()))
+        finally:
+            os.close(dfd)
+        _check_group(m.mountpoint, "t.parquet", t2, 0)  # looked up again: the new version
+        with pytest.raises(ValueError, match="7000 rows, not the 10000 of the layout this stream read"):
+            next(iter(stream))
+
+
+def test_names_hidden_at_the_mount_root_are_hidden_in_rowgroups_too(server, bucket, tmp_path):
+    """Objects under '.rowgroups/' or '.batch/' in the bucket are hidden at the mount root
+    (docs/rowgroups.md); they were still served as '.rowgroups/.rowgroups/x.parquet/…' (a tester's run)."""
+    data = _parquet(3)
+    for key in (".rowgroups/x.parquet", ".batch/y.parquet", "t.parquet"):
+        put(server, bucket, key, data)
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    with MountProcess(src, tmp_path / "m") as m:
+        root = m.mountpoint / ".rowgroups"
+        assert sorted(os.listdir(root)) == ["t.parquet"]
+        for hidden in (".rowgroups", ".batch"):
+            assert not (root / hidden).exists()
+        with pytest.raises(FileNotFoundError):
+            os.listdir(root / ".rowgroups" / "x.parquet")
+        _check_group(m.mountpoint, "t.parquet", data, 0)
+
+
 TRANSFORM = '''
 import numpy as np
 __version__ = "{version}"

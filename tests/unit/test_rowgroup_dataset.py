@@ -14,6 +14,8 @@ import pytest
 from batchfs.rowgroups.dataset import RowGroupStream
 
 GROUPS = {"a.parquet": [5, 7, 3], "sub/b.parquet": [4, 6], "c.parquet": [8]}
+COLUMNS = [{"name": "id", "files": ["id.npy"]}, {"name": "x", "files": ["x.npy"]},
+           {"name": "tags", "files": ["tags.offsets.npy", "tags.values.npy"]}]  # as meta.json has them
 
 
 @pytest.fixture
@@ -25,7 +27,7 @@ def mount(tmp_path):
         (tmp_path / name).write_bytes(b"PAR1")  # the object itself (never read by the stream)
         table = tmp_path / ".rowgroups" / name
         table.mkdir(parents=True)
-        (table / "meta.json").write_text(json.dumps({"rows": rows}))
+        (table / "meta.json").write_text(json.dumps({"rows": rows, "transform": "default/1", "columns": COLUMNS}))
         for rg, n in enumerate(rows):
             d = table / f"{rg:05d}"
             d.mkdir()
@@ -89,6 +91,45 @@ def test_no_unseeded_mode_and_variable_length_columns_need_shuffle_off(mount):
     with pytest.raises(ValueError, match="not under a batchfs mount"):
         RowGroupStream(["/nonexistent/x.parquet"], seed=0)
 
+
+def test_columns_are_found_by_meta_json_names_dots_included(tmp_path):
+    """A column's files are its name plus a suffix (``.null``, ``.values``...); names may hold
+    dots themselves, so the stream maps files to columns by ``meta.json``, not by the first dot
+    (``columns=["f"]`` gave f and f.x, ``["f.x"]`` nothing); a column asked for and not in the
+    group is an error, not a silently missing key."""
+    table = tmp_path / ".rowgroups" / "t.parquet"
+    d = table / "00000"
+    d.mkdir(parents=True)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    cols = [{"name": "f", "files": ["f.npy"]}, {"name": "f.x", "files": ["f.x.npy"]},
+            {"name": "s", "unsupported": "a struct"}]
+    (table / "meta.json").write_text(json.dumps({"rows": [4], "transform": "default/1", "columns": cols}))
+    np.save(d / "f.npy", np.arange(4))
+    np.save(d / "f.x.npy", np.arange(4) * 10)
+    np.save(d / "f.x.null.npy", np.array([False, True, False, False]))
+    path = [str(tmp_path / "t.parquet")]
+    assert sorted(next(iter(RowGroupStream(path, seed=0, columns=["f"])))) == ["f"]
+    got = next(iter(RowGroupStream(path, seed=0, columns=["f.x"], shuffle_rows=False)))
+    assert sorted(got) == ["f.x", "f.x.null"] and list(got["f.x"]) == [0, 10, 20, 30]
+    for missing in ("nope", "s"):
+        with pytest.raises(ValueError, match=f"no column '{missing}' in this row group"):
+            next(iter(RowGroupStream(path, seed=0, columns=[missing])))
+
+
+def test_a_group_whose_rows_differ_from_the_layout_read_raises(mount):
+    """The stream's groups and their row counts are the layout its constructor read; a group
+    with other row counts now (the object replaced since) raises instead of being cut to them."""
+    s = RowGroupStream([str(mount / "c.parquet")], seed=0)
+    np.save(mount / ".rowgroups" / "c.parquet" / "00000" / "x.npy", np.arange(5) * 0.5)  # 8 rows before
+    with pytest.raises(ValueError, match="x.npy has 5 rows, not the 8 of the layout this stream read"):
+        next(iter(s))
+
+
+def test_the_suffixes_agree_with_the_transform(tmp_path):
+    pytest.importorskip("pyarrow")
+    from batchfs.rowgroups import arrays, dataset
+
+    assert dataset.SUFFIXES == arrays.SUFFIXES
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (the 'torch' extra)")
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

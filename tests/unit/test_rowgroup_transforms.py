@@ -100,6 +100,16 @@ def test_columns_whose_files_would_share_names_are_refused_not_overwritten():
     assert np.array_equal(np.load(io.BytesIO(bytes(g.files["ok.npy"]))), [0.5, 1.5, 2.5])
 
 
+def test_columns_whose_suffixed_files_meet_are_refused_too():
+    """``a`` (a fixed-size list with null items) writes a.items.null.npy and ``a.items`` (with
+    nulls) writes a.items.null.npy too: neither name is the other's plus a suffix, and one mask
+    overwrote the other (a review). Any two columns that could write one file name are refused."""
+    t = pa.table({"a": pa.array([[1, None], [3, 4]], pa.list_(pa.int64(), 2)), "a.items": pa.array([5, None]),
+                  "ok": pa.array([1, 2])})
+    g = DEFAULT(t)
+    assert sorted(g.files) == ["ok.npy"]
+    assert set(g.unsupported) == {"a", "a.items"} and "a.items.null.npy" in g.unsupported["a"]
+
 def test_strings_far_wider_than_their_data_are_refused():
     """One 10,000-character string among 10,000 short ones: 400 MB as fixed-width NumPy strings
     from a column of ~50 KB (an attack: the transform's memory bound did not hold)."""
