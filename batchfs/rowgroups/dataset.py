@@ -141,8 +141,10 @@ class RowGroupStream:
                                      "with shuffle_rows=False")
                 arr = _load(dfd, stem + ".npy")
                 want = rows + 1 if suffix == ".offsets" else rows
-                if (perm is not None or suffix in ("", ".null", ".items.null", ".offsets")) and \
-                        (arr.ndim == 0 or arr.shape[0] != want):
+                # rows of the default transform's arrays are the group's; another transform's
+                # arrays need them only to be shuffled (it may aggregate rows)
+                per_row = owners is not None and suffix in ("", ".null", ".items.null", ".offsets")
+                if (perm is not None or per_row) and (arr.ndim == 0 or arr.shape[0] != want):
                     raise ValueError(f"{d}/{stem}.npy has {arr.shape[0] if arr.ndim else 0} rows, not the "
                                      f"{want} of the layout this stream read: the object was replaced "
                                      "since (make a new stream), or its transform does not keep rows")

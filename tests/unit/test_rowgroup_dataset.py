@@ -125,6 +125,19 @@ def test_a_group_whose_rows_differ_from_the_layout_read_raises(mount):
         next(iter(s))
 
 
+def test_another_transforms_arrays_need_the_group_rows_only_to_be_shuffled(tmp_path):
+    """A user transform may aggregate rows: read without shuffling, its arrays are as they are."""
+    table = tmp_path / ".rowgroups" / "t.parquet"
+    (table / "00000").mkdir(parents=True)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    (table / "meta.json").write_text(json.dumps({"rows": [4], "transform": "m:f@1", "columns": [{"name": "x"}]}))
+    np.save(table / "00000" / "mean.values.npy", np.array([1.5]))
+    path = [str(tmp_path / "t.parquet")]
+    assert list(next(iter(RowGroupStream(path, seed=0, shuffle_rows=False)))["mean.values"]) == [1.5]
+    with pytest.raises(ValueError, match="has 1 rows, not the 4"):
+        next(iter(RowGroupStream(path, seed=0)))
+
+
 def test_the_suffixes_agree_with_the_transform(tmp_path):
     pytest.importorskip("pyarrow")
     from batchfs.rowgroups import arrays, dataset
