@@ -5,18 +5,22 @@ are strings that name the bytes exactly (the caller puts the object version in t
 never goes stale; it is only ever not asked for again.
 
 Invariants:
-- A HARD quota and no eviction: the store fills until the next entry would cross the quota, then
-  the caller reads through. Epoch scans read every item once per epoch, and LRU would evict exactly
-  what comes next (the Petastorm-at-Uber lesson). The quota counts what ``du`` counts: file blocks,
-  a per-entry allowance for directories and SQLite rows, and fixed headroom for the SQLite files
-  (whose WAL is kept small by pragmas).
+- A HARD quota and no eviction: an entry that would cross the quota is not stored (the caller
+  reads through), and that is all: smaller entries after it are still stored while they fit, so
+  the store fills until not even an empty entry fits (``full``). ``full`` is worked out from the
+  usage on every call, never latched: a latch set by one entry larger than the room left stopped
+  all caching until remount (a tester), and the check it saved is one comparison. Epoch scans
+  read every item once per epoch, and LRU would evict exactly what comes next (the
+  Petastorm-at-Uber lesson). The quota counts what ``du`` counts: file blocks, a per-entry
+  allowance for directories and SQLite rows, and fixed headroom for the SQLite files (whose WAL
+  is kept small by pragmas).
 - Its directory is private (mode 0700, made so at open, with a warning if it was not): the
   entries are object bytes and transformed arrays other users may not read through the mount.
 - The store only accelerates. Every entry carries its length and xxh3-64 (``cache.entries``); a
   truncated, corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
-  (disk full, I/O error) stops further writes: read-through. A store that cannot be opened (its
-  filesystem full, its directory unwritable, its SQLite file corrupt) is no store:
-  ``open_or_none`` logs a warning and the caller runs without one.
+  (disk full, I/O error) stops further writes until remount (``write_failed``): read-through. A
+  store that cannot be opened (its filesystem full, its directory unwritable, its SQLite file
+  corrupt) is no store: ``open_or_none`` logs a warning and the caller runs without one.
 - The quota is also bounded by the filesystem: like JuiceFS's ``--free-space-ratio``, the store
   keeps ``free_space_ratio`` of its filesystem's size free (and never less than
   ``SQLITE_HEADROOM_BYTES``). ``put`` drops an entry that would take free space below that reserve
@@ -66,6 +70,7 @@ BATCH_WAIT_SECONDS = 0.05
 # statvfs is a syscall of a few microseconds, but put() runs per chunk on the trio thread:
 # between checks, what was queued since is subtracted from the last reading.
 SPACE_RECHECK_SECONDS = 1.0
+SMALLEST_ENTRY_BYTES = on_disk(HEADER.size)  # an empty payload's cost: a store with less room is full
 
 
 def _slot(key: str) -> int:
@@ -158,7 +163,7 @@ class DiskStore:
         self._present = present if present is not None else bytearray(FILTER_BITS // 8)
         self.quota_bytes = quota_bytes
         self.used_bytes = used_bytes  # estimate of what du reports, reservations included
-        self.full = used_bytes + SQLITE_HEADROOM_BYTES >= quota_bytes
+        self.write_failed = False  # a write raised (disk full, I/O error): read through from then on
         self.write_buffer_bytes = write_buffer_bytes
         self._pending_bytes = 0
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
@@ -242,6 +247,16 @@ class DiskStore:
                 return False
         return self._free_bytes - self._queued_since_check - cost >= self.reserve_bytes
 
+    def _fits(self, cost: int) -> bool:
+        """Would ``cost`` more bytes keep the store within its quota (SQLite's headroom kept)?"""
+        return self.used_bytes + cost + SQLITE_HEADROOM_BYTES <= self.quota_bytes
+
+    @property
+    def full(self) -> bool:
+        """Nothing more can be stored: a write failed, or not even an empty entry fits. Worked
+        out each time, so room given back (a corrupt entry deleted) is used again."""
+        return self.write_failed or not self._fits(SMALLEST_ENTRY_BYTES)
+
     def _maybe_present(self, key: str) -> bool:
         i = _slot(key)
         return bool(self._present[i >> 3] & (1 << (i & 7)))
@@ -292,9 +307,8 @@ class DiskStore:
         """Queue an entry for writing; False if it was dropped (quota, backlog, disk full).
         ``Parts``: an entry of several buffers, stored as their concatenation without joining."""
         cost = on_disk(len(data) + HEADER.size)
-        if self.full or self.used_bytes + cost + SQLITE_HEADROOM_BYTES > self.quota_bytes:
-            self.full = True  # fill until full, then read through: never evict
-            self.dropped += 1
+        if self.write_failed or not self._fits(cost):  # never evict: this one is read through,
+            self.dropped += 1  # and smaller ones may still fit
             return False
         if self._pending_bytes + len(data) > self.write_buffer_bytes:
             self.dropped += 1
@@ -344,7 +358,7 @@ class DiskStore:
                 except Exception as e:  # disk full, I/O error: read through from now on
                     log.warning("disk cache write failed, reading through from now on: %s", e)
                     self.used_bytes -= sum(cost for _, _, cost in batch)
-                    self.full = True
+                    self.write_failed = True
                 finally:
                     self._pending_bytes -= sum(_pending_size(data) for _, data, _ in batch)
 
@@ -390,7 +404,8 @@ class DiskStore:
         return await trio.to_thread.run_sync(read, limiter=self._limiter)
 
     def put_int(self, key: str, value: int) -> None:
-        if self.full or self._pending_bytes + 64 > self.write_buffer_bytes or not self._space_for(ENTRY_OVERHEAD_BYTES):
+        if (self.write_failed or not self._fits(ENTRY_OVERHEAD_BYTES)  # records count against the quota too
+                or self._pending_bytes + 64 > self.write_buffer_bytes or not self._space_for(ENTRY_OVERHEAD_BYTES)):
             return
         self._queued_since_check += ENTRY_OVERHEAD_BYTES
         self.used_bytes += ENTRY_OVERHEAD_BYTES

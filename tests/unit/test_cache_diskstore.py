@@ -12,8 +12,8 @@ import trio
 import xxhash
 
 from batchfs.cache.chunks import MemoryChunkCache
-from batchfs.cache.diskstore import DiskStore
-from batchfs.cache.entries import HEADER, Parts, du
+from batchfs.cache.diskstore import SQLITE_HEADROOM_BYTES, DiskStore
+from batchfs.cache.entries import HEADER, Parts, du, on_disk
 from tests.support.engine import KiB, MiB, engine, memory_client, read_all
 
 
@@ -32,7 +32,7 @@ async def test_quota_is_never_exceeded_and_nothing_is_evicted(tmp_path: Path):
     blobs = {f"k{i}": os.urandom(256 * KiB) for i in range(60)}  # 15 MiB offered
     accepted = [k for k, v in blobs.items() if cache.put(k, v)]
     await _drain(cache)
-    assert 0 < len(accepted) < len(blobs) and cache.full
+    assert 0 < len(accepted) < len(blobs) and accepted == list(blobs)[:len(accepted)]  # one size: fill, then none
     assert du(tmp_path / "c") <= quota
     for k in accepted:  # what got in stays in: fill, then read through
         assert await cache.get(k) == blobs[k]
@@ -45,6 +45,33 @@ async def test_quota_is_never_exceeded_and_nothing_is_evicted(tmp_path: Path):
     assert not again.put("more", b"x" * 256 * KiB)
     again.close()
     assert du(tmp_path / "c") <= quota
+
+
+@pytest.mark.trio
+async def test_an_entry_over_the_room_left_is_dropped_and_smaller_ones_are_still_stored(tmp_path: Path):
+    """An entry larger than the room left, or than the whole quota, is not stored, and that is
+    all: smaller ones after it still are while they fit (a tester: one row group larger than
+    --rowgroup-cache-quota read first stopped all caching until remount). ``full`` means that
+    not even the smallest entry fits."""
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    entry = on_disk(100 * KiB + HEADER.size)
+    # room for three entries and one tiny one, exactly, whatever the empty store's files take
+    cache.quota_bytes = quota = cache.used_bytes + SQLITE_HEADROOM_BYTES + 3 * entry + on_disk(HEADER.size)
+    assert not cache.put("huge", os.urandom(8 * MiB))  # over the whole quota
+    assert not cache.put("four", os.urandom(400 * KiB))  # over the room left
+    assert not cache.full
+    blobs = {f"k{i}": os.urandom(100 * KiB) for i in range(3)}
+    assert all(cache.put(k, v) for k, v in blobs.items())
+    assert not cache.put("k3", os.urandom(100 * KiB)) and not cache.full  # no room for it, but for less
+    assert cache.put("tiny", b"t") and cache.full
+    assert not cache.put("tiny again", b"t") and cache.dropped == 4
+    cache.put_int("record", 7)  # a record counts against the quota too
+    await _drain(cache)
+    for k, v in {**blobs, "tiny": b"t"}.items():
+        assert await cache.get(k) == v
+    assert await cache.get_int("record") is None
+    assert du(tmp_path / "c") <= quota
+    cache.close()
 
 
 @pytest.mark.trio

@@ -224,3 +224,37 @@ async def test_a_full_row_group_cache_reads_through_and_never_passes_its_quota(t
         nursery.cancel_scope.cancel()
         store.close()
     assert du(tmp_path / "rg") <= quota
+
+
+@pytest.mark.trio
+async def test_a_row_group_over_the_cache_quota_is_not_stored_and_smaller_ones_still_are(tmp_path):
+    """A tester, fresh cache: one group larger than --rowgroup-cache-quota read first left every
+    later group uncached until remount (82 KB cached of 16 MB). It is served without being
+    stored; the groups after it are stored, and a remount reads them from the disk."""
+    from batchfs.cache.diskstore import SQLITE_HEADROOM_BYTES
+
+    client = memory_client()
+    client.put("b", "big.parquet", _parquet(rows=60000, group=60000))  # one group of ~1.7 MiB of arrays
+    client.put("b", "t.parquet", _parquet(rows=8000, group=2000))  # four of ~50 KiB
+    quota = SQLITE_HEADROOM_BYTES + 1 * MiB
+    config = RowGroupConfig(memory_bytes=32 * MiB)
+    big, small = await _info(client, "big.parquet"), await _info(client, "t.parquet")
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", quota)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store, config)
+        assert len(pack(await src.group("b", "big.parquet", big, 0))) > quota - SQLITE_HEADROOM_BYTES  # never fits
+        first = [await src.group("b", "t.parquet", small, rg) for rg in range(4)]
+        await store.flush(10)
+        store.close()
+    async with trio.open_nursery() as nursery:
+        store = await DiskStore.open(tmp_path / "rg", quota)
+        nursery.start_soon(store.writer)
+        src = RowGroupSource(client, store, config)  # a remount
+        assert [(await src.group("b", "t.parquet", small, rg)).files for rg in range(4)] == [g.files for g in first]
+        assert src.transforms == 0  # all four from the disk (without the fix: all four transformed again)
+        await src.group("b", "big.parquet", big, 0)
+        assert src.transforms == 1  # never stored
+        store.close_writes()
+        nursery.cancel_scope.cancel()
+        store.close()
