@@ -17,10 +17,12 @@ Invariants:
 - Its directory is private (mode 0700, made so at open, with a warning if it was not): the
   entries are object bytes and transformed arrays other users may not read through the mount.
 - The store only accelerates. Every entry carries its length and xxh3-64 (``cache.entries``); a
-  truncated, corrupt or vanished entry is a miss (and is deleted), never an error. A failed write
-  (disk full, I/O error) stops further writes until remount (``write_failed``): read-through. A
-  store that cannot be opened (its filesystem full, its directory unwritable, its SQLite file
-  corrupt) is no store: ``open_or_none`` logs a warning and the caller runs without one.
+  truncated, corrupt or vanished entry is a miss, never an error; a truncated or corrupt one is
+  deleted and its blocks subtracted from the usage (until 2026-11-29 they stayed counted, and the
+  store stopped storing early). A failed write (disk full, I/O error) stops further writes until
+  remount (``write_failed``): read-through. A store that cannot be opened (its filesystem full,
+  its directory unwritable, its SQLite file corrupt) is no store: ``open_or_none`` logs a warning
+  and the caller runs without one.
 - The quota is also bounded by the filesystem: like JuiceFS's ``--free-space-ratio``, the store
   keeps ``free_space_ratio`` of its filesystem's size free (and never less than
   ``SQLITE_HEADROOM_BYTES``). ``put`` drops an entry that would take free space below that reserve
@@ -267,6 +269,7 @@ class DiskStore:
             return None
 
         def read():
+            stored = 0  # the entry's length on disk: a corrupt one gives its blocks back
             try:
                 raw = self._cache.get(key, default=None, read=True, retry=True)
                 if raw is not None and not isinstance(raw, (bytes, int)):  # a file entry
@@ -274,26 +277,34 @@ class DiskStore:
                         data = read_entry(raw)
                         if data is not None and len(data) >= UNCACHE_MIN_BYTES:
                             _uncache(raw.fileno())
+                        stored = os.fstat(raw.fileno()).st_size
                     if data is not None:
-                        return data, False
+                        return data, False, 0
                     raw = b""
+                elif isinstance(raw, bytes):  # a SQLite blob
+                    stored = len(raw)
             except Exception as e:  # an unreadable entry is a miss
                 log.warning("error reading %s from the disk cache, falling back: %s", key, e)
                 raw = b""
             if raw is None:
-                return None, False
+                return None, False, 0
             if isinstance(raw, bytes) and len(raw) >= HEADER.size:
                 n, digest = HEADER.unpack_from(raw)
                 payload = memoryview(raw)[HEADER.size:]
                 if len(payload) == n and digest_ok(payload, digest):
-                    return payload, False
+                    return payload, False, 0
             try:  # corrupt or truncated: drop it, it was a miss
-                self._cache.delete(key, retry=True)
+                deleted = self._cache.delete(key, retry=True)  # False: another reader's delete came first
             except Exception:
-                pass
-            return None, True
+                deleted = False
+            # Its blocks only — what du stops counting (a file's) or the next entries reuse (a
+            # blob's SQLite pages). The directory and row allowance ``put`` adds stays counted: a
+            # fan-out directory other entries share is not removed, and an entry du counted at
+            # open never had the allowance, so giving it back could pass the quota.
+            return None, True, on_disk(stored) - ENTRY_OVERHEAD_BYTES if deleted and stored else 0
 
-        data, corrupt = await trio.to_thread.run_sync(read, limiter=self._limiter)
+        data, corrupt, freed = await trio.to_thread.run_sync(read, limiter=self._limiter)
+        self.used_bytes -= freed
         if corrupt:
             self.corrupt += 1
             log.warning("corrupt disk cache entry %s: treated as a miss", key)

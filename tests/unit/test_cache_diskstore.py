@@ -104,6 +104,45 @@ async def test_corrupt_and_truncated_entries_are_misses(tmp_path: Path):
 
 
 @pytest.mark.trio
+async def test_a_corrupt_entry_deleted_on_read_gives_its_room_back(tmp_path: Path):
+    """A corrupt entry deleted on read stayed counted in ``used_bytes``: the store believed it
+    held more than it did and stopped storing early. Its blocks are given back (file entries
+    and SQLite blobs), by the reader whose delete removed it."""
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    cache.quota_bytes = quota = cache.used_bytes + SQLITE_HEADROOM_BYTES + 2 * on_disk(200 * KiB + HEADER.size)
+    assert cache.put("a", os.urandom(200 * KiB)) and cache.put("b", os.urandom(200 * KiB))
+    await _drain(cache)
+    assert cache.full and not cache.put("c", os.urandom(100 * KiB))
+    for f in (tmp_path / "c").rglob("*.val"):  # flip a byte in both
+        with open(f, "r+b") as fh:
+            fh.seek(5000)
+            byte = fh.read(1)
+            fh.seek(5000)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    before = cache.used_bytes
+    assert await cache.get("a") is None and before - cache.used_bytes == 204 * KiB  # its blocks
+    assert not cache.full
+    real_delete = cache._cache.delete  # another reader deleted "b" first: given back by that one only
+    cache._cache.delete = lambda key, retry=False: real_delete(key, retry=retry) and False
+    before = cache.used_bytes
+    assert await cache.get("b") is None and cache.used_bytes == before and cache.corrupt == 2
+    cache._send, cache._recv = trio.open_memory_channel(float("inf"))  # a fresh queue
+    c = os.urandom(100 * KiB)
+    assert cache.put("c", c)
+    await _drain(cache)
+    assert await cache.get("c") == c
+    assert du(tmp_path / "c") <= quota
+    cache.close()
+    blob = await DiskStore.open(tmp_path / "d", 64 * MiB)  # an entry kept in SQLite, not a file
+    blob.put("s", b"s" * 1000)
+    await _drain(blob)
+    blob._cache.set("s", b"\0" * 1016)  # the right length, the wrong digest
+    before = blob.used_bytes
+    assert await blob.get("s") is None and before - blob.used_bytes == 4 * KiB
+    blob.close()
+
+
+@pytest.mark.trio
 async def test_misses_cost_no_disk_lookup_and_reopen_knows_the_keys(tmp_path: Path):
     cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
     real_get = cache._cache.get
