@@ -284,7 +284,7 @@ class DiskStore:
                 elif isinstance(raw, bytes):  # a SQLite blob
                     stored = len(raw)
             except Exception as e:  # an unreadable entry is a miss
-                log.warning("error reading %s from the disk cache, falling back: %s", key, e)
+                log.warning("error reading %r from the disk cache, falling back: %s", key, e)
                 raw = b""
             if raw is None:
                 return None, False, 0
@@ -307,7 +307,9 @@ class DiskStore:
         self.used_bytes -= freed
         if corrupt:
             self.corrupt += 1
-            log.warning("corrupt disk cache entry %s: treated as a miss", key)
+            # %r: keys hold NULs (the row-group cache's separators) and whatever object names
+            # hold; raw, they made grep take the log for a binary file (a tester)
+            log.warning("corrupt disk cache entry %r: treated as a miss", key)
         if data is None:
             self.misses += 1
         else:

@@ -4,6 +4,7 @@ and the engine served from a warm disk cache with no GETs."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -140,6 +141,32 @@ async def test_a_corrupt_entry_deleted_on_read_gives_its_room_back(tmp_path: Pat
     before = blob.used_bytes
     assert await blob.get("s") is None and before - blob.used_bytes == 4 * KiB
     blob.close()
+
+
+@pytest.mark.trio
+async def test_a_corrupt_or_unreadable_entry_is_logged_with_its_key_readable(tmp_path: Path, caplog):
+    """Row-group keys are separated by NULs, and the log lines carried them raw: ``grep`` took
+    the log for a binary file (a tester). The key is logged as its repr, on one line."""
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    key = "rg1\0b\0t.parquet\0v1\n\x000\0default/1"  # (an object name may hold a newline)
+    cache.put(key, b"x" * 100)
+    await _drain(cache)
+    caplog.set_level(logging.WARNING, logger="batchfs.cache.diskstore")
+    real_get = cache._cache.get
+
+    def unreadable(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    cache._cache.get = unreadable
+    assert await cache.get(key) is None
+    cache._cache.get = real_get
+    cache._cache.set(key, b"\0" * 116)  # the right length, the wrong digest
+    assert await cache.get(key) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert [m.split(" ", 2)[:2] for m in lines] == [["error", "reading"], ["corrupt", "disk"], ["corrupt", "disk"]]
+    for m in lines:
+        assert "\0" not in m and "\n" not in m and repr(key) in m
+    cache.close()
 
 
 @pytest.mark.trio
