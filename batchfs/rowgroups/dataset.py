@@ -77,6 +77,7 @@ class RowGroupStream:
         self.roots: list[str] = []  # the mount each table is under
         self.groups: list[tuple[int, int, int]] = []  # (table index, row group, rows)
         self.owners: list[dict[str, tuple[str, str]] | None] = []  # per table: file stem -> (column, suffix)
+        self.versions: list[str] = []  # per table: the object version its layout is of
         for path in sorted(os.path.abspath(p) for p in paths):
             root, rel = find_mount(path)
             table = os.path.join(root, ROWGROUPS_DIR, rel)
@@ -86,6 +87,7 @@ class RowGroupStream:
             self.tables.append(table)
             self.roots.append(root)
             self.owners.append(_owners(meta))
+            self.versions.append(str(meta.get("version") or ""))
         self.consumed = 0  # items handed out in this epoch (state_dict)
 
     # -- order ---------------------------------------------------------------------------------
@@ -116,25 +118,33 @@ class RowGroupStream:
 
         The group's files are opened through one descriptor of its directory: the mount makes a
         row-group directory one object version's (the version current at its lookup), so they
-        are all of one version even if the object is replaced meanwhile. A version whose group
-        has other row counts than the layout this stream read raises ValueError."""
+        are all of one version even if the object is replaced meanwhile. A group of another
+        version than the layout this stream read (its ``.version``), or, where that is not
+        known, with other row counts, raises ValueError."""
         t, rg, rows = self.groups[g]
         d = os.path.join(self.tables[t], f"{rg:05d}")
         owners = self.owners[t]
         perm = np.random.default_rng([self.seed, self.epoch, g]).permutation(rows) if self.shuffle_rows else None
         out: dict[str, np.ndarray] = {}
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            stems = sorted(n[:-4] for n in os.listdir(dfd) if n.endswith(".npy"))
-            found = {(owners.get(s, (s, "")) if owners is not None else (s, ""))[0] for s in stems}
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise ValueError(f"{d}: no such row group now: {_REPLACED}") from None
+        try:
+            version = _read_small(dfd, VERSION_FILE)
+            if version and self.versions[t] and version != self.versions[t]:
+                raise ValueError(f"{d} is of object version {version!r}, not {self.versions[t]!r}: {_REPLACED}")
+            split = [(stem, *_split(stem, owners)) for stem in
+                     sorted(n[:-4] for n in os.listdir(dfd) if n.endswith(".npy"))]
+            found = {col for _, col, _ in split} | {stem for stem, _, _ in split}
             missing = [c for c in self.columns or () if c not in found]
             if missing:
-                raise ValueError(f"{d}: no column {', '.join(map(repr, missing))} in this row group "
-                                 f"(it has {', '.join(map(repr, sorted(found))) or 'none'}; meta.json and "
-                                 "status.json say why a column is not produced)")
-            for stem in stems:
-                col, suffix = owners.get(stem, (stem, "")) if owners is not None else (stem, "")
-                if self.columns is not None and col not in self.columns:
+                why = "meta.json and status.json say why a column is not produced" if owners is not None \
+                    else "the transform did not return it"
+                raise ValueError(f"{d}: no column {', '.join(map(repr, missing))} in this row group (it has "
+                                 f"{', '.join(map(repr, sorted({c for _, c, _ in split}))) or 'none'}; {why})")
+            for stem, col, suffix in split:
+                if self.columns is not None and col not in self.columns and stem not in self.columns:
                     continue
                 if perm is not None and suffix in (".values", ".offsets", ".values.null"):
                     raise ValueError(f"column {col!r} has variable-length rows (values + offsets): read it "
@@ -145,9 +155,9 @@ class RowGroupStream:
                 # arrays need them only to be shuffled (it may aggregate rows)
                 per_row = owners is not None and suffix in ("", ".null", ".items.null", ".offsets")
                 if (perm is not None or per_row) and (arr.ndim == 0 or arr.shape[0] != want):
-                    raise ValueError(f"{d}/{stem}.npy has {arr.shape[0] if arr.ndim else 0} rows, not the "
-                                     f"{want} of the layout this stream read: the object was replaced "
-                                     "since (make a new stream), or its transform does not keep rows")
+                    got = f"{arr.shape[0]} rows" if arr.ndim else "no rows (0-d)"
+                    raise ValueError(f"{d}/{stem}.npy has {got}, not the {want} of the layout this stream "
+                                     f"read: {_REPLACED}, or its transform does not keep rows")
                 out[stem] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)
         finally:
             os.close(dfd)
@@ -198,6 +208,35 @@ class RowGroupStream:
 SUFFIXES = ("", ".null", ".values", ".offsets", ".items.null", ".values.null")
 
 
+VERSION_FILE = ".version"  # in a row-group directory of the mount: the version of its files
+_REPLACED = "the object was replaced since this stream read its layout (make a new stream)"
+_SPLIT = sorted(SUFFIXES[1:], key=len, reverse=True)  # the longest suffix first
+
+
+def _split(stem: str, owners: dict[str, tuple[str, str]] | None) -> tuple[str, str]:
+    """(column, suffix) of a file name without ``.npy``: from ``meta.json`` for the default
+    transform; by its ending for another (a transform returning a Table has the default's file
+    names; a column asked for by its file's whole name is still matched)."""
+    if owners is not None:
+        return owners.get(stem, (stem, ""))
+    for s in _SPLIT:
+        if stem.endswith(s) and len(stem) > len(s):
+            return stem[:-len(s)], s
+    return stem, ""
+
+
+def _read_small(dfd: int, name: str) -> str:
+    """A small text file in directory ``dfd``; '' if there is none (not a batchfs mount)."""
+    try:
+        fd = os.open(name, os.O_RDONLY, dir_fd=dfd)
+    except FileNotFoundError:
+        return ""
+    try:
+        return os.read(fd, 4096).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
 def _owners(meta: dict) -> dict[str, tuple[str, str]] | None:
     """For the default transform: each file name (without ``.npy``) its column may have ->
     (column, suffix), from ``meta.json``'s produced columns — a column's name may hold dots
@@ -219,7 +258,7 @@ def _load(dfd: int, name: str) -> np.ndarray:
         shape, fortran, dtype = read_header(f)
         if dtype.hasobject:
             raise ValueError(f"{name}: an object array (would need pickle)")
-        if not shape or 0 in shape:
+        if 0 in shape:  # (a 0-d array, shape (), maps its one value)
             return np.zeros(shape, dtype)
         return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
 

@@ -42,7 +42,7 @@ import trio
 
 from batchfs.cache.diskstore import DiskStore
 from batchfs.cache.entries import Parts
-from batchfs.errors import BatchfsError, TooLarge, TransformError
+from batchfs.errors import BatchfsError, TooLarge, TransformError, VersionChanged
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
 from batchfs.rowgroups.decoder import Decoders
@@ -221,6 +221,8 @@ class RowGroupSource:
 
         try:
             return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
+        except VersionChanged:  # not the object's failure (as in ``group``)
+            raise
         except BatchfsError as e:
             self.failures.record(bucket, key, info.version, FOOTER, str(e))
             raise
@@ -267,6 +269,10 @@ class RowGroupSource:
         where = f"{rg:05d}"
         try:
             g = await self._group(bucket, key, info, rg)
+        except VersionChanged:
+            # a reader pinned to a version the server no longer has: not a failure of the object
+            # (recording it under the old version replaced the current version's status.json)
+            raise
         except BatchfsError as e:
             self.failures.record(bucket, key, info.version, where, str(e), getattr(e, "traceback", None))
             raise
@@ -325,13 +331,21 @@ class RowGroupSource:
         got: dict[int, bytes] = {}  # as the client returns them (bytes or a buffer): never copied
         sem = trio.Semaphore(self.config.fetch_parallel)
 
+        errors: list[Exception] = []
+
         async def fetch(off: int, n: int) -> None:
             async with sem:
-                got[off] = await self.client.get(bucket, key, off, off + n, info.version or None)
+                try:
+                    got[off] = await self.client.get(bucket, key, off, off + n, info.version or None)
+                except Exception as e:  # re-raised below, bare: in the nursery's ExceptionGroup it
+                    errors.append(e)  # escaped ``group``'s status.json record and its VersionChanged
+                    nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
             for off, n in spans:
                 nursery.start_soon(fetch, off, n)
+        if errors:
+            raise errors[0]
 
         most = self._transforming.capacity // TRANSFORM_COPIES  # the largest table any transform may hold
 

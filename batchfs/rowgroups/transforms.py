@@ -65,7 +65,10 @@ class Transform:
         return self.fn(table)
 
 
-DEFAULT = Transform("default/1", _default, default=True)
+# The id is in every disk-cache key: a change of the rules that changes any output bumps it, so
+# groups made under older rules are never served (2: columns whose files could share a name,
+# such as 'a' and 'a.items', are refused — under 1 one overwrote the other's null mask).
+DEFAULT = Transform("default/2", _default, default=True)
 
 
 def _from_user(result, spec: str) -> Group:

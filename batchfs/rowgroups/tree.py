@@ -3,6 +3,8 @@
     .rowgroups/DIR/…/NAME.parquet/meta.json          the layout (``source.Layout.meta_json``)
     .rowgroups/DIR/…/NAME.parquet/00000/COL.npy      row group 0, one file per output array
     .rowgroups/DIR/…/NAME.parquet/status.json        why the footer or a row group failed
+    .rowgroups/DIR/…/NAME.parquet/00000/.version     the object version of the group's files
+                                                     (looked up by name, never listed)
 
 A ``Tree`` (``batchfs.engine.tree``) beside the object namespace: it claims ``.rowgroups`` in the
 root and owns inodes and handles from ``BASE`` up. Directories mirror the namespace (through
@@ -48,11 +50,12 @@ from batchfs.rowgroups.source import RowGroupSource
 BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
 META = "meta.json"
 STATUS = "status.json"  # why the table or a row group failed (rowgroups.failures)
+VERSION = ".version"  # in a row-group directory: its version (RowGroupStream checks it)
 
 
 @dataclasses.dataclass(eq=False)
 class _Ent:
-    kind: str  # "root" | "dir" | "table" | "meta" | "status" | "group" | "file"
+    kind: str  # "root" | "dir" | "table" | "meta" | "status" | "group" | "file" | "version"
     ns_ino: int  # the namespace node mirrored (dir, table) or its table's
     rg: int = -1
     name: str = ""  # file name inside a group
@@ -171,6 +174,8 @@ class RowGroupTree(ReadOnlyTree):
             return Attr(ino, False, len(self._status(e)), time.time_ns(), ttl=0)
         if e.kind == "group":
             return Attr(ino, True, 0, e.info.mtime_ns, e.info.version)
+        if e.kind == "version":
+            return Attr(ino, False, len(e.info.version.encode()), e.info.mtime_ns, e.info.version)
         info = await self._info(e)
         if e.kind == "table":
             return Attr(ino, True, 0, info.mtime_ns)
@@ -204,6 +209,8 @@ class RowGroupTree(ReadOnlyTree):
                 return await self._looked_up(self._intern("group", p.ns_ino, rg, info=info))
             raise NotFound(f"{name}: not a row group of this table ({lay.num_row_groups} groups)")
         if p.kind == "group":  # its files are of the group's version, whatever is current now
+            if name == VERSION:
+                return await self._looked_up(self._intern("version", p.ns_ino, p.rg, info=p.info))
             if name in await self._sizes(p, p.info):
                 return await self._looked_up(self._intern("file", p.ns_ino, p.rg, name, info=p.info))
             raise NotFound(f"{name}: not a file of row group {p.rg} of version {p.info.version}")
@@ -297,9 +304,12 @@ class RowGroupTree(ReadOnlyTree):
         if flags & WRITE_FLAGS:
             raise ReadOnly(f"{DIR_NAME}/ is read-only")
         e = self._ent(ino)
-        if e.kind not in ("meta", "file", "status"):
+        if e.kind not in ("meta", "file", "status", "version"):
             raise IsADirectory(f"inode {ino} is a directory")
         fh = next(self._next_fh)
+        if e.kind == "version":  # one version's inode: its bytes never change
+            self._fhs[fh] = _File(e, memoryview(e.info.version.encode()))
+            return Opened(fh, direct_io=False, keep_cache=True)
         if e.kind == "status":  # a snapshot; direct_io: its size may have changed since stat
             self._fhs[fh] = _File(e, memoryview(self._status(e)))
             return Opened(fh, direct_io=True, keep_cache=False)

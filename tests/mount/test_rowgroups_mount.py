@@ -121,17 +121,20 @@ def test_a_replaced_object_never_mixes_versions_in_a_group_or_a_stream(server, b
     arrays were served for files looked up later: columns of two versions in one group); and a
     stream made under the old layout raises instead of cutting the new groups to the old row
     counts (a tester's run: 33,333 rows a group silently dropped, then an IndexError)."""
-    t1 = _parquet(1)
-    t = pq.read_table(io.BytesIO(_parquet(2)))
-    buf = io.BytesIO()
-    pq.write_table(t, buf, row_group_size=7_000)  # the same columns, other row groups
-    t2 = buf.getvalue()
+    def regrouped(seed: int) -> bytes:  # the same columns, other row groups
+        buf = io.BytesIO()
+        pq.write_table(pq.read_table(io.BytesIO(_parquet(seed))), buf, row_group_size=7_000)
+        return buf.getvalue()
+
+    t1, t2, t3 = _parquet(1), regrouped(2), regrouped(3)
     put(server, bucket, "t.parquet", t1)
     src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
     with MountProcess(src, tmp_path / "m", metadata_ttl_seconds=0.5) as m:
         table = m.mountpoint / ".rowgroups" / "t.parquet"
         stream = RowGroupStream([str(m.mountpoint / "t.parquet")], seed=0)
         expect = pq.ParquetFile(io.BytesIO(t1)).read_row_group(0)
+        version = json.loads((table / "meta.json").read_text())["version"]
+        assert version and (table / "00000" / ".version").read_text() == version  # looked up, not listed
         dfd = os.open(table / "00000", os.O_RDONLY | os.O_DIRECTORY)
         try:
             with os.fdopen(os.open("id.npy", os.O_RDONLY, dir_fd=dfd), "rb") as f:
@@ -143,8 +146,15 @@ def test_a_replaced_object_never_mixes_versions_in_a_group_or_a_stream(server, b
         finally:
             os.close(dfd)
         _check_group(m.mountpoint, "t.parquet", t2, 0)  # looked up again: the new version
-        with pytest.raises(ValueError, match="7000 rows, not the 10000 of the layout this stream read"):
+        with pytest.raises(ValueError, match="not '.*': the object was replaced since this stream read"):
             next(iter(stream))
+        # a replacement with the same row counts is caught too (the group's .version)
+        stream = RowGroupStream([str(m.mountpoint / "t.parquet")], seed=0)
+        assert len(next(iter(stream))["id"]) in (7_000, 2_000)
+        put(server, bucket, "t.parquet", t3)
+        time.sleep(1.5)
+        with pytest.raises(ValueError, match="the object was replaced since this stream read"):
+            list(stream)
 
 
 def test_names_hidden_at_the_mount_root_are_hidden_in_rowgroups_too(server, bucket, tmp_path):

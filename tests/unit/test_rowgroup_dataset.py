@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import numpy as np
 import pytest
@@ -131,10 +132,67 @@ def test_another_transforms_arrays_need_the_group_rows_only_to_be_shuffled(tmp_p
     (table / "00000").mkdir(parents=True)
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     (table / "meta.json").write_text(json.dumps({"rows": [4], "transform": "m:f@1", "columns": [{"name": "x"}]}))
-    np.save(table / "00000" / "mean.values.npy", np.array([1.5]))
+    np.save(table / "00000" / "mean.npy", np.array([1.5]))
+    np.save(table / "00000" / "total.npy", np.float64(6.0))  # 0-d (was served as 0.0: a review)
     path = [str(tmp_path / "t.parquet")]
-    assert list(next(iter(RowGroupStream(path, seed=0, shuffle_rows=False)))["mean.values"]) == [1.5]
+    got = next(iter(RowGroupStream(path, seed=0, shuffle_rows=False)))
+    assert list(got["mean"]) == [1.5] and got["total"].shape == () and float(got["total"]) == 6.0
     with pytest.raises(ValueError, match="has 1 rows, not the 4"):
+        next(iter(RowGroupStream(path, seed=0)))
+
+
+def test_another_transforms_table_files_keep_their_columns(tmp_path):
+    """A transform returning a Table gets the default's file names: ``columns=["x"]`` takes
+    x.null too, a list column is refused as variable-length while shuffled (a review: with
+    every file its own column, the mask was dropped and the list refused as 'replaced')."""
+    table = tmp_path / ".rowgroups" / "t.parquet"
+    d = table / "00000"
+    d.mkdir(parents=True)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    (table / "meta.json").write_text(json.dumps({"rows": [4], "transform": "m:f@1", "columns": [{"name": "x"}]}))
+    np.save(d / "x.npy", np.arange(4))
+    np.save(d / "x.null.npy", np.array([False, True, False, False]))
+    np.save(d / "tags.values.npy", np.arange(3))
+    np.save(d / "tags.offsets.npy", np.array([0, 1, 2, 3, 3]))
+    path = [str(tmp_path / "t.parquet")]
+    assert sorted(next(iter(RowGroupStream(path, seed=0, columns=["x"])))) == ["x", "x.null"]
+    with pytest.raises(ValueError, match="variable-length rows"):
+        next(iter(RowGroupStream(path, seed=0, columns=["tags"])))
+    assert sorted(next(iter(RowGroupStream(path, seed=0, columns=["tags"], shuffle_rows=False)))) == \
+        ["tags.offsets", "tags.values"]
+    with pytest.raises(ValueError, match="the transform did not return it"):
+        next(iter(RowGroupStream(path, seed=0, columns=["y"])))
+
+
+def test_a_group_of_another_version_raises_and_files_come_through_one_directory(tmp_path, monkeypatch):
+    """The mount's row-group directories name their version (``.version``): one other than the
+    layout's raises, whatever the row counts. And the files are opened through the directory
+    opened first: a directory replaced after that is not read (path-based loads would read it)."""
+    from batchfs.rowgroups import dataset
+
+    table = tmp_path / ".rowgroups" / "t.parquet"
+    d = table / "00000"
+    d.mkdir(parents=True)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    (table / "meta.json").write_text(json.dumps({"rows": [4], "version": "v1", "transform": "default/2",
+                                                 "columns": [{"name": "x"}]}))
+    np.save(d / "x.npy", np.arange(4))
+    (d / ".version").write_text("v1")
+    path = [str(tmp_path / "t.parquet")]
+    real = os.listdir
+
+    def swap(p):  # the directory replaced (renamed away, a new one made) after it was opened
+        if isinstance(p, int) and not (table / "old").exists():
+            os.rename(d, table / "old")
+            d.mkdir()
+            np.save(d / "x.npy", np.arange(4) + 100)
+            (d / ".version").write_text("v2")
+        return real(p)
+
+    monkeypatch.setattr(dataset.os, "listdir", swap)
+    assert list(next(iter(RowGroupStream(path, seed=0, shuffle_rows=False)))["x"]) == [0, 1, 2, 3]
+    monkeypatch.setattr(dataset.os, "listdir", real)
+    with pytest.raises(ValueError, match="is of object version 'v2', not 'v1': the object was replaced"):
         next(iter(RowGroupStream(path, seed=0)))
 
 

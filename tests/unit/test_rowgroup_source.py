@@ -68,7 +68,7 @@ async def test_a_row_group_costs_its_chunks_and_equals_pyarrow():
         assert set(g.unsupported) == {"s"} and "struct" in g.unsupported["s"]
     assert src.transforms == 2
     meta = json.loads(lay.meta_json("b/t.parquet"))
-    assert meta["row_groups"] == 4 and meta["rows"] == [1000] * 4 and meta["transform"] == "default/1"
+    assert meta["row_groups"] == 4 and meta["rows"] == [1000] * 4 and meta["transform"] == "default/2"
     cols = {c["name"]: c for c in meta["columns"]}
     assert cols["x"]["files"] == ["x.npy"] and "struct" in cols["s"]["unsupported"]
 
@@ -258,3 +258,54 @@ async def test_a_row_group_over_the_cache_quota_is_not_stored_and_smaller_ones_s
         store.close_writes()
         nursery.cancel_scope.cancel()
         store.close()
+
+
+@pytest.mark.trio
+async def test_a_reader_of_a_replaced_version_does_not_rewrite_status_json():
+    """A group of a version the server no longer has is VersionChanged (EIO for its reader), not a
+    failure of the object: recorded under the old version, it replaced the current version's
+    status.json (a review)."""
+    from batchfs.errors import VersionChanged
+
+    client = memory_client()
+    client.put("b", "t.parquet", _parquet())
+    src = RowGroupSource(client, None)
+    old = await _info(client, "t.parquet")
+    await src.layout("b", "t.parquet", old)
+    client.put("b", "t.parquet", b"not parquet" * 100)
+    new = await _info(client, "t.parquet")
+    with pytest.raises(TransformError):
+        await src.layout("b", "t.parquet", new)
+    before = json.loads(src.failures.status_json("b", "t.parquet"))
+    assert before["version"] == new.version and "footer" in before["errors"]
+    with pytest.raises(VersionChanged):
+        await src.group("b", "t.parquet", old, 1)
+    assert json.loads(src.failures.status_json("b", "t.parquet")) == before
+
+
+@pytest.mark.trio
+async def test_a_row_group_whose_chunks_cannot_be_fetched_is_in_status_json():
+    """A failed column-chunk GET reached the reader as EIO but not status.json: it came out of the
+    fetch nursery as an ExceptionGroup, which the record did not catch."""
+    from batchfs.errors import BackendError
+    from batchfs.objclient.memory import FaultInjectingClient
+
+    inner = memory_client()
+    inner.put("b", "t.parquet", _parquet())
+    fail = {"on": False}
+
+    def fault(op, n):
+        if op == "get" and fail["on"]:
+            async def boom():
+                raise BackendError("b/t.parquet: 503 from the server")
+            return boom
+
+    client = FaultInjectingClient(inner, fault)
+    src = RowGroupSource(client, None)
+    info = (await client.head("b", "t.parquet")).info
+    await src.layout("b", "t.parquet", info)
+    fail["on"] = True
+    with pytest.raises(BackendError):
+        await src.group("b", "t.parquet", info, 2)
+    errors = json.loads(src.failures.status_json("b", "t.parquet"))["errors"]
+    assert list(errors) == ["00002"] and "503 from the server" in errors["00002"]["error"]
