@@ -29,6 +29,7 @@ from aiohttp import web
 
 from server import bucket_ops, jobs
 from server.api import auth, cluster_jobs, daemon_api, freshness, neighbours, refusals, replicas, spread, spread_deletes
+from server.api.validators import applicable_range
 from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
@@ -308,11 +309,11 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     await freshness.ensure(request.app, [(bucket, name)])  # after a map change: no older copy than another's
     if archget.wanted(request.query):  # ?archpath=MEMBER: the member's bytes, not the shard's
         return await archget.get_member(request, bucket, name)
-    # Only the chunks the range covers are opened (a bad range fails before any is).
+    # Only the chunks the range covers are opened (a bad range fails before any is); with a
+    # false If-Range, all of them (the whole version is sent: server.api.validators)
     gfn = await neighbours.is_gfn(request)
     try:
-        obj = await spread.open_object(request.app, bucket, name,
-                                       None if header is None else lambda meta: parse_range(header, meta.size),
+        obj = await spread.open_object(request.app, bucket, name, None if header is None else _span(request),
                                        stream=True)
     except NotFound as e:
         if gfn:
@@ -324,14 +325,23 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         obj.close()
 
 
+def _span(request: web.Request):
+    """The bytes a GET will send of a version: what ``send_object`` sends of it."""
+    def span(meta: ObjectMeta) -> tuple[int, int]:
+        rng = applicable_range(request.headers, meta)
+        return (0, meta.size) if rng is None else parse_range(rng, meta.size)
+    return span
+
+
 async def send_object(request: web.Request, obj: OpenObject | spread.Streamed,
                       extra_headers: dict | None = None) -> web.StreamResponse:
-    """Reply with an open object (honouring ``Range``); shared by the native and S3 GETs."""
+    """Reply with an open object (honouring ``Range`` and ``If-Range``); shared by the native
+    and S3 GETs."""
     meta = obj.meta
     headers = {"Content-Type": "application/octet-stream"} | object_headers(meta) | (extra_headers or {})
     start, end, status = 0, meta.size, 200
-    if "Range" in request.headers:
-        start, end = parse_range(request.headers["Range"], meta.size)
+    if (rng := applicable_range(request.headers, meta)) is not None:
+        start, end = parse_range(rng, meta.size)
         status = 206
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{meta.size}"
     metrics = request.app[METRICS]

@@ -7,7 +7,7 @@ as the native API (see docs/s3.md for what is supported and how tools mount it).
     PUT    /B[/]                     CreateBucket
     DELETE /B[/]                     DeleteBucket (only when empty)
     POST   /B?delete                 DeleteObjects (each key as DeleteObject; <ETag> is its If-Match)
-    GET    /B/KEY                    GetObject (Range: 206, 416; conditionals; response-* overrides)
+    GET    /B/KEY                    GetObject (Range: 206, 416; If-Range; conditionals; response-* overrides)
     HEAD   /B/KEY                    HeadObject (conditionals)
     PUT    /B/KEY                    PutObject (streamed; Content-MD5 and x-amz-checksum-* checked,
                                      also as aws-chunked trailers; If-None-Match: *, If-Match)
@@ -53,6 +53,7 @@ from server.api.s3_listing import MAX_KEYS, list_objects
 from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc, list_objects_doc, location_doc,
                            xml_response)
 from server.api.state import METRICS, NODE, OP_KEY, read_charged
+from server.api.validators import applicable_range
 from server.store.meta import ObjectMeta
 from batchfs.wire.units import is_decimal
 
@@ -254,12 +255,11 @@ async def obj(request: web.Request) -> web.StreamResponse:
 async def _get_object(request: web.Request) -> web.StreamResponse:
     bucket_name, key = require_bucket(request), object_key(request)
     await freshness.ensure(request.app, [(bucket_name, key)])
-    obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers.get("Range")),
-                                    stream=True)
+    obj_ = await spread.open_object(request.app, bucket_name, key, s3_span(request.headers), stream=True)
     try:
         if (not_modified := read_preconditions(request, obj_.meta)) is not None:
             return not_modified
-        rng = request.headers.get("Range")
+        rng = applicable_range(request.headers, obj_.meta)  # None after a false If-Range: all of it
         if rng is not None:
             try:
                 parse_range(rng, obj_.meta.size)

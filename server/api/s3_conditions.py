@@ -1,5 +1,6 @@
 """S3's conditional requests: If-Match, If-None-Match, If-Modified-Since and If-Unmodified-Since
-on reads and writes, ranges (``s3_span``), and GetObject's response-* overrides.
+on reads and writes, ranges (``s3_span``; If-Range: ``server.api.validators``), and GetObject's
+response-* overrides.
 
 Invariants: a write's precondition runs inside the store's commit transaction
 (``PutWriter.commit_if``), so no PUT can slip between the check and the commit; a read's
@@ -16,6 +17,7 @@ from aiohttp import web
 from server.errors import (BadRequest, RangeNotSatisfiable)
 from server.validate import parse_range
 from server.api.s3_xml import S3Error
+from server.api.validators import applicable_range
 from server.store.meta import ObjectMeta
 
 from server.api.s3_guard import RESPONSE_OVERRIDES
@@ -103,14 +105,17 @@ def response_overrides(request: web.Request) -> dict[str, str]:
     return {header: request.query[p] for p, header in RESPONSE_OVERRIDES.items() if p in request.query}
 
 
-def s3_span(rng: str | None) -> Callable[[ObjectMeta], tuple[int, int]] | None:
+def s3_span(headers) -> Callable[[ObjectMeta], tuple[int, int]] | None:
     """The bytes a GET will send, so only their chunks are opened. Errors are left for
     after the preconditions (S3 answers 412/304 before 416); an unparsable Range means the
-    whole object, as S3 ignores it."""
-    if rng is None:
+    whole object, as S3 ignores it, and so does a false If-Range (``applicable_range``)."""
+    if "Range" not in headers:
         return None
 
     def span(meta: ObjectMeta) -> tuple[int, int]:
+        rng = applicable_range(headers, meta)
+        if rng is None:
+            return 0, meta.size
         try:
             return parse_range(rng, meta.size)
         except RangeNotSatisfiable:

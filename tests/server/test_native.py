@@ -113,6 +113,19 @@ def test_range_not_satisfiable(server, bucket, spec):
     assert r.json()["status"] == 416
 
 
+def test_if_range(server, bucket):
+    """The native GET honours If-Range as the S3 GET does (the same send path)."""
+    from tests.server.test_s3_conformance import if_range_answers
+
+    put(server, bucket, "ir.bin", random.randbytes(CHUNK * 5 // 2))
+
+    def replace() -> bytes:
+        new = random.randbytes(CHUNK * 5 // 2)
+        put(server, bucket, "ir.bin", new)
+        return new
+    if_range_answers(f"{server.url}/v1/objects/{bucket}/ir.bin", replace)
+
+
 def test_head_props(sdk, server, bucket):
     data = os.urandom(3000)
     put(server, bucket, "p.bin", data)

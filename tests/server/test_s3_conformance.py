@@ -22,6 +22,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
 from tests.server.test_s3 import ACCESS, SECRET, error_of, s3_client
+from tests.support.objects import CHUNK
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -169,6 +170,50 @@ def test_get_head_conditionals(s3, bkt):
     assert get(Bucket=bkt, Key="c", IfNoneMatch='"x"', IfModifiedSince=after)["Body"].read() == b"data"
     assert error_of(get, Bucket=bkt, Key="c", IfMatch='"x"') == (412, "PreconditionFailed")
     assert error_of(get, Bucket=bkt, Key="c", IfNoneMatch=etag) == (304, "304")
+
+
+def if_range_answers(url: str, put_new_version) -> None:
+    """RFC 9110 §13.1.5 at ``url`` (an object of 2.5 chunks whose ETag and Last-Modified it
+    reads): a Range is served only when If-Range names the version being read by a strong
+    ETag; otherwise the whole version is sent (200), never a piece of another version."""
+    def get(**headers):
+        return httpx.get(url, headers=headers, timeout=60)
+
+    first = get()
+    whole, etag, modified = first.content, first.headers["ETag"], first.headers["Last-Modified"]
+    r = get(Range="bytes=0-1", **{"If-Range": etag})
+    assert (r.status_code, r.content, r.headers["Content-Range"]) == (206, whole[:2], f"bytes 0-1/{len(whole)}")
+    for validator in ('"nope"', "W/" + etag, etag.strip('"'), modified, "garbage"):
+        r = get(Range="bytes=0-1", **{"If-Range": validator})  # a false If-Range: the whole version
+        assert (r.status_code, r.content, "Content-Range" in r.headers) == (200, whole, False), validator
+    # a range in the last chunk: the span opened is the whole version too
+    r = get(Range=f"bytes={len(whole) - 3}-", **{"If-Range": '"nope"'})
+    assert (r.status_code, r.content) == (200, whole)
+    # a range past the end: 416 only when If-Range holds, else the whole version
+    assert get(Range=f"bytes={len(whole)}-", **{"If-Range": etag}).status_code == 416
+    assert get(Range=f"bytes={len(whole)}-", **{"If-Range": '"nope"'}).content == whole
+    # a client resuming after the object was replaced gets the new version whole
+    new = put_new_version()
+    r = get(Range="bytes=0-1", **{"If-Range": etag})
+    assert (r.status_code, r.content) == (200, new)
+
+
+def test_get_if_range(server, s3, bkt):
+    data = random.randbytes(CHUNK * 5 // 2)
+    s3.put_object(Bucket=bkt, Key="ir", Body=data)
+
+    def replace() -> bytes:
+        new = random.randbytes(CHUNK * 5 // 2)
+        s3.put_object(Bucket=bkt, Key="ir", Body=new)
+        return new
+    if_range_answers(f"{server.url}/{bkt}/ir", replace)
+    etag = s3.head_object(Bucket=bkt, Key="ir")["ETag"]
+    # the conditionals come first (RFC 9110 §13.2.2): a matching If-None-Match is a 304
+    r = httpx.get(f"{server.url}/{bkt}/ir", headers={"Range": "bytes=0-1", "If-Range": '"nope"', "If-None-Match": etag})
+    assert r.status_code == 304
+    # an unparsable Range is ignored (as S3 does) whatever If-Range says
+    r = httpx.get(f"{server.url}/{bkt}/ir", headers={"Range": "bytes=x", "If-Range": etag}, timeout=60)
+    assert r.status_code == 200 and len(r.content) == CHUNK * 5 // 2
 
 
 # -- multi-object delete --------------------------------------------------------------------
