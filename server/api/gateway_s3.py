@@ -42,7 +42,7 @@ from aiohttp import web
 
 from server.api.gateway_map import gateway_of, refuse_not_served
 from server.api.relay import relay
-from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, RESERVED_AT_ROOT
+from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, KEY_ROUTE, RESERVED_AT_ROOT
 from server.api.s3_listing import MAX_KEYS
 from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
 from server.api.state import API_KEY, OP_KEY, read_charged, read_upto, relay_headers
@@ -350,6 +350,6 @@ def add_routes(app: web.Application) -> None:
         if base:
             r.add_get(base + "/", list_buckets, allow_head=False)
         for path, handler in ((base + "/{bucket}", bucket), (base + "/{bucket}/", bucket),
-                              (base + "/{bucket}/{key:.+}", obj)):
+                              (base + "/{bucket}/" + KEY_ROUTE, obj)):
             for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
                 r.add_route(method, path, handler)

@@ -63,8 +63,8 @@ from server.api.s3_xml import delete_result_doc, parse_complete_doc, parse_delet
 
 from server.api.s3_body import expected_digests, receive
 from server.api.s3_conditions import must_match, put_precondition, read_preconditions, response_overrides, s3_span
-from server.api.s3_guard import (CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, MAX_DELETE_KEYS, MAX_NAME_BYTES, object_key,
-                                 refuse_unsupported, require_bucket, s3_route)
+from server.api.s3_guard import (CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, KEY_ROUTE, MAX_DELETE_KEYS, MAX_NAME_BYTES,
+                                 object_key, refuse_unsupported, require_bucket, s3_route)
 
 __all__ = ["add_routes", "error_response"]
 
@@ -392,7 +392,7 @@ def add_routes(app: web.Application) -> None:
         if base:
             r.add_get(base + "/", s3_route(list_buckets, root), allow_head=False)
         for path, handler in ((base + "/{bucket}", bucket), (base + "/{bucket}/", bucket),
-                              (base + "/{bucket}/{key:.+}", obj)):
+                              (base + "/{bucket}/" + KEY_ROUTE, obj)):
             wrapped = s3_route(handler, root)
             for method in ("GET", "HEAD", "PUT", "DELETE", "POST"):
                 r.add_route(method, path, wrapped)

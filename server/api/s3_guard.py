@@ -25,6 +25,9 @@ from server.api.s3_xml import OWNER_ID
 
 
 RESERVED_AT_ROOT = frozenset({"v1", "s3", "metrics"})
+# the key's route variable: [\s\S], not '.', so a key with a newline reaches object_key (400 on
+# a PUT) instead of missing the route (aiohttp's bare JSON 404)
+KEY_ROUTE = r"{key:[\s\S]+}"
 MAX_PUT_BYTES = 5 * 1024**3  # S3's limit for a single PUT
 MAX_NAME_BYTES = 1024  # prefixes, markers and delimiters, like keys
 CREATE_BUCKET_BODY_MAX = 64 * 1024  # a CreateBucketConfiguration document (ignored)

@@ -2,7 +2,10 @@
 
 Documents are built with ElementTree, never by string formatting, so keys holding ``&``,
 ``<`` or non-ASCII characters are escaped correctly. Keys are valid XML 1.0 text because
-object names never contain control characters (``batchfs.wire.names.check_objname``).
+object names never contain control characters (``batchfs.wire.names.check_objname``). An
+error document also names what the client sent (its path, in ``<Resource>``), which may hold
+anything: there each character XML 1.0 cannot carry (controls, lone surrogates) is written
+percent-encoded (``xml_safe``), so every error body parses and SDKs read its code.
 
 Errors: S3 handlers raise ``S3Error`` (or any ``server.errors`` exception); the S3 route
 wrapper records the S3 code in the request under ``CODE_KEY`` and the app's one error
@@ -12,6 +15,7 @@ boundary calls ``error_response``, which renders ``<Error><Code>…</Code><Messa
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import xml.etree.ElementTree as ET
@@ -78,6 +82,16 @@ def xml_response(root: ET.Element, status: int = 200, headers: dict | None = Non
                         content_type="application/xml", charset="utf-8")
 
 
+# what XML 1.0 cannot carry (its Char production), and C0/DEL controls it could but a parser
+# would change (CR) or a reader would not see: written percent-encoded in error documents
+_NOT_XML_TEXT = re.compile("[\x00-\x1f\x7f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_safe(text: str) -> str:
+    """``text`` with each character ``_NOT_XML_TEXT`` matches percent-encoded (``%01``)."""
+    return _NOT_XML_TEXT.sub(lambda m: quote(m.group(), safe="", errors="surrogatepass"), text)
+
+
 def error_response(request: web.Request, status: int, message: str, headers: dict) -> web.Response:
     """The S3 error document for a failed request (called by ``server.api.app``'s boundary)."""
     code = request.get(CODE_KEY) or default_code(status)
@@ -88,8 +102,8 @@ def error_response(request: web.Request, status: int, message: str, headers: dic
         return web.Response(status=status, headers=headers)
     root = element("Error")
     leaf(root, "Code", code)
-    leaf(root, "Message", message)
-    leaf(root, "Resource", request.path)
+    leaf(root, "Message", xml_safe(message))
+    leaf(root, "Resource", xml_safe(request.path))
     leaf(root, "RequestId", request_id)
     body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
     return web.Response(status=status, body=body, headers=headers,
