@@ -42,7 +42,7 @@ from aiohttp import web
 
 from server.api.gateway_map import gateway_of, refuse_not_served
 from server.api.relay import relay
-from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, KEY_ROUTE, RESERVED_AT_ROOT
+from server.api.s3_guard import CREATE_BUCKET_BODY_MAX, DELETE_BODY_MAX, KEY_ROUTE, RESERVED_AT_ROOT, refuse_invalid_utf8
 from server.api.s3_listing import MAX_KEYS
 from server.api.s3_xml import CODE_KEY, S3Error, element, leaf, xml_response
 from server.api.state import API_KEY, OP_KEY, read_charged, read_upto, relay_headers
@@ -69,6 +69,7 @@ def _begin(request: web.Request, op: str, root: bool) -> None:
         refuse_not_served(request)
     request[API_KEY] = "s3"
     request[OP_KEY] = op
+    refuse_invalid_utf8(request)  # before any target is asked (as each would refuse it)
 
 
 # -- the relay ----------------------------------------------------------------------------------

@@ -39,7 +39,10 @@ def _copy_source(text: str) -> tuple[str, str]:
     path, _, query = text.partition("?")
     if query:
         raise S3Error(501, "NotImplemented", "versions are not implemented: x-amz-copy-source with ?versionId")
-    bucket_name, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
+    try:  # strict: an invalid sequence would become U+FFFD, another key
+        bucket_name, _, key = urllib.parse.unquote(path, errors="strict").lstrip("/").partition("/")
+    except UnicodeError:
+        raise S3Error(400, "InvalidArgument", "x-amz-copy-source is not valid UTF-8 once percent-decoded") from None
     if not bucket_name or not key:
         raise S3Error(400, "InvalidArgument", "x-amz-copy-source must be /BUCKET/KEY")
     return bucket_name, key

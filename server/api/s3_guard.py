@@ -10,6 +10,7 @@ request is labelled for the metrics.
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import unquote_to_bytes
 
 from aiohttp import web
 
@@ -116,6 +117,7 @@ def s3_route(handler, root: bool):
         op = ops.get(request.method, "s3_other")
         request[OP_KEY] = "s3_location" if op == "s3_list" and "location" in request.query else op
         try:  # the signature was checked before (server.api.auth, for every route)
+            refuse_invalid_utf8(request)
             return await handler(request)
         except StoreError as e:
             request[CODE_KEY] = _code_for(request, e)
@@ -125,6 +127,19 @@ def s3_route(handler, root: bool):
             raise S3Error(400, "IncompleteBody", "the request body ended before its declared length") from None
 
     return wrapped
+
+
+def refuse_invalid_utf8(request: web.Request) -> None:
+    """400 for a path or query that is not UTF-8 once percent-decoded (``/B/%C3%28``): aiohttp
+    keeps such a sequence as the text '%C3' (a path) or makes it U+FFFD (a query), so the
+    request would name another key — the PUT stored the key '%C3('. S3 refuses them too."""
+    path, _, query = request.raw_path.partition("?")
+    for what, text in (("path", path), ("query string", query)):
+        try:
+            unquote_to_bytes(text).decode("utf-8")
+        except UnicodeError:  # (also raw bytes aiohttp kept as surrogates)
+            raise S3Error(400, "InvalidArgument", f"the request {what} is not valid UTF-8 once percent-decoded; "
+                          "nothing was read or changed") from None
 
 
 def require_bucket(request: web.Request) -> str:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 
@@ -17,7 +18,10 @@ import boto3
 import httpx
 import pytest
 from boto3.s3.transfer import TransferConfig
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
 from tests.cluster.conftest import Cluster, holds, ranked
@@ -180,12 +184,18 @@ def test_targets_serve_s3_only_to_a_gateway(s3cluster):
 def test_keys_the_store_cannot_hold_are_refused_through_the_gateway(s3cluster):
     """As on one node (tests/server/test_s3_conformance.py): a key with a control character
     is 400 InvalidArgument on a PUT, 404 NoSuchKey on a GET, in XML boto3 reads (a newline
-    missed the gateway's route: aiohttp's JSON 404)."""
+    missed the gateway's route: aiohttp's JSON 404); a path that is not UTF-8 is 400."""
     c = s3(s3cluster.url)
     c.create_bucket(Bucket="s3k")
     for key in ("a\x01b", "a\nb"):
         assert code(c.put_object, Bucket="s3k", Key=key, Body=b"x") == (400, "InvalidArgument"), key
         assert code(c.get_object, Bucket="s3k", Key=key) == (404, "NoSuchKey"), key
+    # a path that is not UTF-8 once decoded: refused (before, the key '%C3(' was stored)
+    url = f"{s3cluster.url}/s3k/%C3%28"
+    req = AWSRequest(method="PUT", url=url, data=b"x", headers={"X-Amz-Content-SHA256": hashlib.sha256(b"x").hexdigest()})
+    S3SigV4Auth(Credentials(ACCESS, SECRET), "s3", "us-east-1").add_auth(req)
+    r = httpx.put(url, content=b"x", headers=dict(req.headers.items()), timeout=10)
+    assert r.status_code == 400 and "<Code>InvalidArgument</Code>" in r.text, r.text
     assert c.list_objects_v2(Bucket="s3k")["KeyCount"] == 0
     c.delete_bucket(Bucket="s3k")
 

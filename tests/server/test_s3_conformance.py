@@ -91,6 +91,30 @@ def test_keys_with_control_characters_are_refused_in_well_formed_xml(server, s3,
     assert snapshot(s3, bkt).keys() == {"kept"}
 
 
+def test_paths_that_are_not_utf8_are_refused(server, s3, bkt):
+    """/B/%C3%28 is not UTF-8 once decoded; aiohttp kept '%C3' as text, so a PUT stored the key
+    '%C3(' (and a GET read it). Now every method gets 400 InvalidArgument and nothing changes,
+    the key '%C3(' itself included; so do such a query string and x-amz-copy-source."""
+    s3.put_object(Bucket=bkt, Key="%C3(", Body=b"a key of its own")
+    before = snapshot(s3, bkt)
+    u = f"{server.url}/{bkt}"
+    for method in ("PUT", "GET", "DELETE", "POST"):
+        r = httpx.request(method, f"{u}/%C3%28" + ("?uploads" if method == "POST" else ""),
+                          content=b"x" if method == "PUT" else None)
+        assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "InvalidArgument", (method, r.text)
+    r = httpx.head(f"{u}/%C3%28")
+    assert (r.status_code, r.headers["x-amz-error-code"]) == (400, "InvalidArgument")
+    for path in ("/x%FFy", "/%ED%A0%80", "?prefix=%C3%28", "?list-type=2&start-after=%FF"):  # a lone surrogate too
+        r = httpx.get(u + path)
+        assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "InvalidArgument", (path, r.text)
+    r = httpx.put(f"{u}/copy", headers={"x-amz-copy-source": f"/{bkt}/%C3%28"})
+    assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "InvalidArgument", r.text
+    assert snapshot(s3, bkt) == before
+    # valid UTF-8, percent-encoded, is a key like any other
+    assert httpx.put(f"{u}/%C3%A9%28", content=b"e").status_code == 200
+    assert s3.get_object(Bucket=bkt, Key="\u00e9(")["Body"].read() == b"e"
+
+
 def test_range_get(s3, bkt):
     data = bytes(range(256)) * 8
     s3.put_object(Bucket=bkt, Key="r", Body=data)
