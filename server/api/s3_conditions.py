@@ -17,7 +17,7 @@ from aiohttp import web
 from server.errors import (BadRequest, RangeNotSatisfiable)
 from server.validate import parse_range
 from server.api.s3_xml import S3Error
-from server.api.validators import applicable_range
+from server.api.validators import applicable_range, etag_matches
 from server.store.meta import ObjectMeta
 
 from server.api.s3_guard import RESPONSE_OVERRIDES
@@ -25,9 +25,9 @@ from server.api.s3_guard import RESPONSE_OVERRIDES
 
 
 def _etag_matches(header: str, meta: ObjectMeta) -> bool:
-    """An If-Match / If-None-Match list against the version's ETag (quoted or not, or '*')."""
-    tags = [t.strip() for t in header.split(",")]
-    return "*" in tags or f'"{meta.etag}"' in tags or meta.etag in tags
+    """An If-Match list (also DELETE's and DeleteObjects' ETag) against the version's ETag:
+    strong comparison, so a W/ tag never matches (If-None-Match compares weakly: ``read_conditions``)."""
+    return etag_matches(header, meta, weak=False)
 
 
 def precondition_failed(why: str) -> S3Error:
@@ -82,7 +82,7 @@ def read_conditions(h, meta: ObjectMeta, prefix: str = "") -> str | None:
     elif (since := _http_seconds(h.get(iu))) is not None and modified > since:
         return f"precondition: {iu} {h[iu]}"
     if inm in h:
-        if _etag_matches(h[inm], meta):
+        if etag_matches(h[inm], meta, weak=True):  # W/"etag" is a 304 as "etag" is (RFC 9110 §13.1.2)
             return f"not modified: {inm} {h[inm]}"
     elif (since := _http_seconds(h.get(ims))) is not None and modified <= since:
         return f"not modified: {ims} {h[ims]}"

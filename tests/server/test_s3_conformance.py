@@ -218,6 +218,27 @@ def test_get_head_conditionals(s3, bkt):
     assert error_of(get, Bucket=bkt, Key="c", IfNoneMatch=etag) == (304, "304")
 
 
+def test_if_none_match_compares_weakly_and_if_match_strongly(s3, bkt):
+    """RFC 9110 §13.1.2: If-None-Match uses weak comparison, so W/"<its ETag>" is a 304 as the
+    ETag itself is (it answered 200); §13.1.1: If-Match uses strong comparison, so a W/ tag never
+    matches (412), on reads, writes, deletes and CopyObject's source alike."""
+    etag = s3.put_object(Bucket=bkt, Key="c", Body=b"data")["ETag"]
+    weak = "W/" + etag
+    for inm in (weak, f'"x", {weak}'):
+        assert error_of(s3.get_object, Bucket=bkt, Key="c", IfNoneMatch=inm) == (304, "304"), inm
+        assert error_of(s3.head_object, Bucket=bkt, Key="c", IfNoneMatch=inm) == (304, "304"), inm
+    assert s3.get_object(Bucket=bkt, Key="c", IfNoneMatch='W/"x"')["Body"].read() == b"data"
+    refused(s3, bkt, s3.copy_object, 412, "PreconditionFailed", Bucket=bkt, Key="d", CopySource=f"{bkt}/c",
+            CopySourceIfNoneMatch=weak)
+    assert error_of(s3.get_object, Bucket=bkt, Key="c", IfMatch=weak) == (412, "PreconditionFailed")
+    assert error_of(s3.head_object, Bucket=bkt, Key="c", IfMatch=weak) == (412, "412")
+    refused(s3, bkt, s3.copy_object, 412, "PreconditionFailed", Bucket=bkt, Key="d", CopySource=f"{bkt}/c",
+            CopySourceIfMatch=weak)
+    refused(s3, bkt, s3.put_object, 412, "PreconditionFailed", Bucket=bkt, Key="c", Body=b"new", IfMatch=weak)
+    refused(s3, bkt, s3.delete_object, 412, "PreconditionFailed", Bucket=bkt, Key="c", IfMatch=weak)
+    assert s3.get_object(Bucket=bkt, Key="c", IfMatch=f'W/"x", {etag}')["Body"].read() == b"data"
+
+
 def if_range_answers(url: str, put_new_version) -> None:
     """RFC 9110 §13.1.5 at ``url`` (an object of 2.5 chunks whose ETag and Last-Modified it
     reads): a Range is served only when If-Range names the version being read by a strong
