@@ -11,7 +11,10 @@ streams).
 
 - Header auth (``Authorization: AWS4-HMAC-SHA256 Credential=…, SignedHeaders=…,
   Signature=…``) and presigned URLs (``X-Amz-Signature`` in the query, payload
-  ``UNSIGNED-PAYLOAD``, expiry enforced) are both accepted.
+  ``UNSIGNED-PAYLOAD``, expiry enforced) are both accepted, never both in one request: as S3,
+  a request with more than one (or with SigV2's ``Signature`` parameter besides) is 400
+  ``InvalidArgument`` whether or not either would verify, so which one authenticates it is
+  never a question.
 - Paths: clients do not all percent-encode the path they send the way they encode the path
   they sign, so the raw path is tried first, then the canonical encoding of the decoded path.
 - Every ``x-amz-*`` header sent must be signed, presigned URLs included (S3's "headers present
@@ -62,6 +65,8 @@ STREAMING_SIGNED = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 MAX_CHUNK_LINE_BYTES = 4096
 MAX_TRAILER_LINES = 64
+ONE_MECHANISM = ("Only one auth mechanism allowed; only the X-Amz-Algorithm query parameter, Signature query "
+                 "string parameter or the Authorization header should be specified")  # S3's words
 TRAILERS_KEY = "batchfs.s3.trailers"  # request key: {lowercased name: value} of an aws-chunked body's trailer
 
 
@@ -133,7 +138,11 @@ def verify(request: web.Request, access_key: str, secret_key: str, now: float | 
     """Check the request's SigV4 signature against the configured key pair; S3Error if not."""
     now = time.time() if now is None else now
     query = list(request.query.items())
-    presigned = any(k == "X-Amz-Signature" for k, _ in query)
+    names = {k for k, _ in query}
+    if ((bool(names & {"X-Amz-Algorithm", "X-Amz-Signature"}) + ("Signature" in names)
+         + ("Authorization" in request.headers)) > 1):
+        raise _denied("InvalidArgument", ONE_MECHANISM, 400)
+    presigned = "X-Amz-Signature" in names
     if not presigned and any(k == "AWSAccessKeyId" for k, _ in query):
         raise _denied("AccessDenied", f"SigV2 presigned URLs are not accepted: presign with SigV4 ({ALGORITHM})")
     if presigned:

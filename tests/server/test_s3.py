@@ -461,6 +461,43 @@ def test_presigned_urls(keyed):
     assert r.status_code == 403 and "SigV4" in r.text
 
 
+def test_one_auth_mechanism_per_request(keyed):
+    """A valid presigned URL sent with an Authorization header as well was served; S3 refuses
+    a request with more than one auth mechanism (400 InvalidArgument, in its words), whether
+    or not either verifies, and so does this server: nothing read, nothing written."""
+    good = s3_client(keyed.url, ACCESS, SECRET, signature_version="s3v4")
+    with contextlib.suppress(ClientError):
+        good.create_bucket(Bucket="sig")
+    good.put_object(Bucket="sig", Key="one/auth", Body=b"secret bytes")
+
+    def header_auth(method: str, url: str) -> dict:  # a valid Authorization header for the same request
+        req = AWSRequest(method=method, url=url, data=b"",
+                         headers={"x-amz-content-sha256": hashlib.sha256(b"").hexdigest()})
+        S3SigV4Auth(Credentials(ACCESS, SECRET), "s3", "us-east-1").add_auth(req)
+        return {k: v for k, v in req.headers.items() if k.lower() != "host"}
+
+    def refused(r: httpx.Response) -> None:
+        assert r.status_code == 400, r.text
+        doc = ET.fromstring(r.content)
+        assert doc.find("Code").text == "InvalidArgument"
+        assert doc.find("Message").text.startswith("Only one auth mechanism allowed")
+
+    get_url = good.generate_presigned_url("get_object", Params={"Bucket": "sig", "Key": "one/auth"}, ExpiresIn=60)
+    assert httpx.get(get_url).content == b"secret bytes"  # alone, each is served
+    assert httpx.get(f"{keyed.url}/sig/one/auth", headers=header_auth("GET", f"{keyed.url}/sig/one/auth")).status_code == 200
+    signed = header_auth("GET", f"{keyed.url}/sig/one/auth")
+    r = httpx.get(get_url, headers={"Authorization": signed["Authorization"]})  # was served: 200
+    refused(r)
+    assert b"secret bytes" not in r.content
+    refused(httpx.get(get_url, headers=signed))
+    refused(httpx.get(get_url, headers={"Authorization": "AWS4-HMAC-SHA256 Credential=x/y, SignedHeaders=host, Signature=0"}))
+    refused(httpx.get(get_url + "&Signature=abc"))  # SigV2's query signature besides
+    put_url = good.generate_presigned_url("put_object", Params={"Bucket": "sig", "Key": "one/new"}, ExpiresIn=60)
+    refused(httpx.put(put_url, content=b"x", headers={"Authorization": header_auth("PUT", put_url)["Authorization"]}))
+    assert error_of(good.head_object, Bucket="sig", Key="one/new") == (404, "404")
+    assert good.get_object(Bucket="sig", Key="one/auth")["Body"].read() == b"secret bytes"
+
+
 def test_unsigned_amz_headers_are_refused(keyed):
     """An x-amz-* header the signature does not cover is refused (403, as S3), changing nothing:
     a presigned PUT URL, or a captured signed PUT replayed, given x-amz-copy-source copied any
