@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from typing import Callable
+from urllib.parse import unquote_to_bytes
 
 from batchfs.wire import names, ranges
 from batchfs.wire.errors import RangeUnsatisfiable, WireError
@@ -44,3 +45,17 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
         raise RangeNotSatisfiable(str(e), e.size) from None
     except WireError as e:
         raise BadRequest(str(e)) from None
+
+
+def not_utf8(raw_target: str) -> str | None:
+    """Which part of a raw request target ('path' or 'query string') is not UTF-8 once
+    percent-decoded, if one is: aiohttp keeps such a sequence as the text '%C3' in the path and
+    makes it U+FFFD in the query, so the request would name another object (a PUT of
+    ``/B/%C3%28`` stored the name '%C3(')."""
+    path, _, query = raw_target.partition("?")
+    for what, text in (("path", path), ("query string", query)):
+        try:
+            unquote_to_bytes(text).decode("utf-8")
+        except UnicodeError:  # (also raw bytes aiohttp kept as surrogates)
+            return what
+    return None

@@ -10,13 +10,12 @@ request is labelled for the metrics.
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import unquote_to_bytes
 
 from aiohttp import web
 
 from server.errors import (BadRequest, Conflict, CorruptData, NotFound, PayloadTooLarge, RangeNotSatisfiable,
                            StoreError)
-from server.validate import MAX_OBJNAME_BYTES, check_objname
+from server.validate import MAX_OBJNAME_BYTES, check_objname, not_utf8
 from server.api.s3_xml import (CODE_KEY, S3Error, default_code)
 from server.api import auth
 from server.api.state import API_KEY, MEMBERSHIP, NODE, OP_KEY
@@ -130,16 +129,12 @@ def s3_route(handler, root: bool):
 
 
 def refuse_invalid_utf8(request: web.Request) -> None:
-    """400 for a path or query that is not UTF-8 once percent-decoded (``/B/%C3%28``): aiohttp
-    keeps such a sequence as the text '%C3' (a path) or makes it U+FFFD (a query), so the
-    request would name another key — the PUT stored the key '%C3('. S3 refuses them too."""
-    path, _, query = request.raw_path.partition("?")
-    for what, text in (("path", path), ("query string", query)):
-        try:
-            unquote_to_bytes(text).decode("utf-8")
-        except UnicodeError:  # (also raw bytes aiohttp kept as surrogates)
-            raise S3Error(400, "InvalidArgument", f"the request {what} is not valid UTF-8 once percent-decoded; "
-                          "nothing was read or changed") from None
+    """400 for a path or query that is not UTF-8 once percent-decoded (``validate.not_utf8``):
+    the request would name another key. S3 refuses them too."""
+    what = not_utf8(request.raw_path)
+    if what is not None:
+        raise S3Error(400, "InvalidArgument", f"the request {what} is not valid UTF-8 once percent-decoded; "
+                      "nothing was read or changed")
 
 
 def require_bucket(request: web.Request) -> str:
