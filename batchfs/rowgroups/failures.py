@@ -1,10 +1,17 @@
-"""Why a table or a row group reads as EIO/EFBIG: the last failures per object, for ``status.json``.
+"""Why a table or a row group reads as EIO/EFBIG, and why a row group was made without some
+columns: per object, for ``status.json``.
 
 A reader gets only an errno; the reason (and a user transform's traceback) is in the mount's log
 and here, where ``.rowgroups/…/NAME.parquet/status.json`` shows it to anyone who may list the
-table. Invariants: bounded — at most ``objects`` objects (LRU) and ``per_object`` failures
-each; only the latest object version's failures are kept (a new version starts afresh); a
-later success of the same row group removes its failure.
+table. A column left out of a row group (``transforms.Group.unsupported``: a string ending in
+NUL, a struct a user transform returned) is no error — the group is made, the column's files are
+not in it — so it is kept apart, under ``not_produced``, keyed by the row group's directory name.
+
+Invariants: bounded — at most ``objects`` objects (LRU), ``per_object`` failures and
+``per_object`` left-out columns each (those past it only counted, ``not_produced_more``), each
+reason cut to ``REASON_CHARS``; only the latest object version's record is kept (a new version
+starts afresh); a later success of the same row group removes its failure, and a row group made
+again replaces its left-out columns.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 import cachetools
 
 FOOTER = "footer"
+REASON_CHARS = 1000  # a reason names its column, whose name is the file's own claim: cut
 
 
 class Failures:
@@ -25,7 +33,8 @@ class Failures:
     def _of(self, bucket: str, key: str, version: str) -> dict:
         rec = self._by_object.get((bucket, key))
         if rec is None or rec["version"] != version:
-            rec = self._by_object[(bucket, key)] = {"version": version, "errors": {}}
+            rec = self._by_object[(bucket, key)] = {"version": version, "errors": {}, "not_produced": {},
+                                                    "more": {}}
         return rec
 
     def record(self, bucket: str, key: str, version: str, where: str, error: str, traceback: str | None = None) -> None:
@@ -38,14 +47,36 @@ class Failures:
             entry["traceback"] = traceback
         errors[where] = entry
 
+    def left_out(self, bucket: str, key: str, version: str, where: str, columns: dict[str, str]) -> bool:
+        """Row group ``where`` was made without ``columns`` ({column: why}; empty: none); True if
+        that is news for this version (the caller logs it once, not each time the group is made
+        again from a cache). Past ``per_object`` columns in all, the rest are only counted."""
+        rec = self._by_object.get((bucket, key))
+        if not columns and (rec is None or rec["version"] != version):
+            return False  # nothing to say: a table without left-out columns takes no record
+        rec = self._of(bucket, key, version)
+        shown, more = rec["not_produced"], rec["more"]
+        before = (shown.pop(where, None), more.pop(where, None))
+        room = self.per_object - sum(len(c) for c in shown.values())
+        kept = {c[:REASON_CHARS]: why[:REASON_CHARS] for c, why in list(columns.items())[:max(room, 0)]}
+        if kept:
+            shown[where] = kept
+        if len(columns) > len(kept):
+            more[where] = len(columns) - len(kept)
+        return before != (shown.get(where), more.get(where)) and bool(columns)
+
     def clear(self, bucket: str, key: str, version: str, where: str) -> None:
         rec = self._by_object.get((bucket, key))
         if rec is not None and rec["version"] == version:
             rec["errors"].pop(where, None)
 
     def status_json(self, bucket: str, key: str) -> bytes:
-        rec = self._by_object.get((bucket, key)) or {"version": None, "errors": {}}
+        rec = self._by_object.get((bucket, key)) or {"version": None, "errors": {}, "not_produced": {}, "more": {}}
         doc = {"object": f"{bucket}/{key}", "version": rec["version"], "errors": rec["errors"],
-               "note": "the last failures of this object's footer and row groups (EIO/EFBIG to readers); "
-                       "the mount's log has them too"}
+               "not_produced": rec["not_produced"],
+               "note": "errors: the last failures of this object's footer and row groups (EIO/EFBIG to "
+                       "readers); not_produced: the columns each row group was made without, and why "
+                       "(their files are not in its directory: ENOENT); the mount's log has both too"}
+        if rec["more"]:
+            doc["not_produced_more"] = rec["more"]  # columns left out past the bound: counted, not named
         return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()

@@ -25,6 +25,9 @@ Invariants:
 - The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
   entries by bucket, object, version, row group and the transform's id (``transforms``), so a changed transform or
   a replaced object is never served stale; a corrupt entry is a miss.
+- Whatever fails is recorded for ``status.json`` (``failures``), and so are the columns a row
+  group is made without beyond those its schema leaves out of every group (``Layout.left_out``,
+  what ``meta.json`` says): a string ending in NUL, a user transform's struct — logged once.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class Layout:
     version: str
     metadata: object  # pyarrow.parquet.FileMetaData
     rows: tuple[int, ...]  # rows per row group
+    # columns the schema leaves out of every row group, and why (``schema_left_out``): what
+    # meta.json says; a row group's own left-out columns are those beyond these
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def num_row_groups(self) -> int:
@@ -86,7 +92,8 @@ class Layout:
                            for f in schema],
                "files": "each row group directory holds NAME.npy per column (NAME.values.npy and "
                         "NAME.offsets.npy for lists and binary), plus NAME.null.npy when that group has "
-                        "nulls; columns with an 'unsupported' reason are not produced"
+                        "nulls; columns with an 'unsupported' reason are not produced, and a row group may "
+                        "leave out a column for its data (status.json's not_produced says which and why)"
                         if transform.default else "as the transform returns them (NAME.npy each)"}
         return (json.dumps(doc, indent=1) + "\n").encode()
 
@@ -113,6 +120,18 @@ def unpack(blob: bytes | memoryview) -> Group:
     return Group(files, head["unsupported"])
 
 
+def schema_left_out(md, transform: Transform = DEFAULT) -> dict[str, str]:
+    """{column: why} for the columns the default transform leaves out of every row group, as
+    ``meta.json`` names them (their type or name decides); nothing for a user's transform, whose
+    output only its row groups show."""
+    if not transform.default:
+        return {}
+    schema = md.schema.to_arrow_schema()
+    clash = arrays.clashes(schema.names)
+    docs = (_column_doc(f, clash) for f in schema)
+    return {d["name"]: d["unsupported"] for d in docs if "unsupported" in d}
+
+
 def _column_doc(field, clash: dict[str, str]) -> dict:
     doc = {"name": field.name, "arrow_type": str(field.type)}
     if field.name in clash:
@@ -122,6 +141,8 @@ def _column_doc(field, clash: dict[str, str]) -> dict:
         doc["files"] = sorted(arrays.column_arrays(field.name, pa.array([], field.type)))
     except arrays.Unsupported as e:
         doc["unsupported"] = str(e)
+    except pa.ArrowException as e:  # no empty array of it (a union): every layout reads this, keep it readable
+        doc["unsupported"] = f"column {field.name!r}: Arrow type {field.type}: {type(e).__name__}: {e}"
     return doc
 
 
@@ -211,13 +232,14 @@ class RowGroupSource:
                     self.store.put(footer_key, footer)
             def parse():
                 self.decoders.check_footer(size, footer)  # (pyarrow may abort: in a worker first)
-                return parquet.read_metadata(size, bytes(footer))
+                md = parquet.read_metadata(size, bytes(footer))
+                return md, schema_left_out(md, self.transform)  # (pyarrow work: not on the trio thread)
             try:
-                md = await trio.to_thread.run_sync(parse)
+                md, left_out = await trio.to_thread.run_sync(parse)
             except parquet.NotParquet as e:
                 raise TransformError(f"{bucket}/{key}: {e}") from None
             rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
-            return Layout(size, info.version, md, rows)
+            return Layout(size, info.version, md, rows, left_out)
 
         try:
             return await self._once(("layout", bucket, key, info.version, info.size), self._layouts, make)
@@ -290,19 +312,33 @@ class RowGroupSource:
 
         async def make() -> Group:
             disk_key = self._disk_key(bucket, key, info.version, rg)
+            g = None
             if self.store is not None and info.version:
                 blob = await self.store.get(disk_key)
                 if blob is not None:
                     try:
-                        return self._kept(unpack(blob), bucket, key, rg)
+                        g = self._kept(unpack(blob), bucket, key, rg)
                     except (ValueError, KeyError, struct.error) as e:
                         log.warning("row group entry %r unreadable (%s): transforming again", disk_key, e)
-            g = self._kept(await self._make(bucket, key, info, lay, rg), bucket, key, rg)
-            if self.store is not None and info.version:
-                self.store.put(disk_key, pack(g))
+            if g is None:
+                g = self._kept(await self._make(bucket, key, info, lay, rg), bucket, key, rg)
+                if self.store is not None and info.version:
+                    self.store.put(disk_key, pack(g))
+            self._record_left_out(bucket, key, info.version, lay, rg, g)
             return g
 
         return await self._once(("group", bucket, key, info.version, rg), self._groups, make)
+
+    def _record_left_out(self, bucket: str, key: str, version: str, lay: Layout, rg: int, g: Group) -> None:
+        """The columns ``g`` was made without beyond those its schema leaves out of every group
+        (a string ending in NUL, too wide; all of them for a user's transform) into
+        ``status.json``, and one log line the first time. Until now they were only in the group's
+        cache entry: the files were missing with nothing saying why (a tester)."""
+        own = {c: why for c, why in g.unsupported.items() if lay.left_out.get(c) != why}
+        if self.failures.left_out(bucket, key, version, f"{rg:05d}", own):
+            shown = "; ".join(why[:300] for why in list(own.values())[:3])
+            log.warning("%s/%s: row group %d made without %d column(s) (status.json: not_produced): %s%s", bucket,
+                        key, rg, len(own), shown, f"; and {len(own) - 3} more" if len(own) > 3 else "")
 
     def _kept(self, g: Group, bucket: str, key: str, rg: int) -> Group:
         """``g``, if the groups' memory (half of the row-group memory) can hold it; else TooLarge

@@ -341,3 +341,29 @@ def test_open_handles_keep_no_more_than_the_memory_bound(server, bucket, tmp_pat
         finally:
             for f in files.values():
                 f.close()
+
+
+def test_what_a_row_group_leaves_out_is_in_status_json_and_the_log(server, bucket, tmp_path):
+    """A column refused for its data in one row group (a value ending in NUL) is not in that
+    group's directory — not listed, ENOENT — while the group's other files are there and
+    meta.json lists the column's files (its type is produced). status.json said nothing and
+    the log nothing (a tester): now status.json's ``not_produced`` names it, and the log too."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"s": ["ab\0", "c", "d", "e"], "n": [1, 2, 3, 4]}), buf, row_group_size=2)
+    put(server, bucket, "nul.parquet", buf.getvalue())
+    src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
+    with MountProcess(src, tmp_path / "m") as m:
+        d = m.mountpoint / ".rowgroups" / "nul.parquet"
+        assert {c["name"]: c["files"] for c in json.loads((d / "meta.json").read_text())["columns"]}["s"] == ["s.npy"]
+        assert os.listdir(d / "00000") == ["n.npy"] and sorted(os.listdir(d / "00001")) == ["n.npy", "s.npy"]
+        with pytest.raises(OSError) as e:
+            (d / "00000" / "s.npy").read_bytes()
+        assert e.value.errno == errno.ENOENT
+        assert list(np.load(d / "00000" / "n.npy")) == [1, 2] and list(np.load(d / "00001" / "s.npy")) == ["d", "e"]
+        status = json.loads((d / "status.json").read_text())
+        assert status["errors"] == {} and status["version"] is not None
+        assert list(status["not_produced"]) == ["00000"] and "ends with a NUL" in status["not_produced"]["00000"]["s"]
+        deadline = time.monotonic() + 10  # the log is read by a thread: poll for the line
+        while "row group 0 made without 1 column" not in m.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "nul.parquet: row group 0 made without 1 column" in m.log()

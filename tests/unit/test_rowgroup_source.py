@@ -309,3 +309,42 @@ async def test_a_row_group_whose_chunks_cannot_be_fetched_is_in_status_json():
         await src.group("b", "t.parquet", info, 2)
     errors = json.loads(src.failures.status_json("b", "t.parquet"))["errors"]
     assert list(errors) == ["00002"] and "503 from the server" in errors["00002"]["error"]
+
+
+async def test_columns_a_row_group_leaves_out_are_in_status_json_and_logged_once(tmp_path, monkeypatch, caplog):
+    """A value ending in NUL refuses its column in that row group only, and a user transform's
+    struct column in every group: the files are not in the group (nor in its listing), and
+    status.json said nothing ("errors": {}, "version": null), the log nothing (a tester). Now
+    ``not_produced`` names them per row group, and the log has one line per group, once."""
+    from batchfs.rowgroups.transforms import load
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"s": ["ab\0", "c", "d", "e"], "n": [1, 2, 3, 4], "st": [{"a": 1}] * 4}), buf,
+                   row_group_size=2)
+    client = memory_client()
+    client.put("b", "t.parquet", buf.getvalue())
+    info = await _info(client, "t.parquet")
+    src = RowGroupSource(client, None)
+    caplog.set_level("WARNING", logger="batchfs.rowgroups.source")
+    g0, g1 = [await src.group("b", "t.parquet", info, rg) for rg in (0, 1)]
+    assert sorted(g0.files) == ["n.npy"] and sorted(g1.files) == ["n.npy", "s.npy"]
+    doc = json.loads(src.failures.status_json("b", "t.parquet"))
+    assert doc["version"] == info.version and doc["errors"] == {}
+    # the struct column is left out by its type, in every group: meta.json says so, not each group
+    assert list(doc["not_produced"]) == ["00000"] and list(doc["not_produced"]["00000"]) == ["s"]
+    assert "ends with a NUL" in doc["not_produced"]["00000"]["s"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "row group 0 made without 1 column" in lines[0] and "NUL" in lines[0], lines
+    src._groups.clear()  # made again (an evicted group): the same record, no second line
+    await src.group("b", "t.parquet", info, 0)
+    assert len(caplog.records) == 1
+    # a user transform returning a Table: its columns are converted by the default rules, and
+    # what they leave out is only known per row group
+    (tmp_path / "tf_struct.py").write_text("import pyarrow as pa\n__version__ = '1'\ndef add(table):\n"
+                                          "    return table.append_column('z', pa.array([{'a': 1}] * table.num_rows))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = RowGroupSource(client, None, transform=load("tf_struct:add"))
+    await user.group("b", "t.parquet", info, 1)
+    doc = json.loads(user.failures.status_json("b", "t.parquet"))
+    assert list(doc["not_produced"]) == ["00001"] and sorted(doc["not_produced"]["00001"]) == ["st", "z"]
+    assert "struct" in doc["not_produced"]["00001"]["z"]
