@@ -5,13 +5,15 @@ A reader gets only an errno; the reason (and a user transform's traceback) is in
 and here, where ``.rowgroups/…/NAME.parquet/status.json`` shows it to anyone who may list the
 table. A column left out of a row group (``transforms.Group.unsupported``: a string ending in
 NUL, a struct a user transform returned) is no error — the group is made, the column's files are
-not in it — so it is kept apart, under ``not_produced``, keyed by the row group's directory name.
+not in it — so it is kept apart, under ``not_produced``, keyed by the row group's directory name,
+or ``SCHEMA`` for the columns the schema leaves out of every group (a struct, two columns whose
+files would share names: what ``meta.json`` says).
 
-Invariants: bounded — at most ``objects`` objects (LRU), ``per_object`` failures and
-``per_object`` left-out columns each (those past it only counted, ``not_produced_more``), each
-reason cut to ``REASON_CHARS``; only the latest object version's record is kept (a new version
-starts afresh); a later success of the same row group removes its failure, and a row group made
-again replaces its left-out columns.
+Invariants: bounded — at most ``objects`` objects (LRU), and each with at most ``per_object``
+failures, ``per_object`` left-out columns of the schema and as many of its row groups (those
+past it only counted, ``not_produced_more``), each reason cut to ``REASON_CHARS``; only the
+latest object version's record is kept (a new version starts afresh); a later success of the
+same row group removes its failure, and a row group made again replaces its left-out columns.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import cachetools
 
 FOOTER = "footer"
+SCHEMA = "schema"  # not_produced: the columns no row group has (their type or name decides)
 REASON_CHARS = 1000  # a reason names its column, whose name is the file's own claim: cut
 
 
@@ -48,16 +51,18 @@ class Failures:
         errors[where] = entry
 
     def left_out(self, bucket: str, key: str, version: str, where: str, columns: dict[str, str]) -> bool:
-        """Row group ``where`` was made without ``columns`` ({column: why}; empty: none); True if
-        that is news for this version (the caller logs it once, not each time the group is made
-        again from a cache). Past ``per_object`` columns in all, the rest are only counted."""
+        """Row group ``where`` (or ``SCHEMA``: every group) was made without ``columns``
+        ({column: why}; empty: none); True if that is news for this version (the caller logs it
+        once, not each time the group is made again from a cache). Past ``per_object`` columns
+        (for the schema; for the row groups together), the rest are only counted: a schema of
+        many structs does not crowd out what only status.json says."""
         rec = self._by_object.get((bucket, key))
         if not columns and (rec is None or rec["version"] != version):
             return False  # nothing to say: a table without left-out columns takes no record
         rec = self._of(bucket, key, version)
         shown, more = rec["not_produced"], rec["more"]
         before = (shown.pop(where, None), more.pop(where, None))
-        room = self.per_object - sum(len(c) for c in shown.values())
+        room = self.per_object - sum(len(c) for w, c in shown.items() if (w == SCHEMA) == (where == SCHEMA))
         kept = {c[:REASON_CHARS]: why[:REASON_CHARS] for c, why in list(columns.items())[:max(room, 0)]}
         if kept:
             shown[where] = kept

@@ -25,9 +25,10 @@ Invariants:
 - The disk store (``cache.diskstore.DiskStore``, its own quota: fill, then read through) keys
   entries by bucket, object, version, row group and the transform's id (``transforms``), so a changed transform or
   a replaced object is never served stale; a corrupt entry is a miss.
-- Whatever fails is recorded for ``status.json`` (``failures``), and so are the columns a row
-  group is made without beyond those its schema leaves out of every group (``Layout.left_out``,
-  what ``meta.json`` says): a string ending in NUL, a user transform's struct — logged once.
+- Whatever fails is recorded for ``status.json`` (``failures``), and so are the columns the
+  schema leaves out of every row group (``Layout.left_out``, what ``meta.json`` says: a struct,
+  a name clash), when the footer is read, and those a row group is made without beyond them (a
+  string ending in NUL, a user transform's struct) — each logged once.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from batchfs.errors import BatchfsError, TooLarge, TransformError, VersionChange
 from batchfs.objclient.base import ObjectClient, ObjectInfo
 from batchfs.rowgroups import arrays, parquet
 from batchfs.rowgroups.decoder import Decoders
-from batchfs.rowgroups.failures import FOOTER, Failures
+from batchfs.rowgroups.failures import FOOTER, SCHEMA, Failures
 from batchfs.rowgroups.transforms import DEFAULT, Group, Transform, TransformFailed
 from batchfs.wire.units import MiB
 
@@ -239,6 +240,12 @@ class RowGroupSource:
             except parquet.NotParquet as e:
                 raise TransformError(f"{bucket}/{key}: {e}") from None
             rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+            # columns no row group has (by type or name) for status.json too, as the docs promise:
+            # meta.json said why, status.json showed "errors": {} (a tester)
+            if self.failures.left_out(bucket, key, info.version, SCHEMA, left_out):
+                log.info("%s/%s: %d column(s) not produced in any row group (meta.json, status.json say why): %s",
+                         bucket, key, len(left_out), ", ".join(repr(c[:100]) for c in list(left_out)[:5])
+                         + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""))
             return Layout(size, info.version, md, rows, left_out)
 
         try:

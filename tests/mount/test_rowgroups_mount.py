@@ -346,11 +346,15 @@ def test_open_handles_keep_no_more_than_the_memory_bound(server, bucket, tmp_pat
 def test_what_a_row_group_leaves_out_is_in_status_json_and_the_log(server, bucket, tmp_path):
     """A column refused for its data in one row group (a value ending in NUL) is not in that
     group's directory — not listed, ENOENT — while the group's other files are there and
-    meta.json lists the column's files (its type is produced). status.json said nothing and
-    the log nothing (a tester): now status.json's ``not_produced`` names it, and the log too."""
+    meta.json lists the column's files (its type is produced); columns whose files would share
+    names (``x``, ``x.null``) are in no group. status.json said nothing of either, the log
+    nothing of the first (a tester): now status.json's ``not_produced`` names them, and the log."""
     buf = io.BytesIO()
     pq.write_table(pa.table({"s": ["ab\0", "c", "d", "e"], "n": [1, 2, 3, 4]}), buf, row_group_size=2)
     put(server, bucket, "nul.parquet", buf.getvalue())
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, None], "x.null": [True, False], "ok": [1, 2]}), buf)
+    put(server, bucket, "clash.parquet", buf.getvalue())
     src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
     with MountProcess(src, tmp_path / "m") as m:
         d = m.mountpoint / ".rowgroups" / "nul.parquet"
@@ -367,3 +371,10 @@ def test_what_a_row_group_leaves_out_is_in_status_json_and_the_log(server, bucke
         while "row group 0 made without 1 column" not in m.log() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "nul.parquet: row group 0 made without 1 column" in m.log()
+        d = m.mountpoint / ".rowgroups" / "clash.parquet"
+        assert sorted(os.listdir(d)) == ["00000", "meta.json", "status.json"]  # the footer is read
+        status = json.loads((d / "status.json").read_text())
+        assert status["errors"] == {} and sorted(status["not_produced"]) == ["schema"]
+        assert sorted(status["not_produced"]["schema"]) == ["x", "x.null"]
+        assert "same names" in status["not_produced"]["schema"]["x.null"]
+        assert os.listdir(d / "00000") == ["ok.npy"]

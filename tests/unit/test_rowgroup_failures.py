@@ -52,3 +52,14 @@ def test_left_out_columns_are_bounded_replaced_and_news_once():
     doc = json.loads(f.status_json("b", "t"))
     assert doc["version"] == "v2" and doc["errors"] == {} and doc["not_produced"] == {"00000": {"s": "new version"}}
     assert "not_produced_more" not in doc
+
+
+def test_the_schemas_left_out_columns_do_not_crowd_out_the_row_groups():
+    from batchfs.rowgroups.failures import SCHEMA
+
+    f = Failures(per_object=2)
+    assert f.left_out("b", "t", "v", SCHEMA, {"a": "struct", "b": "struct", "c": "struct"})
+    assert f.left_out("b", "t", "v", "00000", {"s": "ends in NUL"})
+    doc = json.loads(f.status_json("b", "t"))
+    assert doc["not_produced"] == {SCHEMA: {"a": "struct", "b": "struct"}, "00000": {"s": "ends in NUL"}}
+    assert doc["not_produced_more"] == {SCHEMA: 1}

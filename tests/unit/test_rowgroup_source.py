@@ -330,8 +330,8 @@ async def test_columns_a_row_group_leaves_out_are_in_status_json_and_logged_once
     assert sorted(g0.files) == ["n.npy"] and sorted(g1.files) == ["n.npy", "s.npy"]
     doc = json.loads(src.failures.status_json("b", "t.parquet"))
     assert doc["version"] == info.version and doc["errors"] == {}
-    # the struct column is left out by its type, in every group: meta.json says so, not each group
-    assert list(doc["not_produced"]) == ["00000"] and list(doc["not_produced"]["00000"]) == ["s"]
+    # the struct column is left out by its type, in every group: under "schema", not each group
+    assert sorted(doc["not_produced"]) == ["00000", "schema"] and list(doc["not_produced"]["00000"]) == ["s"]
     assert "ends with a NUL" in doc["not_produced"]["00000"]["s"]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "row group 0 made without 1 column" in lines[0] and "NUL" in lines[0], lines
@@ -348,3 +348,31 @@ async def test_columns_a_row_group_leaves_out_are_in_status_json_and_logged_once
     doc = json.loads(user.failures.status_json("b", "t.parquet"))
     assert list(doc["not_produced"]) == ["00001"] and sorted(doc["not_produced"]["00001"]) == ["st", "z"]
     assert "struct" in doc["not_produced"]["00001"]["z"]
+
+
+@pytest.mark.trio
+async def test_columns_no_row_group_has_are_in_status_json_once_the_footer_is_read(caplog):
+    """``x`` and ``x.null`` (their files would share names) and a struct are left out of every
+    row group: meta.json said why, status.json "errors": {} (a tester; the docs promised both).
+    Now status.json's ``not_produced`` says why under ``schema`` as soon as the footer is read —
+    no row group needed — and row groups do not repeat it."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, None, 3, 4], "x.null": [True, False, True, False], "ok": [1, 2, 3, 4],
+                             "st": [{"a": 1}] * 4}), buf, row_group_size=2)
+    client = memory_client()
+    client.put("b", "clash.parquet", buf.getvalue())
+    info = await _info(client, "clash.parquet")
+    src = RowGroupSource(client, None)
+    caplog.set_level("INFO", logger="batchfs.rowgroups.source")
+    lay = await src.layout("b", "clash.parquet", info)
+    doc = json.loads(src.failures.status_json("b", "clash.parquet"))
+    assert doc["version"] == info.version and doc["errors"] == {} and list(doc["not_produced"]) == ["schema"]
+    meta = {c["name"]: c.get("unsupported") for c in json.loads(lay.meta_json("b/clash.parquet"))["columns"]}
+    assert doc["not_produced"]["schema"] == {c: why for c, why in meta.items() if why}  # what meta.json says
+    assert sorted(doc["not_produced"]["schema"]) == ["st", "x", "x.null"]
+    assert "same names" in doc["not_produced"]["schema"]["x.null"]
+    for rg in (0, 1):
+        assert list((await src.group("b", "clash.parquet", info, rg)).files) == ["ok.npy"]
+    assert list(json.loads(src.failures.status_json("b", "clash.parquet"))["not_produced"]) == ["schema"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "3 column(s) not produced in any row group" in lines[0], lines
