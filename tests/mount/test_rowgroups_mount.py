@@ -62,13 +62,20 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
     put(server, bucket, "sub/u.parquet", t2)
     put(server, bucket, "notes.txt", b"not a table")
     put(server, bucket, "bad.parquet", b"not parquet either, just bytes" * 100)
+    buf = io.BytesIO()  # a page written with a CRC, then changed: its group is EIO, the reason in status.json
+    pq.write_table(pa.table({"f": np.arange(200) / 7}), buf, row_group_size=100, compression="none",
+                   use_dictionary=False, write_page_checksum=True)
+    crc = bytearray(buf.getvalue())
+    c = pq.ParquetFile(io.BytesIO(bytes(crc))).metadata.row_group(1).column(0)
+    crc[c.data_page_offset + c.total_compressed_size // 2] ^= 0x55
+    put(server, bucket, "crc.parquet", bytes(crc))
     src = {"kind": "ais", "endpoint": server.url, "bucket": bucket}
     cache = tmp_path / "rgcache"
     md = pq.ParquetFile(io.BytesIO(t1)).metadata
     with MountProcess(src, tmp_path / "m1", rowgroup_cache_dir=cache) as m:
         mnt = m.mountpoint
         root = mnt / ".rowgroups"
-        assert sorted(os.listdir(root)) == ["bad.parquet", "sub", "t.parquet"]
+        assert sorted(os.listdir(root)) == ["bad.parquet", "crc.parquet", "sub", "t.parquet"]
         assert os.listdir(root / "sub") == ["u.parquet"]
         assert sorted(os.listdir(root / "t.parquet")) == ["00000", "00001", "00002", "meta.json", "status.json"]
         assert json.loads((root / "t.parquet" / "status.json").read_text())["errors"] == {}
@@ -86,6 +93,12 @@ def test_rowgroups_tree_arrays_ranges_cache_and_versions(server, bucket, tmp_pat
         assert os.listdir(root / "bad.parquet") == ["status.json"]  # which says why
         why = json.loads((root / "bad.parquet" / "status.json").read_text())["errors"]["footer"]["error"]
         assert "bad.parquet" in why and "Parquet" in why, why
+        with pytest.raises(OSError) as e:
+            os.listdir(root / "crc.parquet" / "00001")
+        assert e.value.errno == errno.EIO
+        why = json.loads((root / "crc.parquet" / "status.json").read_text())["errors"]["00001"]["error"]
+        assert "CRC checksum verification failed" in why, why
+        assert len(np.load(root / "crc.parquet" / "00000" / "f.npy")) == 100
         with pytest.raises(OSError) as e:
             (root / "t.parquet" / "00000" / "x.npy").write_bytes(b"x")
         assert e.value.errno in (errno.EROFS, errno.EACCES)

@@ -105,3 +105,35 @@ def test_a_file_of_an_old_parquet_mr_is_read_with_arrows_padding():
         assert all(o + k <= size for o, k in ranges)
         got = read_row_group(size, md, {o: data[o:o + k] for o, k in ranges}, rg)
         assert got.equals(reference.read_row_group(rg))
+
+
+def _page_flipped(data: bytes, rg: int, column: int) -> bytes:
+    """``data`` with one byte in the middle of a data page's values of ``column`` changed."""
+    c = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(rg).column(column)
+    start = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+    at = c.data_page_offset + (start + c.total_compressed_size - c.data_page_offset) // 2
+    return data[:at] + bytes([data[at] ^ 0x55]) + data[at + 1:]
+
+
+def _read(data: bytes, rg: int):
+    md = read_metadata(len(data), _footer(data))
+    return read_row_group(len(data), md, _ranges(data, chunk_ranges(md, rg)), rg)
+
+
+def test_a_page_whose_checksum_fails_is_refused_and_one_without_is_read():
+    """A page written with a CRC (write_page_checksum) and changed since was decoded unchecked:
+    wrong values served as arrays, as pyarrow's unverified read gives them (a tester)."""
+    clean = _parquet(compression="none", use_dictionary=False, write_page_checksum=True)
+    bad = _page_flipped(clean, 1, 2)  # a float of row group 1: still decodes, to another value
+    unverified = pq.ParquetFile(io.BytesIO(bad)).read_row_group(1)
+    assert not unverified.equals(pq.ParquetFile(io.BytesIO(clean)).read_row_group(1))  # silently wrong
+    with pytest.raises(NotParquet, match="row group 1: .*CRC checksum verification failed"):
+        _read(bad, 1)
+    assert _read(bad, 0).equals(pq.ParquetFile(io.BytesIO(clean)).read_row_group(0))  # the others read
+    with pytest.raises(NotParquet, match="CRC"):  # a dictionary page too
+        dictionary = _parquet(write_page_checksum=True)
+        c = pq.ParquetFile(io.BytesIO(dictionary)).metadata.row_group(2).column(1)
+        at = (c.dictionary_page_offset + c.data_page_offset) // 2
+        _read(dictionary[:at] + bytes([dictionary[at] ^ 0x55]) + dictionary[at + 1:], 2)
+    plain = _page_flipped(_parquet(compression="none", use_dictionary=False), 1, 2)  # no CRCs: read as before
+    assert _read(plain, 1).equals(pq.ParquetFile(io.BytesIO(plain)).read_row_group(1))

@@ -376,3 +376,21 @@ async def test_columns_no_row_group_has_are_in_status_json_once_the_footer_is_re
     assert list(json.loads(src.failures.status_json("b", "clash.parquet"))["not_produced"]) == ["schema"]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "3 column(s) not produced in any row group" in lines[0], lines
+
+
+@pytest.mark.trio
+async def test_a_page_whose_checksum_fails_makes_its_row_group_eio_with_the_reason():
+    t = pa.table({"f": np.arange(4000) / 7})
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=1000, compression="none", use_dictionary=False, write_page_checksum=True)
+    data = buf.getvalue()
+    c = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(1).column(0)
+    at = c.data_page_offset + c.total_compressed_size // 2  # a value of row group 1
+    client = memory_client()
+    client.put("b", "t.parquet", data[:at] + bytes([data[at] ^ 0x55]) + data[at + 1:])
+    info = await _info(client, "t.parquet")
+    src = RowGroupSource(client, None)
+    with pytest.raises(TransformError, match="row group 1: .*CRC checksum verification failed"):
+        await src.group("b", "t.parquet", info, 1)
+    assert "CRC" in json.loads(src.failures.status_json("b", "t.parquet"))["errors"]["00001"]["error"]
+    assert list(_load(await src.group("b", "t.parquet", info, 2), "f.npy")) == t.column("f").to_pylist()[2000:3000]
