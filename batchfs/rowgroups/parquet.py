@@ -49,8 +49,9 @@ def footer_span(size: int, tail: bytes) -> tuple[int, int]:
     if tail[-4:] != MAGIC:
         raise NotParquet("no PAR1 magic at the end: not a Parquet file (or an encrypted one)")
     (meta_len,) = struct.unpack("<I", tail[-8:-4])
-    if meta_len + 12 > size:
-        raise NotParquet(f"corrupt footer: its length {meta_len} exceeds the object's {size} bytes")
+    if meta_len + 12 > size:  # the footer, its trailer (length, PAR1) and the leading PAR1 must fit
+        raise NotParquet(f"corrupt footer: its length {meta_len}, with its 8-byte trailer and the 4-byte "
+                         f"magic at the start, takes {meta_len + 12} bytes, more than the object's {size}")
     if meta_len > MAX_FOOTER_BYTES:
         raise NotParquet(f"footer of {meta_len} bytes: over the {MAX_FOOTER_BYTES}-byte limit for one footer")
     return size - 8 - meta_len, meta_len + 8

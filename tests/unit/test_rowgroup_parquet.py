@@ -63,11 +63,25 @@ def test_a_read_outside_the_fetched_ranges_fails_instead_of_fetching():
 @pytest.mark.parametrize("blob, why", [
     (b"", "too short"),
     (b"x" * 100, "no PAR1 magic"),
-    (b"PAR1" + b"\0" * 10 + b"\xff\xff\xff\x7fPAR1", "exceeds"),
+    (b"PAR1" + b"\0" * 10 + b"\xff\xff\xff\x7fPAR1", "more than the object's 22"),
 ])
 def test_not_parquet_says_why(blob, why):
     with pytest.raises(NotParquet, match=why):
         footer_span(len(blob), blob[-FOOTER_GUESS_BYTES:])
+
+
+def test_a_footer_length_that_leaves_no_room_for_the_magic_says_what_does_not_fit():
+    """A length of exactly size - 8 said "its length 1578500 exceeds the object's 1578508 bytes":
+    true of neither number (a tester). What does not fit is the footer with its 8-byte trailer
+    and the 4-byte magic that opens the file."""
+    size = 1578508
+    tail = b"\0" * 100 + (size - 8).to_bytes(4, "little") + b"PAR1"
+    with pytest.raises(NotParquet) as e:
+        footer_span(size, tail)
+    assert str(e.value) == ("corrupt footer: its length 1578500, with its 8-byte trailer and the 4-byte magic at "
+                            "the start, takes 1578512 bytes, more than the object's 1578508")
+    tail = b"\0" * 100 + (size - 12).to_bytes(4, "little") + b"PAR1"  # exactly fits: the whole object
+    assert footer_span(size, tail) == (4, size - 4)
 
 
 def test_a_corrupt_footer_is_not_parquet():
