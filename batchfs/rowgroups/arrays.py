@@ -4,14 +4,15 @@ Each output file is a plain ``.npy`` that ``np.load(path, mmap_mode="r")`` reads
 
 | Arrow type | files for column ``C`` |
 |---|---|
-| integers, floats, bool | ``C.npy`` (the same dtype; nulls hold 0 / False) |
-| timestamp, date, duration | ``C.npy`` as ``datetime64`` / ``timedelta64`` in the column's unit |
+| integers, floats (float16 too), bool | ``C.npy`` (the same dtype; nulls hold 0 / False) |
+| timestamp, duration | ``C.npy`` as ``datetime64`` / ``timedelta64`` in the column's unit (time zone: UTC values) |
+| date32, date64 | ``C.npy`` as ``datetime64[D]`` |
 | string, large_string | ``C.npy`` as fixed-width unicode (``<U{longest}``, at least ``<U1``); a value ending in NUL is refused (NumPy would drop it) |
 | binary, large_binary | ``C.values.npy`` (uint8, every value's bytes) and ``C.offsets.npy`` (int64, rows + 1) |
 | dictionary | decoded first, then as its value type |
 | fixed_size_list of a type above but binary | ``C.npy`` 2-D, one row per value |
 | list, large_list of a type above but binary | ``C.values.npy`` (flattened) and ``C.offsets.npy`` (int64, rows + 1) |
-| anything else (struct, map, decimal, union, nested lists) | not produced; ``unsupported`` says why |
+| anything else (struct, map, union, decimals, time32/64, null, fixed_size_binary, views, intervals, run-end encoded, extension types, nested lists) | not produced; ``unsupported`` says why |
 
 A column with nulls also gets ``C.null.npy``: a bool array, True where the row is null (for
 lists: where the list itself is null); null items inside lists are marked the same way in
