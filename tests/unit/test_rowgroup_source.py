@@ -311,6 +311,7 @@ async def test_a_row_group_whose_chunks_cannot_be_fetched_is_in_status_json():
     assert list(errors) == ["00002"] and "503 from the server" in errors["00002"]["error"]
 
 
+@pytest.mark.trio
 async def test_columns_a_row_group_leaves_out_are_in_status_json_and_logged_once(tmp_path, monkeypatch, caplog):
     """A value ending in NUL refuses its column in that row group only, and a user transform's
     struct column in every group: the files are not in the group (nor in its listing), and
