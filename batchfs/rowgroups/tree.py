@@ -2,7 +2,8 @@
 
     .rowgroups/DIR/…/NAME.parquet/meta.json          the layout (``source.Layout.meta_json``)
     .rowgroups/DIR/…/NAME.parquet/00000/COL.npy      row group 0, one file per output array
-    .rowgroups/DIR/…/NAME.parquet/status.json        why the footer or a row group failed
+    .rowgroups/DIR/…/NAME.parquet/status.json        why the footer or a row group failed, and
+                                                     which columns groups were made without
     .rowgroups/DIR/…/NAME.parquet/00000/.version     the object version of the group's files
                                                      (looked up by name, never listed)
 
@@ -49,7 +50,7 @@ from batchfs.rowgroups.source import RowGroupSource
 
 BASE = 1 << 59  # below .batch/'s 1 << 60: the two ranges never meet
 META = "meta.json"
-STATUS = "status.json"  # why the table or a row group failed (rowgroups.failures)
+STATUS = "status.json"  # failures and columns not produced (rowgroups.failures)
 VERSION = ".version"  # in a row-group directory: its version (RowGroupStream checks it)
 
 
