@@ -172,7 +172,7 @@ class RowGroupTree(ReadOnlyTree):
                 raise NotFound(f"{e.name}: not in row group {e.rg} of version {info.version}")
             return Attr(ino, False, size, info.mtime_ns, info.version)
         if e.kind == "status":  # changes as failures happen: never cached by the kernel
-            return Attr(ino, False, len(self._status(e)), time.time_ns(), ttl=0)
+            return Attr(ino, False, len(await self._status(e)), time.time_ns(), ttl=0)
         if e.kind == "group":
             return Attr(ino, True, 0, e.info.mtime_ns, e.info.version)
         if e.kind == "version":
@@ -239,9 +239,9 @@ class RowGroupTree(ReadOnlyTree):
         node = self.ns.node(e.ns_ino)
         return await self.source.sizes(node.bucket, node.key, info, e.rg)
 
-    def _status(self, e: _Ent) -> bytes:
-        node = self.ns.node(e.ns_ino)
-        return self.source.failures.status_json(node.bucket, node.key)
+    async def _status(self, e: _Ent) -> bytes:
+        node = self.ns.node(e.ns_ino)  # the current version's record (a reader of an old one adds to its own)
+        return self.source.failures.status_json(node.bucket, node.key, (await self._info(e)).version)
 
     async def _meta(self, e: _Ent) -> bytes:
         node = self.ns.node(e.ns_ino)
@@ -312,7 +312,7 @@ class RowGroupTree(ReadOnlyTree):
             self._fhs[fh] = _File(e, memoryview(e.info.version.encode()))
             return Opened(fh, direct_io=False, keep_cache=True)
         if e.kind == "status":  # a snapshot; direct_io: its size may have changed since stat
-            self._fhs[fh] = _File(e, memoryview(self._status(e)))
+            self._fhs[fh] = _File(e, memoryview(await self._status(e)))
             return Opened(fh, direct_io=True, keep_cache=False)
         if e.kind == "meta":
             self._fhs[fh] = _File(e, memoryview(await self._meta(e)))

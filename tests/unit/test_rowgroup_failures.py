@@ -63,3 +63,27 @@ def test_the_schemas_left_out_columns_do_not_crowd_out_the_row_groups():
     doc = json.loads(f.status_json("b", "t"))
     assert doc["not_produced"] == {SCHEMA: {"a": "struct", "b": "struct"}, "00000": {"s": "ends in NUL"}}
     assert doc["not_produced_more"] == {SCHEMA: 1}
+
+
+def test_each_version_has_its_own_record_and_status_shows_the_one_asked_for():
+    """A reader still pinned to a replaced version (its groups from a cache) records under that
+    version; the current version's status.json stays as it was (a review: the record of the old
+    version replaced it, its footer error gone)."""
+    f = Failures()
+    f.record("b", "t", "v2", FOOTER, "not Parquet")
+    assert f.left_out("b", "t", "v1", "00000", {"s": "a struct"})
+    current = json.loads(f.status_json("b", "t", "v2"))
+    assert current["version"] == "v2" and list(current["errors"]) == [FOOTER] and current["not_produced"] == {}
+    old = json.loads(f.status_json("b", "t", "v1"))
+    assert old["not_produced"] == {"00000": {"s": "a struct"}} and old["errors"] == {}
+    assert json.loads(f.status_json("b", "t", "v3")) == {**current, "version": "v3", "errors": {}}
+
+
+def test_counts_of_left_out_columns_past_the_bound_are_bounded_too():
+    """Past the named columns, each row group's count was kept: 200,000 groups made one object's
+    record 18.6 MB (a review). Past ``per_object`` groups counted, one total."""
+    f = Failures(per_object=2)
+    news = [f.left_out("b", "t", "v1", f"{g:05d}", {"a": "x", "b": "y", "c": "z"}) for g in range(1000)]
+    more = json.loads(f.status_json("b", "t", "v1"))["not_produced_more"]
+    assert more == {"00000": 1, "00001": 3, "others": 3 * 998}  # 2 named and 1 counted, 3 counted, the rest
+    assert news[:3] == [True, True, True] and not any(news[3:])  # then news once for the total
