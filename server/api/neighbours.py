@@ -85,7 +85,7 @@ def _neighbours(app: web.Application, bucket: str, name: str) -> list:
 
 async def read_from_neighbours(request: web.Request, bucket: str, name: str,
                                not_found: StoreError) -> web.StreamResponse:
-    """Relay the object (GET or HEAD, the client's Range kept) from the first other target that
+    """Relay the object (GET or HEAD, the client's Range and If-Range kept) from the first other target that
     has it; ``not_found`` re-raised when none has, NeighbourFailed when one could not answer."""
     app = request.app
     others = _neighbours(app, bucket, name)
@@ -94,9 +94,9 @@ async def read_from_neighbours(request: web.Request, bucket: str, name: str,
     query = [(k, v) for k, v in request.query.items() if k != GFN_PARAM] + [(GFN_PARAM, "1")]
     path_qs = (object_path(bucket, name) + "?"
                + "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query))
-    headers = {}
-    if "Range" in request.headers:
-        headers["Range"] = request.headers["Range"]
+    # the Range and what decides whether it applies (If-Range: without it a stale validator got
+    # 206 with a piece of the new version from the neighbour, a review)
+    headers = {h: request.headers[h] for h in ("Range", "If-Range") if h in request.headers}
     deleted = await asyncio.to_thread(app[NODE].deleted_ns, bucket, name)
     failed = []
     for node in others:

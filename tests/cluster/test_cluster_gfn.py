@@ -1,6 +1,6 @@
 """Get from neighbour (server/api/neighbours.py): a target asked for an object it does not hold
 — as after a join, before the rebalance has moved it — gets it from the targets that do:
-whole, ranged and by HEAD, byte for byte; 404 only when no target has it. A stray client
+whole, ranged (If-Range honoured) and by HEAD, byte for byte; 404 only when no target has it. A stray client
 cannot use GFN."""
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ def test_a_target_reads_what_it_does_not_hold_from_its_neighbours(cluster):
         assert httpx.get(f"{third}/v1/objects/gfn/{name}", timeout=10).content == data
         r = httpx.get(f"{third}/v1/objects/gfn/{name}", headers={"Range": "bytes=1-"}, timeout=10)
         assert r.status_code == (206 if len(data) > 1 else 416) and (r.status_code == 416 or r.content == data[1:])
+        if len(data) > 1:  # If-Range decides on the neighbour as it would here
+            etag = httpx.head(f"{third}/v1/objects/gfn/{name}", timeout=10).headers["ETag"]
+            for validator, status, body in ((etag, 206, data[1:]), ('"stale"', 200, data)):
+                r = httpx.get(f"{third}/v1/objects/gfn/{name}", headers={"Range": "bytes=1-", "If-Range": validator},
+                              timeout=10)
+                assert (r.status_code, r.content == body) == (status, True), (name, validator)
         h = httpx.head(f"{third}/v1/objects/gfn/{name}", timeout=10)
         assert h.status_code == 200 and int(h.headers["content-length"]) == len(data)
         assert not holds(third, "gfn", name)  # relayed, not stored
