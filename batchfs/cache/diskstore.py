@@ -269,7 +269,7 @@ class DiskStore:
             return None
 
         def read():
-            stored = 0  # the entry's length on disk: a corrupt one gives its blocks back
+            freed = 0  # the blocks a corrupt entry gives back once deleted
             try:
                 raw = self._cache.get(key, default=None, read=True, retry=True)
                 if raw is not None and not isinstance(raw, (bytes, int)):  # a file entry
@@ -277,12 +277,15 @@ class DiskStore:
                         data = read_entry(raw)
                         if data is not None and len(data) >= UNCACHE_MIN_BYTES:
                             _uncache(raw.fileno())
-                        stored = os.fstat(raw.fileno()).st_size
+                        st = os.fstat(raw.fileno())
+                        # no more than either count took: ``put``'s (the size in blocks) or du's
+                        # at open (st_blocks, fewer on a compressing filesystem; a review)
+                        freed = min(on_disk(st.st_size) - ENTRY_OVERHEAD_BYTES, st.st_blocks * 512)
                     if data is not None:
                         return data, False, 0
                     raw = b""
                 elif isinstance(raw, bytes):  # a SQLite blob
-                    stored = len(raw)
+                    freed = on_disk(len(raw)) - ENTRY_OVERHEAD_BYTES
             except Exception as e:  # an unreadable entry is a miss
                 log.warning("error reading %r from the disk cache, falling back: %s", key, e)
                 raw = b""
@@ -301,7 +304,7 @@ class DiskStore:
             # blob's SQLite pages). The directory and row allowance ``put`` adds stays counted: a
             # fan-out directory other entries share is not removed, and an entry du counted at
             # open never had the allowance, so giving it back could pass the quota.
-            return None, True, on_disk(stored) - ENTRY_OVERHEAD_BYTES if deleted and stored else 0
+            return None, True, freed if deleted else 0
 
         data, corrupt, freed = await trio.to_thread.run_sync(read, limiter=self._limiter)
         self.used_bytes -= freed

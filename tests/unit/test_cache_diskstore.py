@@ -144,6 +144,31 @@ async def test_a_corrupt_entry_deleted_on_read_gives_its_room_back(tmp_path: Pat
 
 
 @pytest.mark.trio
+async def test_a_corrupt_entry_gives_back_no_more_blocks_than_du_counted(tmp_path: Path, monkeypatch):
+    """On a compressing filesystem a file takes fewer blocks than its size: the entries du counted
+    at open were counted by st_blocks, so that is all a deleted one may give back (a review)."""
+    from batchfs.cache import diskstore
+
+    cache = await DiskStore.open(tmp_path / "c", 64 * MiB)
+    assert cache.put("a", os.urandom(200 * KiB))
+    await _drain(cache)
+    for f in (tmp_path / "c").rglob("*.val"):
+        with open(f, "r+b") as fh:
+            fh.seek(5000)
+            fh.write(b"\xff\x00\xff")
+    real = os.fstat
+
+    class Compressed:  # what a compressing filesystem reports: a quarter of the blocks
+        def __init__(self, st):
+            self.st_size, self.st_blocks = st.st_size, st.st_blocks // 4
+
+    monkeypatch.setattr(diskstore.os, "fstat", lambda fd: Compressed(real(fd)))
+    before = cache.used_bytes
+    assert await cache.get("a") is None and before - cache.used_bytes == 204 * KiB // 4
+    cache.close()
+
+
+@pytest.mark.trio
 async def test_a_corrupt_or_unreadable_entry_is_logged_with_its_key_readable(tmp_path: Path, caplog):
     """Row-group keys are separated by NULs, and the log lines carried them raw: ``grep`` took
     the log for a binary file (a tester). The key is logged as its repr, on one line."""
