@@ -50,7 +50,7 @@ from server.api import freshness, native, replicas, spread, spread_deletes
 from server.errors import BadRequest, NotFound, RangeNotSatisfiable
 from server.validate import check_bucket, check_objname, parse_range
 from server.api.s3_listing import MAX_KEYS, list_objects
-from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc, list_objects_doc, location_doc,
+from server.api.s3_xml import (REGION, S3Error, error_response, list_buckets_doc, list_objects_doc, location_doc, xml_safe,
                            xml_response)
 from server.api.state import METRICS, NODE, OP_KEY, read_charged
 from server.api.validators import applicable_range
@@ -138,6 +138,12 @@ async def _list_objects(request: web.Request, bucket_name: str) -> web.Response:
     for what, value in (("prefix", prefix), ("delimiter", delimiter), ("marker", after)):
         if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise S3Error(400, "InvalidArgument", f"{what} longer than {MAX_NAME_BYTES} bytes")
+    for what, value in (("prefix", prefix), ("delimiter", delimiter), ("start-after" if v2 else "marker", marker)):
+        # echoed in the listing: a character XML 1.0 cannot carry made it unparseable (a review);
+        # encoding-type=url echoes it percent-encoded, and no key holds one anyway
+        if encoding != "url" and xml_safe(value) != value:
+            raise S3Error(400, "InvalidArgument", f"the {what} holds a character an XML listing cannot carry: "
+                          "send encoding-type=url")
     node = request.app[NODE]
     page = await freshness.listed(
         request.app, bucket_name, prefix, lambda: list_objects(node, bucket_name, prefix, delimiter, after, max_keys),
