@@ -228,7 +228,8 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
     The header is NumPy's own; the data is joined to it in one copy (``write_array`` into a
     BytesIO costs two: the write and ``getvalue``)."""
-    array = np.ascontiguousarray(array)
+    # (np.ascontiguousarray makes a 0-d array 1-d: a transform's scalar became shape (1,), a tester)
+    array = np.require(array, requirements="C")
     if array.dtype.hasobject:
         raise ValueError("object arrays need pickle; they are never written")
     head = io.BytesIO()

@@ -26,12 +26,12 @@ it is made.
 
 Invariants: ``seed`` must be an int (0 included): there is no unseeded mode. ``state_dict()``
 after ``n`` items names exactly the groups consumed, and ``load_state_dict`` resumes with the
-next one, neither replaying nor skipping. Arrays are memory-mapped from the mount and indexed
-by the shuffle, so one item costs its own rows; columns stored as values + offsets (lists,
-binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on. An item's arrays
-are of one object version (one descriptor of the group's directory), and a group whose row
-counts differ from the layout read at construction (the object replaced since) raises
-ValueError: rows are never cut or padded to fit.
+next one, neither replaying nor skipping. An item's arrays are read into memory, then indexed
+by the shuffle (never mapped: a mapped page that fails later is a SIGBUS, not an exception);
+columns stored as values + offsets (lists, binary) are not shuffled row-wise and are refused
+when ``shuffle_rows`` is on. An item's arrays are of one object version (one descriptor of the
+group's directory); a group of another version than the layout read at construction (its
+``.version``), or with other row counts, raises ValueError: rows are never cut or padded.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ class RowGroupStream:
             version = _read_small(dfd, VERSION_FILE)
             if version and self.versions[t] and version != self.versions[t]:
                 raise ValueError(f"{d} is of object version {version!r}, not {self.versions[t]!r}: {_REPLACED}")
-            split = [(stem, *_split(stem, owners)) for stem in
-                     sorted(n[:-4] for n in os.listdir(dfd) if n.endswith(".npy"))]
+            stems = sorted(n[:-4] for n in os.listdir(dfd) if n.endswith(".npy"))
+            split = [(stem, *_split(stem, owners, stems)) for stem in stems]
             found = {col for _, col, _ in split} | {stem for stem, _, _ in split}
             missing = [c for c in self.columns or () if c not in found]
             if missing:
@@ -156,9 +156,13 @@ class RowGroupStream:
                 per_row = owners is not None and suffix in ("", ".null", ".items.null", ".offsets")
                 if (perm is not None or per_row) and (arr.ndim == 0 or arr.shape[0] != want):
                     got = f"{arr.shape[0]} rows" if arr.ndim else "no rows (0-d)"
-                    raise ValueError(f"{d}/{stem}.npy has {got}, not the {want} of the layout this stream "
-                                     f"read: {_REPLACED}, or its transform does not keep rows")
-                out[stem] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)
+                    why = (_REPLACED if owners is not None else
+                           "the transform does not keep the group's rows (read it with shuffle_rows=False)")
+                    raise ValueError(f"{d}/{stem}.npy has {got}, not the {want} of the layout this stream read: {why}")
+                out[stem] = arr[perm] if perm is not None else arr
+        except OSError as e:  # EIO from the mount: its log says why (a replaced version, the store gone)
+            raise OSError(e.errno, f"{d}: {e.strerror} (the object replaced since this stream read its layout, "
+                                   "or its store unreachable: the mount's log says which)") from e
         finally:
             os.close(dfd)
         return out
@@ -213,15 +217,23 @@ _REPLACED = "the object was replaced since this stream read its layout (make a n
 _SPLIT = sorted(SUFFIXES[1:], key=len, reverse=True)  # the longest suffix first
 
 
-def _split(stem: str, owners: dict[str, tuple[str, str]] | None) -> tuple[str, str]:
+def _split(stem: str, owners: dict[str, tuple[str, str]] | None, stems: list[str]) -> tuple[str, str]:
     """(column, suffix) of a file name without ``.npy``: from ``meta.json`` for the default
-    transform; by its ending for another (a transform returning a Table has the default's file
-    names; a column asked for by its file's whole name is still matched)."""
+    transform. For another, by the group's other files: a suffixed name belongs to the column it
+    extends only if that column's own file is there (``x`` for ``x.null``), or, for a list's
+    ``.values``/``.offsets``/``.values.null``, if both its ``.values`` and ``.offsets`` are (a
+    transform returning a Table has the default's names); any other file is a column of its own
+    name (a dict transform's ``v.values`` alone is not a list)."""
     if owners is not None:
         return owners.get(stem, (stem, ""))
     for s in _SPLIT:
-        if stem.endswith(s) and len(stem) > len(s):
-            return stem[:-len(s)], s
+        base = stem[:-len(s)]
+        if stem.endswith(s) and base:
+            if s in (".values", ".offsets", ".values.null"):
+                if base + ".values" in stems and base + ".offsets" in stems:
+                    return base, s
+            elif base in stems:
+                return base, s
     return stem, ""
 
 
@@ -248,8 +260,11 @@ def _owners(meta: dict) -> dict[str, tuple[str, str]] | None:
 
 
 def _load(dfd: int, name: str) -> np.ndarray:
-    """The ``.npy`` file ``name`` in directory ``dfd``, memory-mapped read-only (no pickle).
-    ``np.load`` maps only a path, which a later lookup could resolve to another version."""
+    """The ``.npy`` file ``name`` in directory ``dfd``, read into memory (no pickle). Not mapped:
+    an item's arrays outlive the read, and a page of a mapped FUSE file that fails later (the
+    object replaced and its old version gone, the store unreachable) kills the reader with SIGBUS
+    instead of raising (a tester's run). ``np.load`` opens only a path, which a later lookup could
+    resolve to another version."""
     with os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dfd), "rb") as f:
         version = np.lib.format.read_magic(f)
         if version not in ((1, 0), (2, 0)):  # 3.0: only structured dtypes with non-Latin-1 field names
@@ -258,9 +273,11 @@ def _load(dfd: int, name: str) -> np.ndarray:
         shape, fortran, dtype = read_header(f)
         if dtype.hasobject:
             raise ValueError(f"{name}: an object array (would need pickle)")
-        if 0 in shape:  # (a 0-d array, shape (), maps its one value)
-            return np.zeros(shape, dtype)
-        return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
+        count = int(np.prod(shape, dtype=np.int64))
+        data = np.fromfile(f, dtype=dtype, count=count)
+        if data.size != count:
+            raise ValueError(f"{name}: {data.size} of its {count} values (the file is cut short)")
+        return data.reshape(shape, order="F" if fortran else "C")
 
 
 def _unlink(path: str) -> None:

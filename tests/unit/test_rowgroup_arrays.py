@@ -258,3 +258,11 @@ def test_non_ascii_strings_and_binary_convert_without_an_object_per_row():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 16 << 20, peak // 2**20  # a slice of Python strings and the 2 MB result (whole: 42 MiB)
+
+
+def test_a_0d_array_stays_0d():
+    """np.ascontiguousarray made a transform's scalar shape (1,) (a tester's run)."""
+    from batchfs.rowgroups.arrays import npy_bytes
+
+    got = np.load(io.BytesIO(npy_bytes(np.array(2.5))))
+    assert got.shape == () and float(got) == 2.5

@@ -196,6 +196,57 @@ def test_a_group_of_another_version_raises_and_files_come_through_one_directory(
         next(iter(RowGroupStream(path, seed=0)))
 
 
+def test_items_are_in_memory_not_mapped(mount):
+    """A mapped page of a FUSE file that fails after the read (the object replaced and its old
+    version gone) killed the reader with SIGBUS (a tester's run): items are read into memory, so
+    a file changed in place afterwards does not change them."""
+    s = RowGroupStream([str(mount / "c.parquet")], seed=0, shuffle_rows=False)
+    item = next(iter(s))
+    assert not any(isinstance(a, np.memmap) for a in item.values())
+    before = {k: v.copy() for k, v in item.items()}
+    with open(mount / ".rowgroups" / "c.parquet" / "00000" / "id.npy", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\xff" * 8)  # the same inode, changed in place: a mapping would show it
+    assert all(np.array_equal(item[k], before[k]) for k in item)
+
+
+def test_another_transforms_suffixed_names_are_columns_unless_their_base_is_there(tmp_path):
+    """With no meta.json for a transform's outputs, ``v.values`` alone is a column of its own
+    (not a list: no ``v.offsets``), ``m.null`` without ``m`` too; ``x.null`` beside ``x`` and a
+    ``.values``/``.offsets`` pair belong to their column (a tester's run)."""
+    table = tmp_path / ".rowgroups" / "t.parquet"
+    d = table / "00000"
+    d.mkdir(parents=True)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    (table / "meta.json").write_text(json.dumps({"rows": [4], "transform": "m:f@1", "columns": [{"name": "a"}]}))
+    for name, arr in {"v.values": np.arange(4), "m.null": np.zeros(4, bool), "x": np.arange(4),
+                      "x.null": np.zeros(4, bool), "tags.values": np.arange(3), "tags.offsets": np.array([0, 1, 2, 3, 3])}.items():
+        np.save(d / f"{name}.npy", arr)
+    path = [str(tmp_path / "t.parquet")]
+    assert sorted(next(iter(RowGroupStream(path, seed=0, columns=["v.values", "m.null", "x"])))) == \
+        ["m.null", "v.values", "x", "x.null"]
+    with pytest.raises(ValueError, match="no column 'm' in this row group"):
+        next(iter(RowGroupStream(path, seed=0, columns=["m"])))
+    with pytest.raises(ValueError, match="column 'tags' has variable-length rows"):
+        next(iter(RowGroupStream(path, seed=0, columns=["tags"])))
+
+
+def test_an_io_error_names_the_row_group(mount, monkeypatch):
+    """EIO from the mount (a replaced version gone, the store unreachable) said only
+    "Input/output error: 4" (the directory's descriptor; a tester's run)."""
+    import errno
+
+    from batchfs.rowgroups import dataset
+
+    def eio(p):
+        raise OSError(errno.EIO, "Input/output error", p)
+
+    monkeypatch.setattr(dataset.os, "listdir", eio)
+    with pytest.raises(OSError, match="c.parquet/00000: Input/output error .the object replaced since") as e:
+        next(iter(RowGroupStream([str(mount / "c.parquet")], seed=0)))
+    assert e.value.errno == errno.EIO
+
+
 def test_the_suffixes_agree_with_the_transform(tmp_path):
     pytest.importorskip("pyarrow")
     from batchfs.rowgroups import arrays, dataset
