@@ -15,6 +15,7 @@ import random
 import threading
 import uuid
 import xml.etree.ElementTree as ET
+from urllib.parse import quote
 
 import boto3
 import httpx
@@ -98,6 +99,27 @@ def test_keys_with_control_characters_are_refused_in_well_formed_xml(server, s3,
         r = httpx.get(f"{server.url}/{bkt}?{query}&encoding-type=url")
         assert r.status_code == 200, (query, r.text)
         ET.fromstring(r.content)  # well-formed
+
+
+def test_keys_xml_cannot_carry_are_not_written_and_not_listed_raw(server, s3, bkt):
+    """U+FFFE and U+FFFF are valid in names (the native API stores them) but not in XML 1.0: an
+    S3 PUT of such a key answered 200, and every listing of its prefix without encoding-type=url
+    then failed to parse (a tester's run). S3 writes refuse them; a listing that would hold one
+    raw is 400 unless encoding-type=url; reads work."""
+    for char in ("\ufffe", "\uffff"):
+        escaped = quote(f"u/a{char}b")
+        r = httpx.put(f"{server.url}/{bkt}/{escaped}", content=b"z")
+        assert r.status_code == 400 and ET.fromstring(r.content).find("Code").text == "InvalidArgument", r.text
+    assert snapshot(s3, bkt) == {}
+    native = httpx.put(f"{server.url}/v1/objects/{bkt}/{quote('u/a' + chr(0xfffe) + 'b')}", params={"provider": "ais"},
+                       content=b"z")
+    assert native.status_code == 200
+    r = httpx.get(f"{server.url}/{bkt}?list-type=2&prefix=u/")
+    assert r.status_code == 400 and "encoding-type=url" in ET.fromstring(r.content).find("Message").text
+    r = httpx.get(f"{server.url}/{bkt}?list-type=2&prefix=u/&encoding-type=url")
+    assert r.status_code == 200 and ET.fromstring(r.content) is not None
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket=bkt)["Contents"]] == ["u/a\ufffeb"]  # boto3 asks url
+    assert s3.get_object(Bucket=bkt, Key="u/a\ufffeb")["Body"].read() == b"z"
 
 
 def test_paths_that_are_not_utf8_are_refused(server, s3, bkt):
