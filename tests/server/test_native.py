@@ -129,6 +129,20 @@ def test_object_names_that_are_not_utf8_are_refused(server, bucket):
     assert httpx.get(f"{u}/\u00e9(", params={"provider": "ais"}).content == b"e"
 
 
+def test_conditional_headers_other_than_if_range_are_refused(server, bucket):
+    """The native API evaluates If-Range only; If-Match and the rest were ignored — a PUT with a
+    stale If-Match overwrote the object (a tester's run). Now 400 naming them, nothing changed."""
+    u = f"{server.url}/v1/objects/{bucket}/cond"
+    assert httpx.put(u, params={"provider": "ais"}, content=b"first").status_code == 200
+    for method, header in (("PUT", "If-Match"), ("PUT", "If-None-Match"), ("DELETE", "If-Match"),
+                           ("GET", "If-None-Match"), ("GET", "If-Modified-Since"), ("HEAD", "If-Unmodified-Since")):
+        r = httpx.request(method, u, params={"provider": "ais"}, headers={header: '"stale"'},
+                          content=b"second" if method == "PUT" else None)
+        assert r.status_code == 400, (method, header, r.status_code)
+        assert method == "HEAD" or header in r.json()["message"]
+    assert httpx.get(u, params={"provider": "ais"}).content == b"first"
+
+
 def test_if_range(server, bucket):
     """The native GET honours If-Range as the S3 GET does (the same send path)."""
     from tests.server.test_s3_conformance import if_range_answers
