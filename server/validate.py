@@ -59,3 +59,13 @@ def not_utf8(raw_target: str) -> str | None:
         except UnicodeError:  # (also raw bytes aiohttp kept as surrogates)
             return what
     return None
+
+
+def unevaluated_conditions(method: str, headers) -> list[str]:
+    """The preconditions among ``headers`` that the native object routes would ignore where
+    ignoring changes the outcome (they evaluate If-Range only): ignored, a PUT with a stale
+    If-Match overwrote the object (a tester's run). A GET or HEAD may ignore If-None-Match and
+    If-Modified-Since — a 200 with the object is a right answer to a cache revalidating."""
+    ignorable = ("If-None-Match", "If-Modified-Since") if method in ("GET", "HEAD") else ()
+    return [h for h in ("If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since")
+            if h in headers and h not in ignorable]

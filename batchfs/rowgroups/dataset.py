@@ -232,8 +232,8 @@ def _split(stem: str, owners: dict[str, tuple[str, str]] | None, stems: list[str
             if s in (".values", ".offsets", ".values.null"):
                 if base + ".values" in stems and base + ".offsets" in stems:
                     return base, s
-            elif base in stems:
-                return base, s
+            elif base in stems or (s == ".null" and base + ".values" in stems and base + ".offsets" in stems):
+                return base, s  # (a list's or binary column's mask: it has no base file of its own)
     return stem, ""
 
 
@@ -274,10 +274,16 @@ def _load(dfd: int, name: str) -> np.ndarray:
         if dtype.hasobject:
             raise ValueError(f"{name}: an object array (would need pickle)")
         count = int(np.prod(shape, dtype=np.int64))
-        data = np.fromfile(f, dtype=dtype, count=count)
-        if data.size != count:
-            raise ValueError(f"{name}: {data.size} of its {count} values (the file is cut short)")
-        return data.reshape(shape, order="F" if fortran else "C")
+        need, have = count * dtype.itemsize, os.fstat(f.fileno()).st_size - f.tell()
+        if need > have:  # (before allocating what a header claims)
+            raise ValueError(f"{name}: its header claims {need} bytes of data, the file holds {have}")
+        order = "F" if fortran else "C"
+        if not need:
+            return np.empty(shape, dtype, order=order)
+        buf = bytearray(need)
+        if f.readinto(buf) != need:  # (readinto raises the EIO np.fromfile turned into a short array)
+            raise ValueError(f"{name}: fewer than its {need} bytes of data (the file is cut short)")
+        return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
 
 
 def _unlink(path: str) -> None:

@@ -34,7 +34,7 @@ from server.api.guard import accepts, bool_param
 from server.api.native_buckets import bucket_delete, bucket_head, bucket_post, list_buckets, list_objects
 from server.appends import APPENDS, AppendSession, Appends
 from server.errors import BadRequest, CorruptData, InsufficientStorage, NotFound
-from server.validate import check_bucket, check_objname, not_utf8, parse_range
+from server.validate import check_bucket, check_objname, not_utf8, parse_range, unevaluated_conditions
 from server.api.state import MEMBERSHIP, METRICS, NODE, OP_KEY, copies_of, read_json, sendfile_within
 from server.store.meta import CKSUM_TYPE, ObjectMeta
 from server.store.reader import discard, verify_in_thread, verify_pieces, OpenObject
@@ -71,15 +71,12 @@ def object_headers(meta: ObjectMeta) -> dict[str, str]:
     return h
 
 
-_CONDITIONS = ("If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since")
-
-
 async def _names(request: web.Request) -> tuple[str, str]:
     what = not_utf8(request.raw_path)  # the name would be another one ('%C3(' for %C3%28)
     if what is not None:
         raise BadRequest(f"the request {what} is not valid UTF-8 once percent-decoded; nothing was read or changed")
-    conditions = [h for h in _CONDITIONS if h in request.headers]
-    if conditions:  # ignored, a conditional PUT overwrote what its If-Match protected (a tester's run)
+    conditions = unevaluated_conditions(request.method, request.headers)
+    if conditions:
         raise BadRequest(f"{', '.join(conditions)}: conditional requests are evaluated on the S3 API only "
                          "(If-Range is honoured here); nothing was read or changed")
     bucket = request.match_info["bucket"]

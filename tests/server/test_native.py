@@ -135,12 +135,18 @@ def test_conditional_headers_other_than_if_range_are_refused(server, bucket):
     u = f"{server.url}/v1/objects/{bucket}/cond"
     assert httpx.put(u, params={"provider": "ais"}, content=b"first").status_code == 200
     for method, header in (("PUT", "If-Match"), ("PUT", "If-None-Match"), ("DELETE", "If-Match"),
-                           ("GET", "If-None-Match"), ("GET", "If-Modified-Since"), ("HEAD", "If-Unmodified-Since")):
+                           ("DELETE", "If-Unmodified-Since"), ("GET", "If-Match"), ("HEAD", "If-Unmodified-Since")):
         r = httpx.request(method, u, params={"provider": "ais"}, headers={header: '"stale"'},
                           content=b"second" if method == "PUT" else None)
         assert r.status_code == 400, (method, header, r.status_code)
         assert method == "HEAD" or header in r.json()["message"]
     assert httpx.get(u, params={"provider": "ais"}).content == b"first"
+    # a cache revalidating a GET gets the object (ignoring them is a right answer; a review)
+    etag = httpx.head(u, params={"provider": "ais"}).headers["ETag"]
+    for header, value in (("If-None-Match", etag), ("If-Modified-Since", "Sat, 29 Nov 2036 00:00:00 GMT")):
+        r = httpx.get(u, params={"provider": "ais"}, headers={header: value})
+        assert (r.status_code, r.content) == (200, b"first")
+        assert httpx.head(u, params={"provider": "ais"}, headers={header: value}).status_code == 200
 
 
 def test_if_range(server, bucket):
