@@ -26,10 +26,12 @@ it is made.
 
 Invariants: ``seed`` must be an int (0 included): there is no unseeded mode. ``state_dict()``
 after ``n`` items names exactly the groups consumed, and ``load_state_dict`` resumes with the
-next one, neither replaying nor skipping. An item's arrays are read into memory, then indexed
-by the shuffle (never mapped: a mapped page that fails later is a SIGBUS, not an exception);
-columns stored as values + offsets (lists, binary) are not shuffled row-wise and are refused
-when ``shuffle_rows`` is on. An item's arrays are of one object version (one descriptor of the
+next one, neither replaying nor skipping. Arrays are memory-mapped from the mount and indexed
+by the shuffle, so one item costs its own rows; with ``shuffle_rows=False`` an item's arrays
+are the mapped files themselves: a page the mount can no longer serve when touched (the object
+replaced and its old arrays gone, the store unreachable) stops the process with SIGBUS, so copy
+(``np.array``) what is kept across such a change. Columns stored as values + offsets (lists,
+binary) are not shuffled row-wise and are refused when ``shuffle_rows`` is on. An item's arrays are of one object version (one descriptor of the
 group's directory); a group of another version than the layout read at construction (its
 ``.version``), or with other row counts, raises ValueError: rows are never cut or padded.
 """
@@ -260,11 +262,12 @@ def _owners(meta: dict) -> dict[str, tuple[str, str]] | None:
 
 
 def _load(dfd: int, name: str) -> np.ndarray:
-    """The ``.npy`` file ``name`` in directory ``dfd``, read into memory (no pickle). Not mapped:
-    an item's arrays outlive the read, and a page of a mapped FUSE file that fails later (the
-    object replaced and its old version gone, the store unreachable) kills the reader with SIGBUS
-    instead of raising (a tester's run). ``np.load`` opens only a path, which a later lookup could
-    resolve to another version."""
+    """The ``.npy`` file ``name`` in directory ``dfd``, memory-mapped read-only (no pickle):
+    an item costs what is touched of it. Reading whole files into memory instead (so that a page
+    the mount can no longer serve is an exception, not a SIGBUS) halved epoch 2 in
+    ``bench_rowgroups`` (35–41 vs 76–94 M rows/s, 2026-11-29): not kept; the module docstring
+    says what a mapped item asks of its user. ``np.load`` maps only a path, which a later lookup
+    could resolve to another version. A header claiming more than the file holds is refused."""
     with os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dfd), "rb") as f:
         version = np.lib.format.read_magic(f)
         if version not in ((1, 0), (2, 0)):  # 3.0: only structured dtypes with non-Latin-1 field names
@@ -273,17 +276,13 @@ def _load(dfd: int, name: str) -> np.ndarray:
         shape, fortran, dtype = read_header(f)
         if dtype.hasobject:
             raise ValueError(f"{name}: an object array (would need pickle)")
-        count = int(np.prod(shape, dtype=np.int64))
-        need, have = count * dtype.itemsize, os.fstat(f.fileno()).st_size - f.tell()
-        if need > have:  # (before allocating what a header claims)
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        have = os.fstat(f.fileno()).st_size - f.tell()
+        if need > have:  # (a mapping past the end would be a SIGBUS at the first touch)
             raise ValueError(f"{name}: its header claims {need} bytes of data, the file holds {have}")
-        order = "F" if fortran else "C"
-        if not need:
-            return np.empty(shape, dtype, order=order)
-        buf = bytearray(need)
-        if f.readinto(buf) != need:  # (readinto raises the EIO np.fromfile turned into a short array)
-            raise ValueError(f"{name}: fewer than its {need} bytes of data (the file is cut short)")
-        return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
+        if not need:  # (a 0-d array, shape (), maps its one value)
+            return np.empty(shape, dtype)
+        return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
 
 
 def _unlink(path: str) -> None:
