@@ -161,7 +161,7 @@ class RowGroupStream:
                     why = (_REPLACED if owners is not None else
                            "the transform does not keep the group's rows (read it with shuffle_rows=False)")
                     raise ValueError(f"{d}/{stem}.npy has {got}, not the {want} of the layout this stream read: {why}")
-                out[stem] = arr[perm] if perm is not None else arr
+                out[stem] = np.asarray(arr[perm]) if perm is not None else np.asarray(arr)  # (plain ndarrays)
         except OSError as e:  # EIO from the mount: its log says why (a replaced version, the store gone)
             raise OSError(e.errno, f"{d}: {e.strerror} (the object replaced since this stream read its layout, "
                                    "or its store unreachable: the mount's log says which)") from e
